@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make run` (whole pipeline) and `make test`.
+# torch is installed first and pinned: on these machines `torch==2.13.0` is a local CPU wheel,
+# while a bare `torch` requirement resolved first would pull a multi-GB CUDA build.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+export DVC_NO_ANALYTICS := 1
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install run test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	@test -d .dvc || $(BIN)/dvc init -q
+	$(BIN)/dvc repro
+
+test: install
+	$(BIN)/python -m pytest tests
+
+bench: install
+	$(BIN)/python bench/ppo_step.py
+
+clean:
+	rm -rf $(VENV)
