@@ -1,0 +1,262 @@
+"""``PPOConfig``: every field of the legacy ``trl.PPOConfig``, same names and defaults, validated.
+
+Validation happens on construction, so a bad value fails before any model is loaded:
+an unknown key, a wrong type, a non-positive size or rate, or a ``batch_size`` that
+``mini_batch_size * gradient_accumulation_steps`` does not divide raises ``ValueError`` naming the
+field and the fix. Values read from YAML are accepted as the YAML loader gives them: PyYAML reads
+``1e-5`` as the *string* ``"1e-5"``, so numeric fields accept numeric strings (and nothing else).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import sys
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from .ppo_math import KL_PENALTIES
+
+
+def _default_exp_name() -> str:
+    name = os.path.basename(sys.argv[0] or "ppo")
+    return name[: -len(".py")] if name.endswith(".py") else name
+
+
+@dataclass
+class PPOConfig:
+    """Configuration of :class:`ppo_core.PPOTrainer` (fields and defaults of ``trl.PPOConfig`` v0.11)."""
+
+    exp_name: str = field(default_factory=_default_exp_name)
+    """the name of this experiment (by default the script's file name)"""
+    seed: int = 0
+    """seed of ``set_seed`` in the trainer and of its mini-batch shuffling"""
+    log_with: Optional[Literal["wandb", "tensorboard", "dvclive", "comet_ml", "mlflow", "aim", "clearml"]] = None
+    """accelerate tracker to log to (requires the tracker's package)"""
+    task_name: Optional[str] = None
+    """name of the task, for tracking only"""
+    model_name: Optional[str] = "gpt2"
+    """name of the model, for tracking only"""
+    query_dataset: Optional[str] = "imdb"
+    """name of the dataset of queries, for tracking only"""
+    reward_model: Optional[str] = "sentiment-analysis:lvwerra/distilbert-imdb"
+    """the reward model, for tracking only"""
+    remove_unused_columns: bool = True
+    """drop dataset columns the model's forward does not take (``query``, ``response``, ``label`` kept)"""
+    tracker_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of the tracker (e.g. ``{"wandb": {"entity": ...}}``)"""
+    accelerator_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of ``accelerate.Accelerator`` (e.g. ``{"mixed_precision": "bf16"}``)"""
+    project_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of ``accelerate.utils.ProjectConfiguration`` (e.g. ``logging_dir``)"""
+    tracker_project_name: str = "trl"
+    """project name of the tracker"""
+    push_to_hub_if_best_kwargs: dict = field(default_factory=dict)
+    """``push_to_hub`` arguments used when the mean score beats the best so far (needs ``repo_id``)"""
+    steps: int = 20000
+    """number of training samples; only used for ``total_ppo_epochs``"""
+    learning_rate: float = 1.41e-5
+    """Adam learning rate (when no optimizer is passed)"""
+    adap_kl_ctrl: bool = True
+    """adaptive KL controller (Ziegler et al.) instead of a fixed coefficient"""
+    init_kl_coef: Optional[float] = 0.2
+    """initial KL penalty coefficient (beta)"""
+    kl_penalty: Literal["kl", "abs", "mse", "full"] = "kl"
+    """per-token KL estimate: 'kl' (logp - ref), 'abs', 'mse' (0.5 * diff^2) or 'full' (whole distribution)"""
+    target: Optional[float] = 6
+    """target KL of the adaptive controller"""
+    horizon: Optional[float] = 10000
+    """horizon of the adaptive controller"""
+    gamma: float = 1
+    """GAE discount"""
+    lam: float = 0.95
+    """GAE lambda"""
+    cliprange: float = 0.2
+    """policy ratio clip range"""
+    cliprange_value: float = 0.2
+    """value clip range"""
+    vf_coef: float = 0.1
+    """value loss coefficient"""
+    batch_size: int = 128
+    """samples per ``step()`` per process"""
+    forward_batch_size: Optional[int] = None
+    """DEPRECATED: use ``mini_batch_size``; if set, it overrides ``mini_batch_size``"""
+    mini_batch_size: int = 128
+    """samples per optimisation mini-batch (and per no-grad forward chunk)"""
+    gradient_accumulation_steps: int = 1
+    """mini-batches accumulated per optimizer step"""
+    world_size: Optional[int] = None
+    """number of processes (set by the trainer)"""
+    ppo_epochs: int = 4
+    """optimisation epochs over each batch"""
+    max_grad_norm: Optional[float] = None
+    """gradient clipping norm (none if None)"""
+    optimize_cuda_cache: Optional[bool] = None
+    """DEPRECATED: use ``optimize_device_cache``"""
+    optimize_device_cache: Optional[bool] = False
+    """free the device cache after each step (slower, lower peak memory)"""
+    early_stopping: bool = False
+    """stop the PPO epochs of a step when the policy KL exceeds 1.5 * target_kl"""
+    target_kl: float = 1
+    """KL threshold of early stopping"""
+    compare_steps: int = 1
+    """every how many steps to compare the mean score for ``push_to_hub_if_best_kwargs``"""
+    ratio_threshold: float = 10.0
+    """skip the update of a mini-batch whose mean probability ratio exceeds this (counted in the stats)"""
+    use_score_scaling: bool = False
+    """divide scores by their running standard deviation"""
+    use_score_norm: bool = False
+    """with score scaling, also subtract the running mean"""
+    score_clip: Optional[float] = None
+    """clip scores to [-score_clip, score_clip]"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards (keeping their mean) before GAE"""
+    gradient_checkpointing: bool = False
+    """gradient checkpointing in the policy (less memory, more compute)"""
+    is_encoder_decoder: Optional[bool] = None
+    """set by the trainer from the model"""
+    is_peft_model: Optional[bool] = None
+    """set by the trainer from the model"""
+    backward_batch_size: Optional[int] = None
+    """set on construction: mini_batch_size * gradient_accumulation_steps"""
+    global_backward_batch_size: Optional[int] = None
+    """set by the trainer: backward_batch_size * world_size"""
+    global_batch_size: Optional[int] = None
+    """set by the trainer: batch_size * world_size"""
+    dataset_num_proc: Optional[int] = None
+    """processes for dataset preprocessing"""
+    disable_dropout: bool = True
+    """(ppo_core) set dropout to 0 in the policy so the first PPO ratio is exactly 1; see PPOTrainer"""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _HINTS[f.name]))
+        if self.forward_batch_size is not None:
+            warnings.warn("PPOConfig: forward_batch_size is deprecated; use mini_batch_size (overriding it now).",
+                          FutureWarning, stacklevel=3)
+            self.mini_batch_size = self.forward_batch_size
+        if self.optimize_cuda_cache is not None:
+            warnings.warn("PPOConfig: optimize_cuda_cache is deprecated; use optimize_device_cache.",
+                          FutureWarning, stacklevel=3)
+            self.optimize_device_cache = self.optimize_cuda_cache
+        _check_ranges(self)
+        self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
+        if self.batch_size % self.backward_batch_size:
+            raise ValueError(
+                f"PPOConfig.batch_size ({self.batch_size}) must be a multiple of mini_batch_size * "
+                f"gradient_accumulation_steps ({self.mini_batch_size} * {self.gradient_accumulation_steps} = "
+                f"{self.backward_batch_size}); change batch_size or mini_batch_size."
+            )
+        self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PPOConfig:
+        """Build from a plain dict (e.g. the ``ppo:`` section of ``params.yaml``)."""
+        if not isinstance(values, dict):
+            raise ValueError(f"PPOConfig: expected a mapping of field names to values, got {type(values).__name__}.")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_HINTS = typing.get_type_hints(PPOConfig)
+_FIELD_NAMES = [f.name for f in dataclasses.fields(PPOConfig)]
+
+
+def _reject_unknown_keys(init):
+    """Make ``PPOConfig(unknown=...)`` a ValueError with a suggestion, not a bare TypeError."""
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in _FIELD_NAMES]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, _FIELD_NAMES, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "remove it (see PPOConfig's fields)."
+            raise ValueError(f"PPOConfig: unknown key '{key}'; {hint}")
+        init(self, *args, **kwargs)
+
+    return checked_init
+
+
+PPOConfig.__init__ = _reject_unknown_keys(PPOConfig.__init__)
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against the annotation ``hint``; convert numeric strings; else ValueError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"PPOConfig.{name}: {value!r} is not one of {list(args)}.")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"PPOConfig.{name}: expected true or false, got {value!r}.")
+        return value
+    if hint in (int, float):
+        return _number(name, value, hint)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"PPOConfig.{name}: expected a string, got {value!r}.")
+        return value
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"PPOConfig.{name}: expected a mapping, got {value!r}.")
+        return value
+    raise TypeError(f"PPOConfig.{name}: unsupported annotation {hint!r}")  # a bug in this file, not user input
+
+
+def _number(name: str, value: Any, kind: type) -> int | float:
+    kind_name = "an integer" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"PPOConfig.{name}: expected {kind_name}, got {value!r}.")
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError(f"PPOConfig.{name}: expected {kind_name}, got the string {value!r}.") from None
+    if not math.isfinite(number):
+        raise ValueError(f"PPOConfig.{name}: expected a finite number, got {value!r}.")
+    if kind is int:
+        if float(number) != int(number):
+            raise ValueError(f"PPOConfig.{name}: expected an integer, got {value!r}.")
+        return int(number)
+    return float(number)
+
+
+# (field, lower bound, inclusive?) checks; None values (optional fields) are skipped.
+_POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
+             "cliprange", "cliprange_value", "target_kl", "compare_steps", "ratio_threshold", "max_grad_norm",
+             "score_clip", "target", "horizon", "world_size", "dataset_num_proc"]
+_NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed"]
+_UNIT_INTERVAL = ["gamma", "lam"]
+
+
+def _check_ranges(config: PPOConfig) -> None:
+    for name in _POSITIVE:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"PPOConfig.{name}: must be > 0, got {value}.")
+    for name in _NON_NEGATIVE:
+        value = getattr(config, name)
+        if value is not None and value < 0:
+            raise ValueError(f"PPOConfig.{name}: must be >= 0, got {value}.")
+    for name in _UNIT_INTERVAL:
+        value = getattr(config, name)
+        if not 0 <= value <= 1:
+            raise ValueError(f"PPOConfig.{name}: must be in [0, 1], got {value}.")
+    if config.init_kl_coef is None:
+        raise ValueError("PPOConfig.init_kl_coef: must be a number >= 0 (use 0 to disable the KL penalty).")
+    if config.adap_kl_ctrl and (config.target is None or config.horizon is None):
+        raise ValueError("PPOConfig: the adaptive KL controller needs target and horizon; set them or adap_kl_ctrl: false.")
+    assert config.kl_penalty in KL_PENALTIES

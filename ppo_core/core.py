@@ -1,0 +1,197 @@
+"""Pure tensor helpers with the names and semantics of TRL's legacy ``trl.core``.
+
+A user migrating from ``trl<=0.11`` imports these from ``ppo_core.core`` unchanged. Everything here
+takes tensors (or plain dicts) and returns tensors; nothing reads a config, a model or a file.
+
+Notation: ``B`` batch, ``T`` sequence (or response) length, ``V`` vocabulary size.
+Mask convention everywhere: ``mask`` is 1 (or True) for a valid token and 0 for padding.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .kl_control import AdaptiveKLController, FixedKLController  # re-exported: legacy lived here too
+
+__all__ = [
+    "WANDB_PADDING",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "LengthSampler",
+    "clip_by_value",
+    "convert_to_scalar",
+    "entropy_from_logits",
+    "flatten_dict",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "stack_dicts",
+    "stats_to_np",
+    "whiten",
+]
+
+WANDB_PADDING = -1  # legacy: value that fills ragged histograms in stacked stats
+
+
+def flatten_dict(nested: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}``."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Mapping[str, Any]) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{sep}{key}" if prefix else str(key)
+            if isinstance(value, Mapping):
+                walk(name, value)
+            else:
+                flat[name] = value
+
+    walk("", nested)
+    return flat
+
+
+def stack_dicts(stats_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack a list of stats dicts key by key: ``[{k: (n_i,)}, ...]`` -> ``{k: (len, max n_i)}``.
+
+    Ragged 1-D entries are padded with ``WANDB_PADDING``, as in the legacy helper.
+    """
+    stacked = {}
+    for key in stats_dicts[0]:
+        rows = [torch.as_tensor(d[key]).flatten() for d in stats_dicts]
+        stacked[key] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=WANDB_PADDING)
+    return stacked
+
+
+def stats_to_np(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Tensors -> numpy (float32 for floating point); 0-d results become Python-like numpy scalars."""
+    out: dict[str, Any] = {}
+    for key, value in stats.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            if value.is_floating_point():
+                value = value.float()
+            value = value.numpy()
+            if value.ndim == 0:
+                value = value[()]
+        out[key] = value
+    return out
+
+
+def convert_to_scalar(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Single-element arrays/tensors -> Python scalars (what tensorboard-like trackers want)."""
+    out: dict[str, Any] = {}
+    for key, value in stats.items():
+        size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", None)
+        out[key] = value.item() if size == 1 and hasattr(value, "item") else value
+    return out
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, gather: bool = True) -> torch.Tensor:
+    """Log-probabilities of ``labels`` under ``logits``.
+
+    Args:
+        logits: ``(..., V)``.
+        labels: ``(...)`` token ids.
+        gather: if False, return the full ``(..., V)`` log-softmax (legacy flag).
+
+    Returns:
+        ``(...)`` log p(label), computed in float32 at least.
+    """
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    # log p(y) = logit_y - logsumexp(logits): avoids materialising a second (..., V) tensor.
+    if not gather:
+        return F.log_softmax(logits, dim=-1)
+    picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution given by ``logits``: ``(..., V)`` -> ``(...)``.
+
+    # H = logsumexp(z) - sum_v softmax(z)_v * z_v
+    """
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is 1 (all of them, or along ``axis``)."""
+    mask = mask.to(values.dtype)
+    if axis is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the masked positions (Bessel-corrected when ``unbiased``)."""
+    mask = mask.to(values.dtype)
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n == 0:
+            raise ValueError(
+                "masked_var: the mask is empty (no valid token); this happens with mini_batch_size=1 and an "
+                "empty response. Increase mini_batch_size or make sure responses are non-empty."
+            )
+        if n == 1:
+            raise ValueError(
+                "masked_var: the mask has one valid token, so the unbiased variance is undefined; "
+                "this happens with mini_batch_size=1 and one-token responses. Increase mini_batch_size."
+            )
+        variance = variance * n / (n - 1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Standardise ``values`` with the masked mean and (unbiased) variance.
+
+    # x' = (x - mean) / sqrt(var + 1e-8)    (+ mean again when ``shift_mean`` is False)
+
+    ``shift_mean=False`` keeps the original mean (used for reward whitening, legacy semantics).
+    Masked-out positions are transformed too; callers multiply by the mask where it matters.
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def whiten(values: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Unmasked :func:`masked_whiten` (unbiased variance, as ``torch.var``)."""
+    mean, var = values.mean(), values.var()
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor | float, tensor_max: torch.Tensor | float) -> torch.Tensor:
+    """Element-wise ``min(max(x, tensor_min), tensor_max)``; bounds may be tensors."""
+    return torch.max(torch.min(x, torch.as_tensor(tensor_max, dtype=x.dtype, device=x.device)),
+                     torch.as_tensor(tensor_min, dtype=x.dtype, device=x.device))
+
+
+class LengthSampler:
+    """Uniform sampler of integer lengths in ``[min_value, max_value)`` (legacy semantics).
+
+    Takes an optional ``seed`` so that query/response lengths are reproducible without touching the
+    global ``random`` state.
+    """
+
+    def __init__(self, min_value: int, max_value: int, seed: int | None = None):
+        if max_value <= min_value:
+            raise ValueError(f"LengthSampler: max_value ({max_value}) must be > min_value ({min_value}).")
+        self.values = list(range(min_value, max_value))
+        self._rng = random.Random(seed) if seed is not None else random
+
+    def __call__(self) -> int:
+        return self._rng.choice(self.values)

@@ -1,0 +1,84 @@
+"""KL-coefficient controllers and running score moments: small state machines with plain-number state.
+
+Their whole state is a few floats, exposed through ``state_dict``/``load_state_dict`` so a run can be
+checkpointed and resumed exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Preferences".
+
+    # err   = clip(current_kl / target - 1, -0.2, 0.2)
+    # value = value * (1 + err * n_steps / horizon)
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current: float, n_steps: int) -> None:
+        proportional_error = min(max(float(current) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value, self.target, self.horizon = (float(state[k]) for k in ("value", "target", "horizon"))
+
+
+class FixedKLController:
+    """Constant KL coefficient; ``update`` is a no-op so the trainer treats both controllers alike."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class RunningMoments:
+    """Streaming mean and standard deviation of scores (Chan et al. parallel update), legacy semantics.
+
+    ``update`` takes the scores of the whole (already gathered, if distributed) batch. ``std`` is the
+    unbiased running standard deviation; the initial state (mean 0, std 1, count ~0) makes the first
+    update take the batch's own moments.
+    """
+
+    def __init__(self) -> None:
+        self.mean, self.var, self.std, self.count = 0.0, 1.0, 1.0, 1e-24
+
+    def update(self, xs: torch.Tensor) -> tuple[float, float]:
+        """Fold ``xs`` (any shape) into the running moments; return the batch mean and unbiased std."""
+        xs = xs.detach().double().flatten()
+        n = xs.numel()
+        xs_mean, xs_var = xs.mean().item(), xs.var(unbiased=False).item()
+        delta = xs_mean - self.mean
+        total = self.count + n
+        # M2 of the union = M2_old + M2_new + delta^2 * n_old * n_new / n_total
+        m2 = self.var * self.count + xs_var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total
+        self.std = math.sqrt(self.var * total / (total - 1)) if total > 1 else math.sqrt(self.var)
+        self.count = total
+        batch_std = math.sqrt(xs_var * n / (n - 1)) if n > 1 else 0.0
+        return xs_mean, batch_std
+
+    def state_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "var": self.var, "std": self.std, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.mean, self.var, self.std, self.count = (float(state[k]) for k in ("mean", "var", "std", "count"))

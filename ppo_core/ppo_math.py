@@ -1,0 +1,163 @@
+"""The PPO math of the legacy trainer as pure functions: KL penalties, shaped rewards, GAE, losses.
+
+Notation: ``B`` batch, ``R`` response length (the longest response in the batch), ``V`` vocabulary.
+All per-token tensors are *response-aligned*: position ``t`` is the ``t``-th response token, and
+``mask`` (``(B, R)``, 1 = valid response token, 0 = padding or masked by ``response_masks``) says which
+positions count. Values and log-probabilities at masked positions are ignored by every statistic.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .core import clip_by_value, masked_mean, masked_whiten
+
+KL_PENALTIES = ("kl", "abs", "mse", "full")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token KL estimate from the sampled tokens' log-probabilities, ``(B, R)`` -> ``(B, R)``.
+
+    # kl:  log p - log q            (k1, unbiased, can be negative per token)
+    # abs: |log p - log q|
+    # mse: 0.5 * (log p - log q)^2  (k2)
+    ``full`` needs the whole distributions: see :func:`ppo_core.logprobs.full_kl`.
+    """
+    diff = logprobs - ref_logprobs
+    if mode == "kl":
+        return diff
+    if mode == "abs":
+        return diff.abs()
+    if mode == "mse":
+        return 0.5 * diff.square()
+    raise ValueError(f"kl_penalty: mode must be one of 'kl', 'abs', 'mse' here (got {mode!r}); "
+                     "'full' is computed from the distributions by ppo_core.logprobs.full_kl.")
+
+
+class ShapedRewards(NamedTuple):
+    """Per-token rewards, all ``(B, R)``, zero at masked positions."""
+
+    rewards: torch.Tensor  # non_score_rewards plus the score on the last valid token
+    non_score_rewards: torch.Tensor  # -kl_coef * kl
+    kls: torch.Tensor  # the per-token KL estimate that was penalised
+
+
+def shape_rewards(scores: torch.Tensor, kls: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> ShapedRewards:
+    """KL-penalised per-token rewards with the sequence score added on the last valid response token.
+
+    Args:
+        scores: ``(B,)`` one scalar score per sample.
+        kls: ``(B, R)`` per-token KL estimate.
+        mask: ``(B, R)`` 1 = valid response token. Every row must have at least one valid token.
+        kl_coef: the current KL coefficient (beta).
+    """
+    mask = mask.to(kls.dtype)
+    kls = kls * mask
+    non_score = -kl_coef * kls  # r_t = -beta * KL_t
+    # Index of the last valid token per row: argmax over positions weighted by (position + 1).
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
+    last = (mask * positions).argmax(dim=1)  # (B,)
+    rewards = non_score.clone()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores.to(rewards.dtype)
+    return ShapedRewards(rewards, non_score, kls)
+
+
+def discount_matrix(length: int, discount: float, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``M[s, t] = discount^(s - t)`` for ``s >= t`` else 0, shape ``(length, length)``.
+
+    ``x @ M`` computes the reverse discounted cumulative sum ``y_t = sum_{s>=t} discount^(s-t) x_s``
+    for every row of ``x`` in one matrix product, instead of a Python loop over time.
+    """
+    idx = torch.arange(length, device=device)
+    power = (idx[:, None] - idx[None, :]).to(dtype)  # s - t
+    return torch.where(power >= 0, torch.as_tensor(discount, dtype=dtype, device=device) ** power.clamp(min=0),
+                       torch.zeros((), dtype=dtype, device=device))
+
+
+class Advantages(NamedTuple):
+    """GAE results, all ``(B, R)``."""
+
+    advantages: torch.Tensor  # whitened over the mask, zero at masked positions
+    returns: torch.Tensor  # raw (un-whitened) advantages + values: the value-function target
+
+
+def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
+                   whiten_rewards: bool = False) -> Advantages:
+    """Generalised advantage estimation (Schulman et al. 2016) with the legacy trainer's conventions.
+
+    Values and rewards are zeroed at masked positions first, and ``V`` beyond the last position is 0.
+
+    # delta_t = r_t + gamma * V_{t+1} - V_t
+    # A_t     = delta_t + gamma * lam * A_{t+1}          (= sum_{s>=t} (gamma*lam)^(s-t) delta_s)
+    # returns = A + V ;  advantages = whiten(A) over the mask
+
+    Args:
+        values: ``(B, R)`` value predictions of the rollout policy.
+        rewards: ``(B, R)`` shaped rewards.
+        mask: ``(B, R)`` 1 = valid token.
+        whiten_rewards: whiten the rewards over the mask first, keeping their mean (legacy option).
+    """
+    mask = mask.to(values.dtype)
+    values, rewards = values * mask, rewards * mask
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+    next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))  # V_{t+1}, with V_R = 0
+    deltas = rewards + gamma * next_values - values
+    # Reverse discounted cumulative sum over time as one (B, R) x (R, R) product.
+    advantages = deltas @ discount_matrix(deltas.shape[1], gamma * lam, deltas.dtype, deltas.device)
+    returns = advantages + values
+    advantages = masked_whiten(advantages, mask) * mask
+    return Advantages(advantages.detach(), returns.detach())
+
+
+class PolicyLoss(NamedTuple):
+    """Clipped surrogate loss and its diagnostics (scalars)."""
+
+    loss: torch.Tensor
+    clipfrac: torch.Tensor  # fraction of tokens where the clipped branch was taken
+    approxkl: torch.Tensor  # k2 estimate: 0.5 * E[(log p_new - log p_old)^2]
+    policykl: torch.Tensor  # k1 estimate: E[log p_old - log p_new]
+    ratio_mean: torch.Tensor
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, cliprange: float) -> PolicyLoss:
+    """PPO clipped surrogate objective, all inputs ``(B, R)``.
+
+    # ratio = exp(log p_new - log p_old)
+    # L     = E_mask[ max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) ]
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
+        approxkl = 0.5 * masked_mean(log_ratio.square(), mask)
+        policykl = masked_mean(-log_ratio, mask)
+        ratio_mean = masked_mean(ratio, mask)
+    return PolicyLoss(loss, clipfrac, approxkl, policykl, ratio_mean)
+
+
+class ValueLoss(NamedTuple):
+    loss: torch.Tensor
+    clipfrac: torch.Tensor  # fraction of tokens where the clipped prediction gave the larger error
+
+
+def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float) -> ValueLoss:
+    """Clipped value loss, all inputs ``(B, R)``.
+
+    # v_clip = clip(v, V_old - c, V_old + c)
+    # L_V    = 0.5 * E_mask[ max((v - R)^2, (v_clip - R)^2) ]
+    """
+    vpred_clipped = clip_by_value(vpreds, old_values - cliprange_value, old_values + cliprange_value)
+    losses = (vpreds - returns).square()
+    losses_clipped = (vpred_clipped - returns).square()
+    loss = 0.5 * masked_mean(torch.max(losses, losses_clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((losses_clipped > losses).to(vpreds.dtype), mask)
+    return ValueLoss(loss, clipfrac)

@@ -1,0 +1,110 @@
+"""Batching of ragged queries and responses, and the policy's log-probabilities and values on them.
+
+Sequences are packed *right-padded* (``query + response + pad``): with causal attention, padding at the
+end cannot influence real tokens, so no attention mask and no position-id bookkeeping is needed, and
+positions start at 0 exactly as in left-padded generation with position ids from the attention mask.
+Every per-token tensor the trainer uses is response-aligned, ``(B, R)``: column ``j`` is response token
+``j``, predicted from the hidden state at position ``query_len - 1 + j``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from .logprobs import full_kl, selected_entropy, selected_logprobs
+
+
+class ModelInputs(NamedTuple):
+    """A batch of ``query + response`` sequences, right-padded."""
+
+    input_ids: torch.Tensor  # (B, T)
+    query_lens: torch.Tensor  # (B,)
+    response_lens: torch.Tensor  # (B,)
+
+    def index(self, idx: torch.Tensor) -> ModelInputs:
+        return ModelInputs(*(t[idx] for t in self))
+
+    def response_mask(self) -> torch.Tensor:
+        """``(B, R)`` bool, True at real response tokens."""
+        positions = torch.arange(int(self.response_lens.max()), device=self.response_lens.device)
+        return positions[None, :] < self.response_lens[:, None]
+
+
+def build_model_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int | None) -> ModelInputs:
+    """Concatenate each query with its response and right-pad to the longest: ``(B, T)``."""
+    device = queries[0].device
+    sequences = [torch.cat([q, r]) for q, r in zip(queries, responses)]
+    # Right padding is never attended to by real tokens (causal attention), so its value is irrelevant;
+    # using a non-pad id keeps transformers from warning about a missing attention mask.
+    filler = 0 if pad_token_id != 0 else 1
+    input_ids = pad_sequence(sequences, batch_first=True, padding_value=filler)
+    query_lens = torch.tensor([len(q) for q in queries], device=device)
+    response_lens = torch.tensor([len(r) for r in responses], device=device)
+    return ModelInputs(input_ids, query_lens, response_lens)
+
+
+def build_response_masks(response_masks: list[torch.Tensor] | None, inputs: ModelInputs) -> torch.Tensor:
+    """The ``(B, R)`` float mask of tokens that count: real response tokens times the user's masks."""
+    mask = inputs.response_mask().float()
+    if response_masks is not None:
+        user = pad_sequence([m.float() for m in response_masks], batch_first=True, padding_value=0.0)
+        mask = mask * user.to(mask.device)[:, : mask.shape[1]]
+    return mask
+
+
+class PolicyOutputs(NamedTuple):
+    """Response-aligned outputs of one pass, all ``(B, R)`` (zero at padding) except ``hidden``."""
+
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    entropy: torch.Tensor | None
+    hidden: torch.Tensor | None  # (N, H) hidden states at the real response positions, for "full" KL
+
+
+def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_hidden: bool = False,
+                   chunk_size: int | None = None) -> PolicyOutputs:
+    """Log-probabilities of the response tokens, values, and optionally the entropies, in one pass.
+
+    ``model`` is an ``AutoModelForCausalLMWithValueHead`` (possibly wrapped by accelerate/DDP: it is
+    called, so wrappers see the forward). Gradients flow when called outside ``torch.no_grad``.
+    """
+    seq_len = int((inputs.query_lens + inputs.response_lens).max())
+    input_ids = inputs.input_ids[:, :seq_len]
+    hidden, values_all = model(input_ids=input_ids, hidden_only=True)  # (B, T, H), (B, T)
+    valid = inputs.response_mask()  # (B, R)
+    offsets = torch.arange(valid.shape[1], device=valid.device)
+    positions = (inputs.query_lens[:, None] - 1 + offsets[None, :]).clamp(max=seq_len - 1)  # (B, R)
+    rows, cols = valid.nonzero(as_tuple=True)  # the N real response tokens
+    src = positions[rows, cols]
+    selected = hidden[rows, src]  # (N, H)
+    targets = input_ids[rows, src + 1]  # (N,)
+
+    head = _unwrap(model).lm_head()
+    token_logprobs = selected_logprobs(selected, head, targets, chunk_size)
+    logprobs = torch.zeros(valid.shape, dtype=token_logprobs.dtype, device=valid.device)
+    logprobs = logprobs.index_put((rows, cols), token_logprobs)
+    values = values_all.gather(1, positions).float() * valid
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        entropy[rows, cols] = selected_entropy(selected, head, chunk_size).float()
+    return PolicyOutputs(logprobs, values, entropy, selected.detach() if keep_hidden else None)
+
+
+def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.Tensor,
+                      inputs: ModelInputs) -> torch.Tensor:
+    """``(B, R)`` whole-vocabulary ``KL(policy || ref)`` at each real response token (zero at padding)."""
+    valid = inputs.response_mask()
+    kl = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+    kl[valid] = full_kl(hidden, _unwrap(model).lm_head(), ref_hidden, _unwrap(ref_model).lm_head()).float()
+    return kl
+
+
+def _unwrap(model):
+    """The value-head model inside accelerate/DDP wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -1,0 +1,484 @@
+"""``PPOTrainer``: the legacy TRL user-loop API (``generate`` -> score anything -> ``step``) on accelerate.
+
+``step`` orchestrates in numbered steps; the math lives in ``ppo_math`` (pure functions), the
+log-probabilities in ``rollout``/``logprobs``. Differences from legacy TRL, all deliberate fixes:
+
+* the loss forward runs in train mode (legacy called ``model.eval()`` before it, so dropout was never
+  active there); dropout itself is disabled by default (``PPOConfig.disable_dropout``) so that the
+  first ratio of every step is exactly 1, as the N+ implementation study recommends;
+* ``num_shared_layers`` shares the layers' memory with the reference model (legacy duplicated it);
+* padding never enters a statistic: "entropy", KL, rewards and whitening are all masked;
+* a mini-batch over ``ratio_threshold`` is skipped (no backward, no optimizer step) and counted in
+  ``ppo/policy/skipped_minibatches`` (legacy zeroed its loss and still stepped Adam);
+* no full-vocabulary logits are materialised: log-probabilities and entropies are computed at the
+  response positions only, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import math
+import time
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .config import PPOConfig
+from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_mean, masked_var, stats_to_np
+from .generation import generate_batched
+from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
+from .modeling import AutoModelForCausalLMWithValueHead, create_reference_model
+from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
+from .rollout import (ModelInputs, build_model_inputs, build_response_masks, full_kl_per_token, policy_outputs)
+from .utils import set_seed
+
+
+def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``[{k: v}, ...] -> {k: [v, ...]}``: keeps variable-length queries as a list of tensors."""
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+class PPOTrainer:
+    """Proximal Policy Optimisation for language models, with TRL's legacy ``PPOTrainer`` API.
+
+    Args: as the legacy class. ``model`` is an :class:`AutoModelForCausalLMWithValueHead`; without
+    ``ref_model`` a frozen copy is made, sharing its first ``num_shared_layers`` layers.
+    """
+
+    def __init__(self, config: PPOConfig | None = None, model: AutoModelForCausalLMWithValueHead | None = None,
+                 ref_model: torch.nn.Module | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 dataset=None, optimizer: torch.optim.Optimizer | None = None, data_collator: Callable | None = None,
+                 num_shared_layers: int | None = None, lr_scheduler=None, training_data_collator=None):
+        config = config if config is not None else PPOConfig()
+        if not isinstance(config, PPOConfig):
+            raise ValueError(f"PPOTrainer: config must be a PPOConfig, got {type(config).__name__}.")
+        if not isinstance(model, AutoModelForCausalLMWithValueHead):
+            raise ValueError("PPOTrainer: model must be an AutoModelForCausalLMWithValueHead "
+                             f"(got {type(model).__name__}); wrap it with AutoModelForCausalLMWithValueHead.from_pretrained.")
+        if not isinstance(tokenizer, PreTrainedTokenizerBase):
+            raise ValueError("PPOTrainer: tokenizer must be a transformers PreTrainedTokenizerBase.")
+        self.config = config
+        set_seed(config.seed)  # legacy behaviour: the trainer seeds the global RNGs (sampling uses them)
+
+        # 1. accelerator and derived batch sizes
+        self.accelerator = Accelerator(log_with=config.log_with,
+                                       gradient_accumulation_steps=config.gradient_accumulation_steps,
+                                       project_config=ProjectConfiguration(**config.project_kwargs),
+                                       **config.accelerator_kwargs)
+        config.world_size = self.accelerator.num_processes
+        config.global_backward_batch_size = config.backward_batch_size * config.world_size
+        config.global_batch_size = config.batch_size * config.world_size
+        config.is_encoder_decoder, config.is_peft_model = False, False
+        self.is_distributed = self.accelerator.num_processes > 1
+        if config.log_with is not None:
+            self.accelerator.init_trackers(config.tracker_project_name, config=flatten_dict(config.to_dict()),
+                                           init_kwargs=config.tracker_kwargs)
+
+        # 2. tokenizer, models
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:
+            warnings.warn("PPOTrainer: the tokenizer has no pad token; using its EOS token as pad token.")
+            tokenizer.pad_token = tokenizer.eos_token
+        if config.disable_dropout:
+            _disable_dropout(model)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if ref_model is None:
+            ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
+        elif num_shared_layers is not None:
+            warnings.warn("PPOTrainer: num_shared_layers is ignored when a ref_model is passed.")
+        if isinstance(ref_model, PreTrainedModel):
+            ref_model = AutoModelForCausalLMWithValueHead(ref_model)
+        ref_model.requires_grad_(False).eval()
+
+        # 3. data, optimiser, KL controller
+        self.dataset = dataset
+        self.data_collator = data_collator
+        self.dataloader = self.prepare_dataloader(dataset, data_collator) if dataset is not None else None
+        if optimizer is None:
+            optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+        self.kl_ctl = (AdaptiveKLController(config.init_kl_coef, config.target, config.horizon) if config.adap_kl_ctrl
+                       else FixedKLController(config.init_kl_coef))
+        self.running = RunningMoments()
+
+        # 4. accelerate: device placement, mixed precision, DDP
+        (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
+            model, optimizer, self.dataloader, lr_scheduler)
+        self.ref_model = ref_model.to(self.accelerator.device)  # frozen: never wrapped, never optimised
+        self.current_device = self.accelerator.device
+        self.current_step = 0
+        self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
+        self._warned_negative_kl = False
+        self._best_score = -math.inf
+
+    # ---- data --------------------------------------------------------------------------------------
+    def prepare_dataloader(self, dataset, data_collator=None) -> DataLoader:
+        """Shuffled ``DataLoader`` of ``batch_size`` rows per process (last ragged batch dropped)."""
+        if hasattr(dataset, "remove_columns") and self.config.remove_unused_columns:
+            dataset = self._remove_unused_columns(dataset)
+        generator = torch.Generator().manual_seed(self.config.seed)
+        return DataLoader(dataset, batch_size=self.config.batch_size, collate_fn=data_collator or ragged_collator,
+                          shuffle=True, drop_last=True, generator=generator)
+
+    def _remove_unused_columns(self, dataset):
+        keep = set(inspect.signature(self.accelerator.unwrap_model(self.model).forward if hasattr(self, "model")
+                                     else AutoModelForCausalLMWithValueHead.forward).parameters)
+        keep |= {"label", "query", "response", "input_ids", "attention_mask"}
+        drop = [c for c in dataset.column_names if c not in keep]
+        return dataset.remove_columns(drop) if drop else dataset
+
+    # ---- generation --------------------------------------------------------------------------------
+    def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
+                 return_prompt: bool = True, generate_ref_response: bool = False, **generation_kwargs):
+        """Sample responses: a 1-D query tensor gives a ``(1, L)`` tensor; a list gives a list of 1-D tensors.
+
+        Lists are generated ``batch_size`` at a time, left-padded, with the KV cache; padding is
+        stripped and each response is cut after its first EOS (the EOS kept).
+        """
+        models = [self.accelerator.unwrap_model(self.model)] + ([self.ref_model] if generate_ref_response else [])
+        outputs = []
+        for model in models:
+            with self.accelerator.autocast():
+                out = generate_batched(model.pretrained_model, self.tokenizer, query_tensor, self.current_device,
+                                       length_sampler, batch_size, return_prompt, generation_kwargs)
+            outputs.append(out)
+        return tuple(outputs) if generate_ref_response else outputs[0]
+
+    # ---- the PPO step --------------------------------------------------------------------------------
+    def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list[torch.Tensor],
+             response_masks: list[torch.Tensor] | None = None) -> dict[str, Any]:
+        """One PPO update from ``batch_size`` (query, response, score) triples; returns the stats."""
+        cfg, timing, t_start = self.config, {}, time.perf_counter()
+        # 1. check inputs, move them to the device, scale and clip the scores
+        queries, responses, scores, response_masks = self._step_safety_checker(
+            cfg.batch_size, queries, responses, scores, response_masks)
+        scores = self._scale_scores(scores)
+        self._maybe_push_to_hub(scores)
+        inputs = build_model_inputs(queries, responses, self.tokenizer.pad_token_id)
+        mask = build_response_masks(response_masks, inputs)
+
+        # 2. no-grad passes of policy and reference
+        t = time.perf_counter()
+        old, ref = self._rollout_passes(inputs)
+        timing["time/ppo/forward_pass"] = time.perf_counter() - t
+
+        # 3. KL-shaped rewards
+        t = time.perf_counter()
+        if cfg.kl_penalty == "full":
+            kls = full_kl_per_token(self.model, old.hidden, self.ref_model, ref.hidden, inputs)
+        else:
+            kls = kl_penalty(old.logprobs, ref.logprobs, cfg.kl_penalty)
+        shaped = shape_rewards(scores, kls, mask, self.kl_ctl.value)
+        timing["time/ppo/compute_rewards"] = time.perf_counter() - t
+
+        # 4. advantages and returns
+        t = time.perf_counter()
+        adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+        timing["time/ppo/compute_advantages"] = time.perf_counter() - t
+
+        # 5. PPO epochs over shuffled mini-batches
+        t = time.perf_counter()
+        train_stats = self._optimize(inputs, mask, old.logprobs, old.values, adv.advantages, adv.returns)
+        timing["time/ppo/optimize_step"] = time.perf_counter() - t
+
+        # 6. statistics, KL controller, scheduler
+        t = time.perf_counter()
+        stats = self.record_step_stats(
+            kl_coef=self.kl_ctl.value, scores=scores, logprobs=old.logprobs, ref_logprobs=ref.logprobs,
+            non_score_reward=shaped.non_score_rewards, kls=shaped.kls, masks=mask, queries=queries,
+            responses=responses, train_stats=train_stats, advantages=adv.advantages)
+        stats = self.gather_stats(stats)
+        stats = stats_to_np(stats)
+        timing["time/ppo/calc_stats"] = time.perf_counter() - t
+        stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        self.kl_ctl.update(float(stats["objective/kl"]), cfg.batch_size * self.accelerator.num_processes)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        timing["time/ppo/total"] = time.perf_counter() - t_start
+        stats.update(timing)
+        if cfg.optimize_device_cache:
+            gc.collect()
+            _empty_device_cache()
+        return convert_to_scalar(stats)
+
+    def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
+        """Validate lengths, types and shapes; return device tensors (scores as one ``(B,)`` tensor)."""
+        for name, items in (("queries", queries), ("responses", responses), ("scores", scores)):
+            if not isinstance(items, list):
+                raise ValueError(f"step: {name} must be a list of tensors, got {type(items).__name__}.")
+            if len(items) != batch_size:
+                raise ValueError(f"step: batch size ({batch_size}) does not match number of {name} ({len(items)}); "
+                                 "pass exactly config.batch_size samples (drop_last=True in your dataloader).")
+        if masks is not None and len(masks) != batch_size:
+            raise ValueError(f"step: response_masks has {len(masks)} entries, expected {batch_size}.")
+        device = self.current_device
+        queries = [_token_tensor(q, "queries", i).to(device) for i, q in enumerate(queries)]
+        responses = [_token_tensor(r, "responses", i).to(device) for i, r in enumerate(responses)]
+        scores = torch.stack([_scalar_score(s, i) for i, s in enumerate(scores)]).to(device)
+        if masks is not None:
+            masks = [torch.as_tensor(m).to(device) for m in masks]
+            for i, (m, r) in enumerate(zip(masks, responses)):
+                if m.shape != r.shape:
+                    raise ValueError(f"step: response_masks[{i}] has shape {tuple(m.shape)}, "
+                                     f"but responses[{i}] has shape {tuple(r.shape)}.")
+        return queries, responses, scores, masks
+
+    def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        scores = scores.float()
+        if cfg.use_score_scaling:
+            self.running.update(self.accelerator.gather(scores))
+            factor = self.running.std + torch.finfo(scores.dtype).eps
+            scores = (scores - self.running.mean) / factor if cfg.use_score_norm else scores / factor
+        if cfg.score_clip is not None:
+            scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
+        return scores
+
+    @torch.no_grad()
+    def _rollout_passes(self, inputs: ModelInputs):
+        """Old log-probs and values of the policy, and reference log-probs, in eval mode, in chunks."""
+        full = self.config.kl_penalty == "full"
+        self.model.eval()
+        chunks = [torch.arange(s, min(s + self.config.mini_batch_size, len(inputs.query_lens)),
+                               device=inputs.input_ids.device)
+                  for s in range(0, len(inputs.query_lens), self.config.mini_batch_size)]
+        results = []
+        for model in (self.model, self.ref_model):
+            with self.accelerator.autocast():
+                parts = [policy_outputs(model, inputs.index(idx), keep_hidden=full) for idx in chunks]
+            results.append(_concat_outputs(parts, inputs))
+        return results
+
+    def _optimize(self, inputs, mask, old_logprobs, old_values, advantages, returns) -> list[dict]:
+        """``ppo_epochs`` passes over shuffled mini-batches; returns the per-mini-batch stats."""
+        cfg, all_stats = self.config, []
+        batch_size = len(inputs.query_lens)
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(batch_size, generator=self._shuffle).to(inputs.input_ids.device)
+            for start in range(0, batch_size, cfg.mini_batch_size):
+                idx = order[start:start + cfg.mini_batch_size]
+                mb_inputs = inputs.index(idx)
+                width = int(mb_inputs.response_lens.max())  # trim response-aligned tensors to this mini-batch
+                with self.accelerator.accumulate(self.model):
+                    self.model.train()
+                    with self.accelerator.autocast():
+                        out = policy_outputs(self.model, mb_inputs, with_entropy=True)
+                    stats = self.train_minibatch(
+                        old_logprobs[idx, :width], old_values[idx, :width], out.logprobs, None, out.values,
+                        mask[idx, :width], advantages[idx, :width], returns[idx, :width], entropy=out.entropy)
+                all_stats.append(stats)
+            if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
+                break
+        return all_stats
+
+    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns,
+                        entropy=None) -> dict[str, torch.Tensor]:
+        """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
+        loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
+                                          entropy=entropy)
+        skipped = stats["policy/ratio_mean"] > self.config.ratio_threshold
+        stats["policy/skipped"] = skipped.float()
+        if skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
+            warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({stats['policy/ratio_mean']:.2f}) exceeds "
+                          f"ratio_threshold ({self.config.ratio_threshold}); skipping its update.")
+        else:
+            self.accelerator.backward(loss_p + loss_v)
+        if self.config.max_grad_norm is not None and self.accelerator.sync_gradients:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
+        """Clipped policy loss and ``vf_coef`` times the clipped value loss, with legacy stats.
+
+        ``logits`` (``(b, R, V)``) is accepted for API compatibility; the trainer passes the per-token
+        ``entropy`` instead, computed without materialising the logits.
+        """
+        cfg = self.config
+        pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange)
+        vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value)
+        if entropy is None and logits is not None:
+            entropy = entropy_from_logits(logits)
+        with torch.no_grad():
+            stats = {
+                "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
+                "loss/total": (pg.loss + cfg.vf_coef * vf.loss).detach(),
+                "policy/entropy": masked_mean(entropy, mask) if entropy is not None else torch.tensor(float("nan")),
+                "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
+                "policy/advantages_mean": masked_mean(advantages, mask), "policy/ratio_mean": pg.ratio_mean,
+                "returns/mean": masked_mean(returns, mask), "returns/var": masked_var(returns, mask),
+                "val/vpred": masked_mean(vpreds, mask), "val/error": masked_mean((vpreds - returns) ** 2, mask),
+                "val/clipfrac": vf.clipfrac, "val/mean": masked_mean(values, mask), "val/var": masked_var(values, mask),
+            }
+        return pg.loss, cfg.vf_coef * vf.loss, stats
+
+    def _early_stop(self, policykl: torch.Tensor) -> bool:
+        """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""
+        policykl = self.accelerator.reduce(policykl.detach().clone(), reduction="mean")
+        if policykl > 1.5 * self.config.target_kl:
+            self.optimizer.zero_grad(set_to_none=True)
+            return True
+        return False
+
+    # ---- statistics ----------------------------------------------------------------------------------
+    def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
+        """The legacy stats dict of one step; every token statistic is masked."""
+        mask, logprobs, kls = data["masks"], data["logprobs"], data["kls"]
+        valid = mask.bool()
+        kl_per_sample = (kls * mask).sum(-1)
+        mean_kl = kl_per_sample.mean()
+        if mean_kl.item() < -1.0 and not self._warned_negative_kl:
+            self._warned_negative_kl = True
+            warnings.warn(f"KL divergence is negative ({mean_kl.item():.2f}): usually generation kwargs that change "
+                          "the sampling distribution (top_k, top_p, min_length, temperature...). Sample with "
+                          "top_k=0, top_p=1.0, do_sample=True and no min_length/repetition penalty.")
+        query_lens = torch.tensor([len(q) for q in data["queries"]], dtype=torch.float)
+        response_lens = torch.tensor([len(r) for r in data["responses"]], dtype=torch.float)
+        stats = {
+            "objective/kl": mean_kl, "objective/kl_dist": kl_per_sample,
+            "objective/logprobs": logprobs[valid], "objective/ref_logprobs": data["ref_logprobs"][valid],
+            "objective/kl_coef": torch.tensor(kl_coef), "objective/entropy": (-logprobs * mask).sum(-1).mean(),
+            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask),
+            "ppo/mean_scores": data["scores"].mean(), "ppo/std_scores": data["scores"].std(),
+            "tokens/queries_len_mean": query_lens.mean(), "tokens/queries_len_std": query_lens.std(),
+            "tokens/queries_dist": query_lens,
+            "tokens/responses_len_mean": response_lens.mean(), "tokens/responses_len_std": response_lens.std(),
+            "tokens/responses_dist": response_lens,
+            "ppo/policy/advantages": data["advantages"][valid],
+        }
+        train = data["train_stats"]
+        for key in train[0]:
+            if key == "policy/skipped":
+                continue
+            stats[f"ppo/{key}"] = torch.stack([s[key] for s in train]).float().mean()
+        stats["ppo/policy/ratio"] = torch.stack([s["policy/ratio_mean"] for s in train]).float()
+        stats["ppo/policy/skipped_minibatches"] = torch.stack([s["policy/skipped"] for s in train]).sum()
+        stats["ppo/epochs"] = torch.tensor(len(train) / math.ceil(len(data["queries"]) / self.config.mini_batch_size))
+        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+        return stats
+
+    def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """Average 0-d tensor stats across processes (histograms stay per-process)."""
+        if not self.is_distributed:
+            return stats
+        out = dict(stats)
+        for key, value in stats.items():
+            if isinstance(value, torch.Tensor) and value.ndim == 0:
+                out[key] = self.accelerator.reduce(value.to(self.current_device).float(), reduction="mean")
+        return out
+
+    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Iterable[str] = ("query", "response")):
+        """Send ``stats`` plus ``env/reward_mean|std|dist`` (raw rewards, all processes) to the trackers."""
+        rewards = torch.stack([torch.as_tensor(r).float().reshape(()) for r in rewards]) if isinstance(rewards, list) \
+            else torch.as_tensor(rewards).float()
+        rewards = self.accelerator.gather(rewards.to(self.current_device)).flatten().cpu()
+        logs = dict(stats)
+        logs["env/reward_mean"] = rewards.mean().item()
+        logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
+        logs["env/reward_dist"] = rewards.numpy()
+        self.current_step += 1
+        if self.config.log_with is not None and self.accelerator.is_main_process:
+            scalars = {k: v for k, v in logs.items() if isinstance(v, (int, float)) or getattr(v, "size", 2) == 1}
+            self.accelerator.log(scalars, step=self.current_step)
+        return logs
+
+    def _maybe_push_to_hub(self, scores: torch.Tensor) -> None:
+        kwargs = self.config.push_to_hub_if_best_kwargs
+        if not kwargs or self.current_step % self.config.compare_steps:
+            return
+        mean = self.accelerator.gather(scores).mean().item()
+        if mean > self._best_score:
+            self._best_score = mean
+            if self.accelerator.is_main_process:
+                self.accelerator.unwrap_model(self.model).push_to_hub(**kwargs)
+
+    # ---- legacy helpers kept for API compatibility ------------------------------------------------------
+    def prepare_model_inputs(self, queries: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"input_ids", "attention_mask", "query_lens", "response_lens"}``, right-padded."""
+        inputs = build_model_inputs(list(queries), list(responses), self.tokenizer.pad_token_id)
+        lengths = inputs.query_lens + inputs.response_lens
+        attention_mask = torch.arange(inputs.input_ids.shape[1], device=lengths.device)[None] < lengths[:, None]
+        return {"input_ids": inputs.input_ids, "attention_mask": attention_mask.long(),
+                "query_lens": inputs.query_lens, "response_lens": inputs.response_lens}
+
+    @torch.no_grad()
+    def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
+                             response_masks=None):
+        """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``)."""
+        inputs = build_model_inputs(list(queries), list(responses), self.tokenizer.pad_token_id)
+        model.eval()
+        with self.accelerator.autocast():
+            out = policy_outputs(model, inputs, keep_hidden=return_logits)
+        logits = None
+        if return_logits:
+            valid = inputs.response_mask()
+            head = self.accelerator.unwrap_model(model).lm_head()
+            logits = torch.zeros(*valid.shape, head.weight.shape[0], device=valid.device)
+            logits[valid] = head.logits(out.hidden)
+        return out.logprobs, logits, out.values, build_response_masks(response_masks, inputs)
+
+    def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
+        """``(rewards, non_score_rewards, kls)``, each ``(B, R)`` (``kl_penalty`` ``full`` needs ``step``)."""
+        mode = "kl" if self.config.kl_penalty == "full" else self.config.kl_penalty
+        return tuple(shape_rewards(scores, kl_penalty(logprobs, ref_logprobs, mode), masks, self.kl_ctl.value))
+
+    def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
+        """Write a short model card (``README.md``) into ``path``."""
+        import os
+
+        os.makedirs(path, exist_ok=True)
+        card = (f"---\nlicense: apache-2.0\ntags:\n- ppo_core\n- reinforcement-learning\n- rlhf\n---\n\n"
+                f"# {model_name}\n\nA language model fine-tuned with PPO (ppo_core, the legacy TRL PPOTrainer API).\n\n"
+                "```python\nfrom ppo_core import AutoModelForCausalLMWithValueHead\n"
+                f"model = AutoModelForCausalLMWithValueHead.from_pretrained({path!r})\n```\n")
+        with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as fh:
+            fh.write(card)
+
+
+def _token_tensor(x, name: str, i: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.ndim != 1:
+        raise ValueError(f"step: {name}[{i}] must be a 1-D tensor of token ids, "
+                         f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))}.")
+    if name == "responses" and x.numel() == 0:
+        raise ValueError(f"step: responses[{i}] is empty; every response needs at least one token.")
+    return x.long()
+
+
+def _scalar_score(s, i: int) -> torch.Tensor:
+    s = torch.as_tensor(s)
+    if s.numel() != 1 or s.ndim > 1:
+        raise ValueError(f"step: scores[{i}] must be a scalar (0-d tensor), got shape {tuple(s.shape)}.")
+    if not s.is_floating_point() and s.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"step: scores[{i}] must be a number, got dtype {s.dtype}.")
+    s = s.reshape(()).float()
+    if not torch.isfinite(s):
+        raise ValueError(f"step: scores[{i}] is {s.item()}; scores must be finite numbers.")
+    return s
+
+
+def _concat_outputs(parts, inputs: ModelInputs):
+    """Concatenate chunked ``PolicyOutputs`` along the batch, re-padding to the batch's response length."""
+    width = int(inputs.response_lens.max())
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+    logprobs = torch.cat([pad(p.logprobs) for p in parts])
+    values = torch.cat([pad(p.values) for p in parts])
+    hidden = torch.cat([p.hidden for p in parts]) if parts[0].hidden is not None else None
+    return type(parts[0])(logprobs, values, None, hidden)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def _empty_device_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,45 @@
+"""Tiny local models and tokenizers for the tests: built in-process, nothing is downloaded."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast)
+
+VOCAB = 64
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+PAD, EOS = 0, 1
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over the words ``w3 .. w{V-1}`` plus ``<pad>``, ``<eos>``, ``<unk>``."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def tiny_causal_lm(arch: str = "gpt2", vocab_size: int = VOCAB, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A random-init causal LM of the given family, small enough for CPU tests."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS)
+    if arch == "gpt2":
+        config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=128, **common)
+    elif arch == "llama":
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **common)
+    elif arch == "gpt_neox":
+        config = GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                               num_attention_heads=4, max_position_embeddings=128, **common)
+    else:
+        raise ValueError(arch)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def random_queries(n: int, seed: int = 0, min_len: int = 2, max_len: int = 6, vocab_size: int = VOCAB):
+    """``n`` 1-D LongTensors of random non-special tokens with mixed lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
+    return [torch.randint(len(SPECIALS), vocab_size, (int(k),), generator=g) for k in lengths]
