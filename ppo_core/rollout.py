@@ -73,7 +73,10 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
     """
     seq_len = int((inputs.query_lens + inputs.response_lens).max())
     input_ids = inputs.input_ids[:, :seq_len]
-    hidden, values_all = model(input_ids=input_ids, hidden_only=True)  # (B, T, H), (B, T)
+    # An all-ones mask is exact here (right padding, causal attention) and lets attention use its
+    # causal fast path; passing one also tells transformers we did not forget the padding.
+    hidden, values_all = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                               hidden_only=True)  # (B, T, H), (B, T)
     valid = inputs.response_mask()  # (B, R)
     offsets = torch.arange(valid.shape[1], device=valid.device)
     positions = (inputs.query_lens[:, None] - 1 + offsets[None, :]).clamp(max=seq_len - 1)  # (B, R)

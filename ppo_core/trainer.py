@@ -67,6 +67,7 @@ class PPOTrainer:
         set_seed(config.seed)  # legacy behaviour: the trainer seeds the global RNGs (sampling uses them)
 
         # 1. accelerator and derived batch sizes
+        _reset_single_process_accelerate_state()
         self.accelerator = Accelerator(log_with=config.log_with,
                                        gradient_accumulation_steps=config.gradient_accumulation_steps,
                                        project_config=ProjectConfiguration(**config.project_kwargs),
@@ -471,6 +472,16 @@ def _concat_outputs(parts, inputs: ModelInputs):
     values = torch.cat([pad(p.values) for p in parts])
     hidden = torch.cat([p.hidden for p in parts]) if parts[0].hidden is not None else None
     return type(parts[0])(logprobs, values, None, hidden)
+
+
+def _reset_single_process_accelerate_state() -> None:
+    """accelerate keeps its state in process-wide singletons that refuse a second ``Accelerator`` with
+    other settings (e.g. fp32 then bf16). In a single process nothing else depends on them: reset."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    if AcceleratorState._shared_state and PartialState().num_processes == 1:
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
