@@ -19,6 +19,8 @@ import torch
 # Keep the (C, V) float32 logits block of a chunk within ~32 MB (fits a CPU's last-level cache's
 # neighbourhood and is negligible on a GPU); at V = 32k that is 256 rows.
 _CHUNK_ELEMENTS = 1 << 23
+# Keep the softmax probabilities for the backward up to 256 MB (float32); beyond, recompute them.
+_SAVE_PROBS_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -64,40 +66,50 @@ def _chunk_size(vocab: int, requested: int | None) -> int:
 
 
 class _LinearLogProb(torch.autograd.Function):
-    """``log softmax(head(h))[target]`` for each row, differentiable w.r.t. ``h``, ``W`` and ``b``.
+    """``log softmax(head(h))[target]`` for each row, differentiable w.r.t. ``h``, ``W`` and ``b``;
+    also returns the (non-differentiable) entropy of each row's distribution from the same logits.
 
-    Backward recomputes each chunk's logits instead of storing ``(N, V)`` probabilities:
     # d logp_n / d z_n = onehot(y_n) - softmax(z_n)
     # grad_h = g * (onehot - p) @ W ;  grad_W = ((onehot - p) * g)^T @ h ;  grad_b = sum over rows
+    When the ``(N, V)`` probabilities fit in ``_SAVE_PROBS_ELEMENTS`` they are kept for the backward
+    (three matmuls in all, like plain autograd); otherwise each chunk's logits are recomputed there
+    (one more matmul, but memory stays at one ``(C, V)`` block).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, chunk):
-        logprobs = torch.empty(hidden.shape[0], dtype=_acc_dtype(hidden.dtype), device=hidden.device)
-        lse = torch.empty_like(logprobs)
-        for start in range(0, hidden.shape[0], chunk):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        acc = _acc_dtype(hidden.dtype)
+        logprobs = torch.empty(n, dtype=acc, device=hidden.device)
+        lse, entropy = torch.empty_like(logprobs), torch.empty_like(logprobs)
+        save_probs = softcap is None and n * vocab <= _SAVE_PROBS_ELEMENTS
+        probs = torch.empty(n, vocab, dtype=acc, device=hidden.device) if save_probs else None
+        for start in range(0, n, chunk):
             sl = slice(start, start + chunk)
             logits = _transform(_project(hidden[sl], weight, bias), scale, softcap)  # (C, V)
             lse[sl] = torch.logsumexp(logits, dim=-1)
             logprobs[sl] = logits.gather(1, targets[sl, None]).squeeze(1) - lse[sl]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+            p = torch.exp(logits - lse[sl, None], out=probs[sl] if save_probs else None)
+            entropy[sl] = lse[sl] - (p * logits).sum(-1)  # H = logsumexp(z) - sum_v p_v z_v
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, probs)
         ctx.scale, ctx.softcap, ctx.chunk = scale, softcap, chunk
-        # Backward recomputes the logits: it must use the precision the forward used (autocast or not).
+        ctx.mark_non_differentiable(entropy)
+        # A recomputing backward must use the precision the forward used (autocast or not).
         device_type = hidden.device.type
         ctx.amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
-        return logprobs
+        return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, _grad_entropy):
+        hidden, weight, bias, targets, lse, probs = ctx.saved_tensors
         amp = torch.autocast(ctx.amp[0], dtype=ctx.amp[1]) if ctx.amp else contextlib.nullcontext()
         with amp:
-            grads = _linear_logprob_backward(hidden, weight, bias, targets, lse, grad_out.to(lse.dtype), ctx.scale,
-                                             ctx.softcap, ctx.chunk, ctx.needs_input_grad[:3])
+            grads = _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out.to(lse.dtype),
+                                             ctx.scale, ctx.softcap, ctx.chunk, ctx.needs_input_grad[:3])
         return (*grads, None, None, None, None)
 
 
-def _linear_logprob_backward(hidden, weight, bias, targets, lse, grad_out, scale, softcap, chunk, needs):
+def _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out, scale, softcap, chunk, needs):
     need_h, need_w, need_b = needs
     acc = lse.dtype
     grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
@@ -106,9 +118,12 @@ def _linear_logprob_backward(hidden, weight, bias, targets, lse, grad_out, scale
     for start in range(0, hidden.shape[0], chunk):
         sl = slice(start, start + chunk)
         h, g = hidden[sl], grad_out[sl]
-        logits = _transform(_project(h, weight, bias), scale, softcap)  # recomputed (C, V)
-        # grad w.r.t. the transformed logits: g * (onehot - p), built in place in the probs buffer.
-        grad_z = torch.exp(logits - lse[sl, None]).mul_(-g[:, None])
+        if probs is not None:
+            grad_z = probs[sl] * -g[:, None]
+        else:
+            logits = _transform(_project(h, weight, bias), scale, softcap)  # recomputed (C, V)
+            grad_z = torch.exp(logits - lse[sl, None]).mul_(-g[:, None])
+        # grad w.r.t. the transformed logits: g * (onehot - p)
         grad_z[torch.arange(h.shape[0], device=h.device), targets[sl]] += g
         if softcap is not None:  # d/dx [c * tanh(x / c)] = 1 - tanh^2
             grad_z.mul_(1.0 - (logits / softcap).square())
@@ -129,6 +144,15 @@ def _linear_logprob_backward(hidden, weight, bias, targets, lse, grad_out, scale
 def selected_logprobs(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor,
                       chunk_size: int | None = None) -> torch.Tensor:
     """``log p(targets)`` for selected positions, ``(N, H)``, ``(N,)`` -> ``(N,)`` float32, with grad."""
+    return selected_logprobs_and_entropy(hidden, head, targets, chunk_size)[0]
+
+
+def selected_logprobs_and_entropy(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor,
+                                  chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p(targets), entropy)`` at selected positions from one pass over the vocabulary, ``(N,)`` each.
+
+    Only the log-probabilities carry gradients; the entropy is a statistic.
+    """
     chunk = _chunk_size(head.weight.shape[0], chunk_size)
     return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, head.scale, head.softcap, chunk)
 

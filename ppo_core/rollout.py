@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .logprobs import full_kl, selected_entropy, selected_logprobs
+from .logprobs import full_kl, selected_logprobs_and_entropy
 
 
 class ModelInputs(NamedTuple):
@@ -86,14 +86,14 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
     targets = input_ids[rows, src + 1]  # (N,)
 
     head = _unwrap(model).lm_head()
-    token_logprobs = selected_logprobs(selected, head, targets, chunk_size)
+    token_logprobs, token_entropy = selected_logprobs_and_entropy(selected, head, targets, chunk_size)
     logprobs = torch.zeros(valid.shape, dtype=token_logprobs.dtype, device=valid.device)
     logprobs = logprobs.index_put((rows, cols), token_logprobs)
     values = values_all.gather(1, positions).float() * valid
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-        entropy[rows, cols] = selected_entropy(selected, head, chunk_size).float()
+        entropy = torch.zeros(valid.shape, dtype=token_entropy.dtype, device=valid.device)
+        entropy[rows, cols] = token_entropy
     return PolicyOutputs(logprobs, values, entropy, selected.detach() if keep_hidden else None)
 
 
