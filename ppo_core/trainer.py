@@ -145,6 +145,7 @@ class PPOTrainer:
         models = [self.accelerator.unwrap_model(self.model)] + ([self.ref_model] if generate_ref_response else [])
         outputs = []
         for model in models:
+            model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
             with self.accelerator.autocast():
                 out = generate_batched(model.pretrained_model, self.tokenizer, query_tensor, self.current_device,
                                        length_sampler, batch_size, return_prompt, generation_kwargs)
@@ -447,12 +448,14 @@ def _token_tensor(x, name: str, i: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.ndim != 1:
         raise ValueError(f"step: {name}[{i}] must be a 1-D tensor of token ids, "
                          f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))}.")
-    if name == "responses" and x.numel() == 0:
-        raise ValueError(f"step: responses[{i}] is empty; every response needs at least one token.")
+    if x.numel() == 0:
+        raise ValueError(f"step: {name}[{i}] is empty; every query and response needs at least one token.")
     return x.long()
 
 
 def _scalar_score(s, i: int) -> torch.Tensor:
+    if not isinstance(s, (torch.Tensor, int, float)) or isinstance(s, bool):
+        raise ValueError(f"step: scores[{i}] must be a number (a 0-d tensor), got {type(s).__name__} {s!r}.")
     s = torch.as_tensor(s)
     if s.numel() != 1 or s.ndim > 1:
         raise ValueError(f"step: scores[{i}] must be a scalar (0-d tensor), got shape {tuple(s.shape)}.")
@@ -485,9 +488,14 @@ def _reset_single_process_accelerate_state() -> None:
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout: ``nn.Dropout`` modules and the float rates that attention implementations
+    read at call time (e.g. Llama's and GPT-NeoX's ``attention_dropout``)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 def _empty_device_cache() -> None:
