@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import inspect
 import math
+import numbers
 import time
 import warnings
 from typing import Any, Callable, Iterable
@@ -454,7 +455,7 @@ def _token_tensor(x, name: str, i: int) -> torch.Tensor:
 
 
 def _scalar_score(s, i: int) -> torch.Tensor:
-    if not isinstance(s, (torch.Tensor, int, float)) or isinstance(s, bool):
+    if not isinstance(s, (torch.Tensor, numbers.Real)) or isinstance(s, bool):
         raise ValueError(f"step: scores[{i}] must be a number (a 0-d tensor), got {type(s).__name__} {s!r}.")
     s = torch.as_tensor(s)
     if s.numel() != 1 or s.ndim > 1:
