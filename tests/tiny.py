@@ -21,10 +21,14 @@ def tiny_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
                                    unk_token="<unk>")
 
 
-def tiny_causal_lm(arch: str = "gpt2", vocab_size: int = VOCAB, seed: int = 0, hidden: int = 32, layers: int = 2):
-    """A random-init causal LM of the given family, small enough for CPU tests."""
+def tiny_causal_lm(arch: str = "gpt2", vocab_size: int = VOCAB, seed: int = 0, hidden: int = 32, layers: int = 2,
+                   **config_overrides):
+    """A random-init causal LM of the given family, small enough for CPU tests.
+
+    ``config_overrides`` go to the model's config (e.g. ``attention_dropout=0.5``).
+    """
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS)
+    common = dict(vocab_size=vocab_size, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS, **config_overrides)
     if arch == "gpt2":
         config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=128, **common)
     elif arch == "llama":
@@ -43,3 +47,15 @@ def random_queries(n: int, seed: int = 0, min_len: int = 2, max_len: int = 6, vo
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
     return [torch.randint(len(SPECIALS), vocab_size, (int(k),), generator=g) for k in lengths]
+
+
+ARCHS = ("gpt2", "llama", "gpt_neox")
+
+
+def tiny_value_model(arch: str = "gpt2", seed: int = 0, **head_kwargs):
+    """``tiny_causal_lm`` wrapped in ppo_core's ``AutoModelForCausalLMWithValueHead`` (value head seeded too)."""
+    from ppo_core import AutoModelForCausalLMWithValueHead
+
+    base = tiny_causal_lm(arch, seed=seed)
+    torch.manual_seed(seed + 1)
+    return AutoModelForCausalLMWithValueHead(base, **head_kwargs)

@@ -1,0 +1,163 @@
+"""PPOConfig: the legacy fields and defaults, and validation that names the offending field."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import yaml
+
+from ppo_core import PPOConfig
+
+# Transcribed from the seed doc's ``class trl.PPOConfig`` signature (exp_name left out: it is the script name).
+SEED_SIGNATURE_DEFAULTS = {
+    "seed": 0, "log_with": None, "task_name": None, "model_name": "gpt2", "query_dataset": "imdb",
+    "reward_model": "sentiment-analysis:lvwerra/distilbert-imdb", "remove_unused_columns": True,
+    "tracker_kwargs": {}, "accelerator_kwargs": {}, "project_kwargs": {}, "tracker_project_name": "trl",
+    "push_to_hub_if_best_kwargs": {}, "steps": 20000, "learning_rate": 1.41e-05, "adap_kl_ctrl": True,
+    "init_kl_coef": 0.2, "kl_penalty": "kl", "target": 6, "horizon": 10000, "gamma": 1, "lam": 0.95,
+    "cliprange": 0.2, "cliprange_value": 0.2, "vf_coef": 0.1, "batch_size": 128, "forward_batch_size": None,
+    "mini_batch_size": 128, "gradient_accumulation_steps": 1, "world_size": None, "ppo_epochs": 4,
+    "max_grad_norm": None, "optimize_cuda_cache": None, "optimize_device_cache": False, "early_stopping": False,
+    "target_kl": 1, "compare_steps": 1, "ratio_threshold": 10.0, "use_score_scaling": False,
+    "use_score_norm": False, "score_clip": None, "whiten_rewards": False, "gradient_checkpointing": False,
+    "is_encoder_decoder": None, "is_peft_model": None, "backward_batch_size": None,
+    "global_backward_batch_size": None, "global_batch_size": None,
+}
+DERIVED = {"backward_batch_size": 128}  # set by __post_init__ from mini_batch_size * gradient_accumulation_steps
+
+
+def field_default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def test_every_seed_field_exists_with_the_seed_default():
+    fields = {f.name: f for f in dataclasses.fields(PPOConfig)}
+    missing = sorted(set(SEED_SIGNATURE_DEFAULTS) - set(fields))
+    assert not missing, f"fields of trl.PPOConfig missing from ppo_core.PPOConfig: {missing}"
+    for name, default in SEED_SIGNATURE_DEFAULTS.items():
+        assert field_default(fields[name]) == default, name
+        assert type(field_default(fields[name])) in (type(default), float), name
+    assert "exp_name" in fields
+    config = PPOConfig()
+    for name, default in SEED_SIGNATURE_DEFAULTS.items():
+        assert getattr(config, name) == DERIVED.get(name, default), name
+    assert config.total_ppo_epochs == 157  # ceil(20000 / 128)
+
+
+def test_mutable_defaults_are_not_shared_between_instances():
+    a, b = PPOConfig(), PPOConfig()
+    a.tracker_kwargs["wandb"] = {}
+    assert b.tracker_kwargs == {}
+
+
+@pytest.mark.parametrize("key,suggestion", [("learning_rat", "learning_rate"), ("batchsize", "batch_size"),
+                                            ("mini_batch", "mini_batch_size")])
+def test_unknown_key_is_named_with_a_close_match(key, suggestion):
+    with pytest.raises(ValueError, match=rf"'{key}'.*'{suggestion}'"):
+        PPOConfig(**{key: 1})
+    with pytest.raises(ValueError, match=rf"'{key}'"):
+        PPOConfig.from_dict({"batch_size": 8, "mini_batch_size": 8, key: 1})
+
+
+def test_unknown_key_without_a_close_match_is_still_named():
+    with pytest.raises(ValueError, match="'zzzz'"):
+        PPOConfig(zzzz=1)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("batch_size", "sixteen"),  # string for int
+    ("ppo_epochs", "four"),
+    ("batch_size", 16.5),  # non-integral float for int
+    ("batch_size", "1e-5"),  # numeric, but not an integer
+    ("cliprange", [0.2]),  # list for float
+    ("learning_rate", "abc"),
+    ("learning_rate", "nan"),
+    ("batch_size", True),  # bool for int
+    ("gamma", False),  # bool for float
+    ("early_stopping", "yes"),  # string for bool
+    ("early_stopping", 1),  # int for bool
+    ("kl_penalty", "kl2"),  # not one of the literals
+    ("model_name", 3),  # int for str
+    ("tracker_kwargs", ["wandb"]),  # list for dict
+    ("score_clip", "big"),  # wrong type in an Optional field
+])
+def test_wrong_types_name_the_field(name, value):
+    with pytest.raises(ValueError, match=rf"PPOConfig\.{name}\b"):
+        PPOConfig(**{name: value})
+
+
+@pytest.mark.parametrize("text,value", [("2e-05", 2e-5), ("1e-5", 1e-5), ("0.001", 1e-3), ("3", 3.0)])
+def test_numeric_strings_are_accepted_as_floats(text, value):
+    config = PPOConfig(learning_rate=text)
+    assert isinstance(config.learning_rate, float)
+    assert config.learning_rate == value
+
+
+def test_integral_values_are_coerced_to_the_annotated_type():
+    config = PPOConfig(batch_size=16.0, mini_batch_size=4, gamma=1, target_kl="2")
+    assert config.batch_size == 16 and isinstance(config.batch_size, int)
+    assert config.gamma == 1.0 and isinstance(config.gamma, float)
+    assert config.target_kl == 2.0 and isinstance(config.target_kl, float)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("batch_size", 0), ("batch_size", -8), ("mini_batch_size", 0), ("gradient_accumulation_steps", 0),
+    ("ppo_epochs", 0), ("learning_rate", 0.0), ("learning_rate", -1e-5), ("learning_rate", "-1e-5"),
+    ("cliprange", 0), ("steps", -1), ("target_kl", 0), ("vf_coef", -0.1), ("init_kl_coef", -0.2),
+    ("gamma", 1.5), ("lam", -0.1),
+])
+def test_non_positive_sizes_and_rates_are_rejected(name, value):
+    with pytest.raises(ValueError, match=rf"PPOConfig\.{name}\b"):
+        PPOConfig(**{name: value})
+
+
+def test_batch_size_must_divide_by_the_backward_batch():
+    with pytest.raises(ValueError, match=r"batch_size \(10\).*mini_batch_size") as info:
+        PPOConfig(batch_size=10, mini_batch_size=4)
+    assert "gradient_accumulation_steps" in str(info.value)
+    with pytest.raises(ValueError, match=r"batch_size \(8\).*mini_batch_size"):
+        PPOConfig(batch_size=8, mini_batch_size=4, gradient_accumulation_steps=3)
+    config = PPOConfig(batch_size=8, mini_batch_size=2, gradient_accumulation_steps=2)
+    assert config.backward_batch_size == 4
+
+
+def test_from_dict_accepts_what_pyyaml_reads():
+    values = yaml.safe_load("learning_rate: 1e-5\nbatch_size: 8\nmini_batch_size: 4\nkl_penalty: abs\n"
+                            "score_clip: null\nearly_stopping: true\n")
+    assert isinstance(values["learning_rate"], str)  # PyYAML (YAML 1.1) reads 1e-5 without a dot as a string
+    config = PPOConfig.from_dict(values)
+    assert config.learning_rate == 1e-5 and isinstance(config.learning_rate, float)
+    assert (config.batch_size, config.mini_batch_size, config.kl_penalty) == (8, 4, "abs")
+    assert config.score_clip is None and config.early_stopping is True
+
+
+def test_from_dict_rejects_a_non_mapping():
+    with pytest.raises(ValueError, match="mapping"):
+        PPOConfig.from_dict([("batch_size", 8)])
+
+
+def test_to_dict_round_trips():
+    config = PPOConfig(batch_size=16, mini_batch_size=4, learning_rate="3e-6", kl_penalty="full", exp_name="x")
+    again = PPOConfig.from_dict(config.to_dict())
+    assert again.to_dict() == config.to_dict()
+
+
+def test_forward_batch_size_is_deprecated_and_overrides_mini_batch_size():
+    with pytest.warns(FutureWarning, match="forward_batch_size"):
+        config = PPOConfig(batch_size=64, mini_batch_size=32, forward_batch_size=16)
+    assert config.mini_batch_size == 16
+    assert config.backward_batch_size == 16
+
+
+def test_optimize_cuda_cache_is_a_deprecated_alias():
+    with pytest.warns(FutureWarning, match="optimize_cuda_cache"):
+        config = PPOConfig(optimize_cuda_cache=True)
+    assert config.optimize_device_cache is True
+
+
+def test_defaults_raise_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PPOConfig()

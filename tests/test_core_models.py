@@ -1,0 +1,240 @@
+"""Value-head models, their checkpoints, shared-layer reference models and the response-only fast path."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from ppo_core import AutoModelForCausalLMWithValueHead, create_reference_model
+from ppo_core.modeling import VALUE_HEAD_FILE
+from ppo_core.rollout import build_model_inputs, policy_outputs
+from tests.tiny import ARCHS, EOS, VOCAB, random_queries, tiny_causal_lm, tiny_value_model
+
+torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
+
+# The parameters before block 1: embeddings and block 0, per architecture (names inside the wrapper).
+SHARED_PREFIXES = {
+    "gpt2": ("pretrained_model.transformer.wte.", "pretrained_model.transformer.wpe.",
+             "pretrained_model.transformer.h.0."),
+    "llama": ("pretrained_model.model.embed_tokens.", "pretrained_model.model.layers.0."),
+    "gpt_neox": ("pretrained_model.gpt_neox.embed_in.", "pretrained_model.gpt_neox.layers.0."),
+}
+
+
+def assert_same_state(a: torch.nn.Module, b: torch.nn.Module):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        torch.testing.assert_close(sa[key], sb[key], atol=0, rtol=0, msg=key)
+
+
+# ---- forward -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_returns_float32_logits_loss_and_values(arch):
+    model = tiny_value_model(arch).eval()
+    input_ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    logits, loss, values = model(input_ids)
+    assert logits.shape == (2, 5, VOCAB) and logits.dtype == torch.float32
+    assert loss is None
+    assert values.shape == (2, 5) and values.dtype == torch.float32
+    # the value is the head applied to the last hidden state
+    hidden = model.pretrained_model(input_ids, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(values, model.v_head.summary(hidden).squeeze(-1))
+    _, loss, _ = model(input_ids, labels=input_ids)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    *_, past = model(input_ids, return_past_key_values=True)
+    assert past is not None
+
+
+def test_value_head_dropout_option():
+    model = tiny_value_model("gpt2", summary_dropout_prob=0.5).train()
+    assert isinstance(model.v_head.dropout, torch.nn.Dropout) and model.v_head.dropout.p == 0.5
+    input_ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    _, _, v1 = model(input_ids)
+    _, _, v2 = model(input_ids)
+    assert not torch.allclose(v1, v2)  # dropout active in train mode
+    model.eval()
+    torch.testing.assert_close(model(input_ids)[2], model(input_ids)[2], atol=0, rtol=0)
+    for off in (None, 0.0):
+        assert isinstance(tiny_value_model("gpt2", summary_dropout_prob=off).v_head.dropout, torch.nn.Identity)
+
+
+def test_value_head_normal_init_option():
+    model = tiny_value_model("gpt2", v_head_init_strategy="normal", v_head_initializer_range=0.5)
+    weight, bias = model.v_head.summary.weight, model.v_head.summary.bias
+    assert torch.all(bias == 0)
+    # 32 draws from N(0, 0.5): the sample std is within 30% of 0.5 for this seed
+    assert abs(weight.std().item() - 0.5) < 0.15
+    default = tiny_value_model("gpt2")  # PyTorch's default init: U(-1/sqrt(32), 1/sqrt(32)), |w| < 0.18
+    assert default.v_head.summary.weight.abs().max() < 1 / 32**0.5
+    with pytest.raises(ValueError, match="v_head_init_strategy"):
+        tiny_value_model("gpt2", v_head_init_strategy="xavier")
+
+
+def test_wrapping_rejects_a_non_transformers_model():
+    with pytest.raises(ValueError, match="PreTrainedModel"):
+        AutoModelForCausalLMWithValueHead(torch.nn.Linear(2, 2))
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_and_load_round_trip(tmp_path, arch):
+    model = tiny_value_model(arch).eval()
+    with torch.no_grad():
+        model.v_head.summary.weight.add_(1.0)  # distinct from any fresh init
+    model.save_pretrained(str(tmp_path))
+    assert (tmp_path / VALUE_HEAD_FILE).is_file()
+
+    loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path)).eval()
+    assert_same_state(loaded, model)
+
+    # the directory is a plain transformers checkpoint: same logits without ppo_core
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    input_ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids).logits, model(input_ids)[0], atol=0, rtol=0)
+
+
+def write_legacy_checkpoint(base, directory, layout: str, v_head: dict[str, torch.Tensor]) -> None:
+    """Save ``base`` as TRL did: the ``v_head.*`` tensors inside the model's own weights."""
+    directory = str(directory)
+    if layout == "pytorch_model.bin":
+        state = {k: v.contiguous() for k, v in base.state_dict().items()}
+        base.config.save_pretrained(directory)
+        torch.save({**state, **v_head}, os.path.join(directory, "pytorch_model.bin"))
+        return
+    base.save_pretrained(directory, max_shard_size="20KB" if layout == "sharded" else "5GB")
+    index_file = os.path.join(directory, "model.safetensors.index.json")
+    shard = "model.safetensors"
+    if layout == "sharded":
+        with open(index_file) as fh:
+            index = json.load(fh)
+        shard = sorted(set(index["weight_map"].values()))[-1]
+        index["weight_map"].update({k: shard for k in v_head})
+        with open(index_file, "w") as fh:
+            json.dump(index, fh)
+    weights_file = os.path.join(directory, shard)
+    save_file({**load_file(weights_file), **v_head}, weights_file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("layout", ["model.safetensors", "sharded", "pytorch_model.bin"])
+def test_loading_a_legacy_trl_checkpoint_restores_the_value_head(tmp_path, layout):
+    """TRL saved ``v_head.summary.{weight,bias}`` inside the model's own weights file(s)."""
+    base = tiny_causal_lm("gpt2", seed=3)
+    v_head = {"v_head.summary.weight": torch.randn(1, 32), "v_head.summary.bias": torch.randn(1)}
+    write_legacy_checkpoint(base, tmp_path, layout, v_head)
+    assert not (tmp_path / VALUE_HEAD_FILE).exists()
+
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path))
+    torch.testing.assert_close(model.v_head.summary.weight, v_head["v_head.summary.weight"], atol=0, rtol=0)
+    torch.testing.assert_close(model.v_head.summary.bias, v_head["v_head.summary.bias"], atol=0, rtol=0)
+    assert_same_state(model.pretrained_model, base)
+
+
+def test_loading_a_plain_lm_gives_a_fresh_value_head(tmp_path):
+    tiny_causal_lm("llama").save_pretrained(str(tmp_path))
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path), summary_dropout_prob=0.3)
+    assert model.v_head.dropout.p == 0.3
+    assert torch.isfinite(model.v_head.summary.weight).all()
+
+
+def test_from_pretrained_rejects_unsupported_options_and_files(tmp_path):
+    with pytest.raises(ValueError, match="peft_config"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(), peft_config=object())
+    file = tmp_path / "model.bin"
+    file.write_bytes(b"")
+    with pytest.raises(ValueError, match="directory"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(str(file))
+
+
+# ---- reference models ----------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reference_model_shares_its_first_layers(arch):
+    model = tiny_value_model(arch)
+    ref = create_reference_model(model, num_shared_layers=1)
+    policy = dict(model.named_parameters())
+    ref_params = dict(ref.named_parameters())
+    assert policy.keys() == ref_params.keys()
+    shared = [n for n in policy if n.startswith(SHARED_PREFIXES[arch])]
+    assert shared and len(shared) < len(policy)
+    for name, param in policy.items():
+        ref_param = ref_params[name]
+        assert not ref_param.requires_grad, name
+        if name in shared:
+            assert ref_param is param and ref_param.data_ptr() == param.data_ptr(), name
+            assert not param.requires_grad, name  # frozen in the trained model too
+        else:
+            assert ref_param.data_ptr() != param.data_ptr(), name
+            torch.testing.assert_close(ref_param, param, atol=0, rtol=0)
+            assert param.requires_grad, name
+    assert not ref.training
+
+    # the copy is independent: changing an unshared policy weight leaves the reference alone
+    name = next(n for n in policy if n not in shared)
+    before = ref_params[name].clone()
+    with torch.no_grad():
+        policy[name].add_(1.0)
+    torch.testing.assert_close(ref_params[name], before, atol=0, rtol=0)
+
+
+def test_reference_model_without_sharing_is_a_frozen_deep_copy():
+    model = tiny_value_model("gpt2")
+    ref = create_reference_model(model)
+    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+        assert param.requires_grad and not ref_param.requires_grad, name
+        assert ref_param.data_ptr() != param.data_ptr(), name
+
+
+def test_reference_model_with_an_explicit_pattern():
+    model = tiny_value_model("gpt2")
+    ref = create_reference_model(model, num_shared_layers=1, pattern="transformer.h.{layer}")
+    assert ref.pretrained_model.transformer.h[0].attn.c_attn.weight is model.pretrained_model.transformer.h[0].attn.c_attn.weight
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_shared_layers=1, pattern="decoder.blocks.{layer}"),
+                                    dict(num_shared_layers=5)])  # the tiny models have 2 layers
+def test_reference_model_bad_pattern_or_layer_is_rejected(kwargs):
+    with pytest.raises(ValueError, match="pattern"):
+        create_reference_model(tiny_value_model("gpt2"), **kwargs)
+
+
+# ---- the response-only fast path against the legacy full-logits forward -------------------------
+def legacy_logprobs_and_values(model, query: torch.Tensor, response: torch.Tensor):
+    """One unpadded sequence through the legacy forward: log_softmax(logits) gathered at the response tokens,
+    and the values at positions query_len - 1 + j."""
+    sequence = torch.cat([query, response])[None]
+    logits, _, values = model(sequence)
+    start = len(query) - 1
+    positions = torch.arange(start, start + len(response))
+    logprobs = torch.log_softmax(logits[0, positions], -1).gather(-1, response[:, None]).squeeze(-1)
+    return logprobs, values[0, positions]
+
+
+def mixed_batch(seed: int = 0):
+    queries = random_queries(5, seed=seed, min_len=1, max_len=6)
+    gen = torch.Generator().manual_seed(seed + 100)
+    lengths = [1, 7, 3, 5, 2]
+    responses = [torch.randint(3, VOCAB, (k,), generator=gen) for k in lengths]
+    responses[2][-1] = EOS
+    return queries, responses
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_policy_outputs_match_the_legacy_full_forward(arch):
+    model = tiny_value_model(arch).eval()
+    queries, responses = mixed_batch()
+    inputs = build_model_inputs(queries, responses, pad_token_id=0)
+    with torch.no_grad():
+        out = policy_outputs(model, inputs, with_entropy=True, chunk_size=3)
+        for i, (q, r) in enumerate(zip(queries, responses)):
+            logprobs, values = legacy_logprobs_and_values(model, q, r)
+            torch.testing.assert_close(out.logprobs[i, :len(r)], logprobs, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out.values[i, :len(r)], values, atol=1e-5, rtol=0)
+            assert torch.all(out.logprobs[i, len(r):] == 0) and torch.all(out.values[i, len(r):] == 0)
+            assert torch.all(out.entropy[i, :len(r)] > 0)
