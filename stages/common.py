@@ -1,0 +1,182 @@
+"""Helpers shared by the stages: the error type, artifact paths, seeding, atomic writers, Parquet, RM scoring.
+
+Every artifact is written atomically: to a temporary name in the same directory, then `os.replace`d onto its
+final name, so a killed stage never leaves a half-written file or model directory behind. Parquet files are
+written deterministically (caller's row order, fixed writer options, no pandas metadata, no timestamps), so the
+same rows give the same bytes and DVC sees no change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class StageError(Exception):
+    """Bad input a user can fix. The message is one line naming the file, key or column and what to do;
+    the CLI prints it without a traceback and exits with status 2."""
+
+
+class ParamsError(StageError):
+    """A params file that is missing, malformed, or has an unknown key or a wrong type."""
+
+
+# Artifacts, relative to the project root (dvc.yaml declares the same paths).
+RAW_SFT = Path("data/raw/sft.parquet")
+RAW_PAIRS = Path("data/raw/pairs.parquet")
+RAW_PROMPTS_TRAIN = Path("data/raw/prompts_train.parquet")
+RAW_PROMPTS_EVAL = Path("data/raw/prompts_eval.parquet")
+SFT_MODEL = Path("data/models/sft")
+SFT_METRICS = Path("data/sft/metrics.json")
+REWARD_MODEL = Path("data/models/reward")
+REWARD_METRICS = Path("data/reward/metrics.json")
+TOKENIZED_TRAIN = Path("data/tokenized/train.parquet")
+TOKENIZED_EVAL = Path("data/tokenized/eval.parquet")
+PPO_MODEL = Path("data/models/ppo")
+PPO_ROLLOUTS = Path("data/ppo/rollouts")
+PPO_STATS = Path("data/ppo/stats.parquet")
+PPO_CURVES = Path("data/ppo/curves.csv")
+PPO_METRICS = Path("data/ppo/metrics.json")
+EVAL_SAMPLES = Path("data/eval/samples.parquet")
+EVAL_METRICS = Path("data/eval/metrics.json")
+
+
+def seed_everything(seed: int) -> None:
+    """The one seeding call of a stage: Python, NumPy and torch (all devices)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def device() -> str:
+    """"cuda" when a GPU is visible, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; when the block succeeds, move it onto `path` (file or directory).
+
+    A directory replaces an existing one by two renames (old aside, new in), then the old one is deleted.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        yield tmp
+        if tmp.is_dir() and (path.is_dir() or path.is_symlink()):
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _remove(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def fresh_dir(path: Path) -> Path:
+    """An empty directory at `path` (what was there is removed), for outputs written file by file."""
+    _remove(Path(path))
+    Path(path).mkdir(parents=True)
+    return Path(path)
+
+
+PARQUET_OPTIONS = dict(
+    compression="zstd", compression_level=3, version="2.6", data_page_version="1.0",
+    use_dictionary=True, write_statistics=True, row_group_size=65536,
+)
+
+
+def write_parquet(columns: dict[str, Sequence[Any]], path: Path) -> None:
+    """Write equal-length columns to Parquet, atomically and deterministically."""
+    table = pa.table({name: list(values) for name, values in columns.items()})
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, **PARQUET_OPTIONS)
+
+
+def write_json(obj: Any, path: Path) -> None:
+    """Write JSON (sorted keys, indented, trailing newline), atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """Write rows with the same keys as CSV (for `dvc plots`), atomically; floats with 6 significant digits."""
+    header = list(rows[0])
+    lines = [",".join(header)]
+    lines += [",".join(f"{row[key]:.6g}" if isinstance(row[key], float) else str(row[key]) for key in header) for row in rows]
+    with atomic_path(path) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+
+
+def save_pretrained(path: Path, *objects: Any) -> None:
+    """`save_pretrained` each object (model, tokenizer) into one directory, atomically."""
+    with atomic_path(path) as tmp:
+        for obj in objects:
+            obj.save_pretrained(tmp)
+
+
+def read_table(path: Path, columns: Sequence[str]):
+    """Read the named columns of a Parquet file written by an earlier stage, as a pandas DataFrame."""
+    path = Path(path)
+    if not path.exists():
+        raise StageError(f"{path}: not found; run the stage that writes it first (`dvc repro` runs them in order)")
+    present = pq.read_schema(path).names
+    missing = [name for name in columns if name not in present]
+    if missing:
+        raise StageError(f"{path}: column '{missing[0]}' not found (columns: {present}); rerun the stage that writes it")
+    return pq.read_table(path, columns=list(columns)).to_pandas()
+
+
+def require_dir(path: Path) -> Path:
+    """Check that a model directory written by an earlier stage exists."""
+    if not (Path(path) / "config.json").exists():
+        raise StageError(f"{path}: no saved model here; run the stage that writes it first (`dvc repro` runs them in order)")
+    return Path(path)
+
+
+def load_reward_model(path: Path):
+    """Load the reward model of the reward stage (scalar head) and its tokenizer, in eval mode."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(require_dir(path))
+    model = AutoModelForSequenceClassification.from_pretrained(path).to(device()).eval()
+    return model, tokenizer
+
+
+def reward_scores(model, tokenizer, texts: Sequence[str], batch_size: int) -> list[float]:
+    """Scalar reward of each text (the head's raw output), truncated to the tokenizer's model_max_length."""
+    import torch
+
+    tokenizer.padding_side = "right"
+    scores: list[float] = []
+    with torch.no_grad():
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer(list(texts[start:start + batch_size]), padding=True, truncation=True, return_tensors="pt")
+            logits = model(**batch.to(model.device)).logits  # (B, 1)
+            scores += logits[:, 0].float().cpu().tolist()
+    return scores

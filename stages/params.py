@@ -1,0 +1,297 @@
+"""Typed params: one frozen dataclass per section of params.yaml, loaded strictly.
+
+Each field is documented once, here, and params.yaml mirrors these sections key for key. Loading rejects
+unknown keys, missing keys and wrong types with a message naming the key and the file. Float fields also take
+numeric strings ("2e-05"): `dvc exp run -S` writes small floats that way. The file is read as YAML 1.2
+(ruamel.yaml), so `2e-05` is a float and `yes` is a string.
+
+The `ppo` section is ppo_core's `PPOConfig`, field for field; `ppo_config()` builds it, and PPOConfig itself
+checks the names and types (its defaults fill keys left out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
+
+from stages.common import ParamsError
+
+SYNTHETIC = "synthetic"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    source: str
+    """"synthetic" (embedded generator), a local .parquet/.jsonl/.json/.csv file, or a Hugging Face dataset id."""
+    split: str
+    """Split of a Hugging Face dataset; ignored for local files and synthetic data."""
+    columns: dict[str, str]
+    """Our column -> the source's column, e.g. {query: prompt} renames `prompt` to `query` (as the seed does)."""
+    n: int | None
+    """Rows generated (synthetic) or kept after a seeded shuffle (real data; null keeps all)."""
+
+
+@dataclass(frozen=True)
+class DataParams:
+    sft: DatasetSpec
+    """SFT texts, one column: text."""
+    pairs: DatasetSpec
+    """Preference pairs: prompt, chosen, rejected (the RM scores prompt + chosen against prompt + rejected)."""
+    prompts: DatasetSpec
+    """PPO prompts, one column: query; split into train and held-out eval."""
+    n_eval_prompts: int
+    """Prompts held out from PPO for the evaluate stage."""
+
+    @property
+    def is_synthetic(self) -> bool:
+        """True when all three datasets come from the embedded generator (then the gold score is known)."""
+        return all(spec.source == SYNTHETIC for spec in (self.sft, self.pairs, self.prompts))
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    name_or_path: str | None
+    """A causal LM id or local path; null trains a GPT-2 config and a byte-level BPE tokenizer from scratch."""
+    vocab_size: int
+    """From scratch only: BPE vocabulary size, special tokens included."""
+    n_layer: int
+    """From scratch only: transformer blocks."""
+    n_head: int
+    """From scratch only: attention heads."""
+    n_embd: int
+    """From scratch only: hidden size."""
+    n_positions: int
+    """From scratch only: context length; query plus response must fit."""
+
+
+@dataclass(frozen=True)
+class SFTParams:
+    learning_rate: float
+    """AdamW peak learning rate (cosine decay after warmup)."""
+    num_train_epochs: float
+    """Passes over the SFT texts."""
+    batch_size: int
+    """Texts per optimiser step."""
+    max_length: int
+    """Tokens kept per text, EOS included."""
+    warmup_ratio: float
+    """Fraction of the steps spent on linear warmup."""
+    weight_decay: float
+    """AdamW weight decay."""
+    eval_fraction: float
+    """Fraction of the texts held out to report eval loss."""
+
+
+@dataclass(frozen=True)
+class RewardParams:
+    learning_rate: float
+    """AdamW peak learning rate (cosine decay after warmup)."""
+    num_train_epochs: float
+    """Passes over the training pairs."""
+    batch_size: int
+    """Pairs per optimiser step."""
+    max_length: int
+    """Tokens kept per prompt + response; saved as the RM tokenizer's model_max_length."""
+    warmup_ratio: float
+    """Fraction of the steps spent on linear warmup."""
+    eval_fraction: float
+    """Fraction of the pairs held out to report pairwise accuracy."""
+
+
+@dataclass(frozen=True)
+class TokenizeParams:
+    max_query_tokens: int
+    """Queries longer than this are truncated (the start is kept)."""
+    min_query_tokens: int
+    """Queries shorter than this (after truncation) are dropped."""
+
+
+@dataclass(frozen=True)
+class ScorerParams:
+    source: str
+    """Reward source of the ppo stage: "reward_model" (data/models/reward), "pipeline" or "callable"."""
+    name: str | None
+    """pipeline: a text-classification model id or path; callable: "module:function" (list[str] -> list[float])."""
+    label: str
+    """pipeline only: the label whose raw score (function_to_apply="none") is the reward, as in the seed."""
+    batch_size: int
+    """Texts per scoring forward pass."""
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Keyword arguments of `generate()`, for PPO rollouts and evaluation alike."""
+
+    max_new_tokens: int
+    """Response length cap."""
+    min_length: int
+    """-1 as in the seed: no minimum, EOS may come at any time."""
+    do_sample: bool
+    """Sample (true) or decode greedily."""
+    top_k: int
+    """0 disables top-k filtering (the seed's setting; filtering biases the KL estimate)."""
+    top_p: float
+    """1.0 disables nucleus filtering."""
+    temperature: float
+    """Softmax temperature."""
+
+
+@dataclass(frozen=True)
+class EvaluateParams:
+    n_prompts: int | None
+    """Held-out prompts evaluated (null: all of them)."""
+    batch_size: int
+    """Prompts per generation and scoring batch."""
+
+
+SECTIONS: dict[str, type] = {
+    "seed": int,
+    "data": DataParams,
+    "model": ModelParams,
+    "sft": SFTParams,
+    "reward": RewardParams,
+    "tokenize": TokenizeParams,
+    "scorer": ScorerParams,
+    "generation": GenerationParams,
+    "ppo": dict,
+    "evaluate": EvaluateParams,
+}
+SCORER_SOURCES = ("reward_model", "pipeline", "callable")
+
+
+@dataclass(frozen=True)
+class Params:
+    path: Path
+    """The params file these values came from (named in error messages)."""
+    seed: int
+    """The seed of a run: each stage seeds once from it (the ppo stage too, unless ppo.seed is set)."""
+    data: DataParams
+    model: ModelParams
+    sft: SFTParams
+    reward: RewardParams
+    tokenize: TokenizeParams
+    scorer: ScorerParams
+    generation: GenerationParams
+    ppo: dict[str, Any]
+    """PPOConfig keyword arguments, checked by `ppo_config()`."""
+    evaluate: EvaluateParams
+
+
+def load_params(path: str | Path) -> Params:
+    """Read and check a params file; raise ParamsError naming the file and key on any problem."""
+    path = Path(path)
+    try:
+        raw = YAML(typ="safe", pure=True).load(path.read_text())
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: params file not found; pass --params PATH or run from the project root") from None
+    except YAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
+    _check_keys(raw, SECTIONS, "", path)
+    values = {name: _convert(raw[name], tp, name, path) for name, tp in SECTIONS.items()}
+    params = Params(path=path, **values)
+    _check_values(params)
+    return params
+
+
+def ppo_config(params: Params):
+    """Build ppo_core.PPOConfig from the `ppo` section; `ppo.seed: null` means the run's top-level seed."""
+    from ppo_core import PPOConfig
+
+    kwargs = dict(params.ppo)
+    if kwargs.get("seed") is None:
+        kwargs["seed"] = params.seed
+    try:
+        return PPOConfig(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ParamsError(f"{params.path}: ppo: {err}") from None
+
+
+def _check_keys(raw: dict, expected: typing.Iterable[str], prefix: str, path: Path) -> None:
+    expected = list(expected)
+    unknown = [key for key in raw if key not in expected]
+    missing = [key for key in expected if key not in raw]
+    if unknown:
+        raise ParamsError(f"{path}: unknown key '{prefix}{unknown[0]}'; the keys of this section are {expected}")
+    if missing:
+        raise ParamsError(f"{path}: missing key '{prefix}{missing[0]}'")
+
+
+def _convert(value: Any, tp: Any, key: str, path: Path) -> Any:
+    """Check `value` against the annotation `tp` and return it converted (ints and numeric strings to float)."""
+
+    def wrong(expected: str) -> ParamsError:
+        return ParamsError(f"{path}: {key} must be {expected}, got {value!r} ({type(value).__name__})")
+
+    if isinstance(tp, types.UnionType):  # X | None
+        if value is None:
+            return None
+        (tp,) = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise wrong("a mapping")
+        hints = typing.get_type_hints(tp)
+        _check_keys(value, hints, f"{key}.", path)
+        return tp(**{name: _convert(value[name], hints[name], f"{key}.{name}", path) for name in hints})
+    if typing.get_origin(tp) is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise wrong("a mapping")
+        if tp is not dict and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise wrong("a mapping of strings to strings")
+        return dict(value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise wrong("a number")
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise wrong("an integer")
+    if tp in (str, bool) and not isinstance(value, tp):
+        raise wrong("a string" if tp is str else "true or false")
+    return value
+
+
+def _check_values(p: Params) -> None:
+    """Range and cross-section checks, done once at load."""
+    checks = [
+        (p.data.n_eval_prompts >= 1, "data.n_eval_prompts", "at least 1"),
+        (all(s.n is None or s.n >= 1 for s in (p.data.sft, p.data.pairs, p.data.prompts)), "data.*.n", "null or >= 1"),
+        (0 < p.sft.eval_fraction < 1, "sft.eval_fraction", "in (0, 1)"),
+        (0 < p.reward.eval_fraction < 1, "reward.eval_fraction", "in (0, 1)"),
+        (p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens, "tokenize.min_query_tokens", "<= max_query_tokens"),
+        (p.scorer.source in SCORER_SOURCES, "scorer.source", f"one of {SCORER_SOURCES}"),
+        (p.scorer.source == "reward_model" or bool(p.scorer.name), "scorer.name", "set for this scorer.source"),
+        (p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1, "evaluate.n_prompts", "null or >= 1"),
+    ]
+    if p.model.name_or_path is None:
+        longest = p.tokenize.max_query_tokens + p.generation.max_new_tokens
+        checks += [
+            (p.model.n_embd % p.model.n_head == 0, "model.n_embd", "a multiple of model.n_head"),
+            (p.sft.max_length <= p.model.n_positions, "sft.max_length", "<= model.n_positions"),
+            (p.reward.max_length <= p.model.n_positions, "reward.max_length", "<= model.n_positions"),
+            (longest <= p.model.n_positions, "generation.max_new_tokens", "<= model.n_positions - tokenize.max_query_tokens"),
+        ]
+    for ok, key, expected in checks:
+        if not ok:
+            raise ParamsError(f"{p.path}: {key} must be {expected}")
+    positive = {
+        "sft.batch_size": p.sft.batch_size, "reward.batch_size": p.reward.batch_size,
+        "scorer.batch_size": p.scorer.batch_size, "evaluate.batch_size": p.evaluate.batch_size,
+        "generation.max_new_tokens": p.generation.max_new_tokens, "tokenize.max_query_tokens": p.tokenize.max_query_tokens,
+        "sft.learning_rate": p.sft.learning_rate, "reward.learning_rate": p.reward.learning_rate,
+    }
+    for key, value in positive.items():
+        if not value > 0:
+            raise ParamsError(f"{p.path}: {key} must be > 0, got {value}")
