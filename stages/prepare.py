@@ -1,0 +1,104 @@
+"""prepare: the raw datasets as Parquet: SFT texts, preference pairs, PPO prompts (train and held-out eval).
+
+Each dataset is either generated (`source: synthetic`, see stages/synthetic.py) or loaded from a local
+.parquet/.jsonl/.json/.csv file or a Hugging Face dataset id, with its columns renamed by `columns`.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from stages import synthetic
+from stages.common import (RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, StageError, seed_everything,
+                           write_parquet)
+from stages.params import SYNTHETIC, DatasetSpec, Params
+
+COLUMNS = {"sft": ("text",), "pairs": ("prompt", "chosen", "rejected"), "prompts": ("query",)}
+LOCAL_READERS = {".parquet": "read_parquet", ".jsonl": "read_json", ".json": "read_json", ".csv": "read_csv"}
+
+
+def run(params: Params, root: Path = Path(".")) -> str:
+    seed_everything(params.seed)
+    data = params.data
+    tables = {name: load(getattr(data, name), name, params) for name in COLUMNS}
+    prompts = tables["prompts"]["query"]
+    if len(prompts) <= data.n_eval_prompts:
+        raise StageError(
+            f"{data.prompts.source}: {len(prompts)} prompts, but data.n_eval_prompts holds out {data.n_eval_prompts}; "
+            f"lower data.n_eval_prompts in {params.path} or give more prompts"
+        )
+    write_parquet(tables["sft"], root / RAW_SFT)
+    write_parquet(tables["pairs"], root / RAW_PAIRS)
+    write_parquet({"query": prompts[data.n_eval_prompts:]}, root / RAW_PROMPTS_TRAIN)
+    write_parquet({"query": prompts[:data.n_eval_prompts]}, root / RAW_PROMPTS_EVAL)
+    return (f"{len(tables['sft']['text'])} SFT texts, {len(tables['pairs']['prompt'])} pairs, "
+            f"{len(prompts) - data.n_eval_prompts} train + {data.n_eval_prompts} eval prompts -> {RAW_SFT.parent}")
+
+
+def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
+    """One dataset as columns of strings, named as in COLUMNS."""
+    if spec.source == SYNTHETIC:
+        if spec.n is None:
+            raise StageError(f"{params.path}: data.{name}.n is null; synthetic data needs a row count")
+        return generate(name, spec.n, params.seed)
+    frame = read_source(spec, name)
+    if len(frame) == 0:
+        raise StageError(f"{spec.source}: no rows (data.{name}.source in {params.path}); give a dataset with at least one row")
+    where = f"data.{name}.columns in {params.path}"
+    for ours in COLUMNS[name]:
+        theirs = spec.columns.get(ours)
+        if theirs is None:
+            raise StageError(f"{params.path}: data.{name}.columns has no entry for '{ours}'; map it to a column of {spec.source}")
+        if theirs not in frame.columns:
+            raise StageError(f"{spec.source}: column '{theirs}' not found ({where} maps '{ours}' to it); "
+                             f"its columns are {list(frame.columns)}")
+        bad = frame[theirs].map(lambda v: not isinstance(v, str)).sum()
+        if bad:
+            raise StageError(f"{spec.source}: column '{theirs}' has {bad} values that are not text (missing or numbers); clean the file")
+    order = list(range(len(frame)))
+    random.Random(f"{params.seed}-{name}").shuffle(order)
+    frame = frame.iloc[order[:spec.n]]
+    return {ours: frame[spec.columns[ours]].tolist() for ours in COLUMNS[name]}
+
+
+def generate(name: str, n: int, seed: int) -> dict[str, list[str]]:
+    if name == "sft":
+        return {"text": synthetic.reviews(n, seed)}
+    if name == "prompts":
+        return {"query": synthetic.prompts(n, seed)}
+    prompt, chosen, rejected = zip(*synthetic.pairs(n, seed))
+    return {"prompt": list(prompt), "chosen": list(chosen), "rejected": list(rejected)}
+
+
+def read_source(spec: DatasetSpec, name: str):
+    """A local file with pandas, or a Hugging Face dataset with `datasets.load_dataset` (hub, then pandas)."""
+    import pandas as pd
+
+    path = Path(spec.source)
+    reader = LOCAL_READERS.get(path.suffix.lower())
+    if reader is None and not path.exists():
+        return read_hub(spec, name)
+    if reader is None or not path.is_file():
+        raise StageError(f"{path}: not a readable .parquet/.jsonl/.json/.csv file (data.{name}.source); "
+                         f"give one of those, a Hugging Face dataset id, or '{SYNTHETIC}'")
+    kwargs = {"read_json": {"lines": path.suffix.lower() == ".jsonl", "dtype": False}, "read_csv": {"dtype": str}}.get(reader, {})
+    try:
+        return getattr(pd, reader)(path, **kwargs)
+    except (ValueError, OSError) as err:
+        if reader == "read_csv" and isinstance(err, pd.errors.EmptyDataError):
+            return pd.DataFrame()
+        raise StageError(f"{path}: could not be read as {path.suffix} ({' '.join(str(err).split())[:200]})") from None
+
+
+def read_hub(spec: DatasetSpec, name: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(spec.source, split=spec.split).to_pandas()
+    except Exception as err:  # the hub client raises many types; all mean "could not load"
+        raise StageError(
+            f"{spec.source}: could not load Hugging Face dataset split '{spec.split}' (data.{name}.source): "
+            f"{' '.join(str(err).split())[:200]}. Stage processes default to HF_HUB_OFFLINE=1; "
+            "set HF_HUB_OFFLINE=0 to allow downloads, or use a local file"
+        ) from None
