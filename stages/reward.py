@@ -1,0 +1,83 @@
+"""reward: a reward model (the SFT model plus a scalar head) trained on the pairs with the Bradley-Terry loss.
+
+The model is `AutoModelForSequenceClassification` with one label, scoring `prompt + response` at its last
+token. Loss: -log sigmoid(r_chosen - r_rejected), averaged over the pairs of a batch. Reports the pairwise
+accuracy (r_chosen > r_rejected) on held-out pairs.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import torch.nn.functional as F
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
+
+from stages.common import (RAW_PAIRS, REWARD_METRICS, REWARD_MODEL, SFT_MODEL, device, read_table, require_dir,
+                           reward_scores, save_pretrained, seed_everything, write_json)
+from stages.params import Params
+
+
+def run(params: Params, root: Path = Path(".")) -> str:
+    seed_everything(params.seed)
+    pairs = read_table(root / RAW_PAIRS, ["prompt", "chosen", "rejected"])
+    chosen = (pairs["prompt"] + pairs["chosen"]).tolist()
+    rejected = (pairs["prompt"] + pairs["rejected"]).tolist()
+    order = list(range(len(pairs)))
+    random.Random(f"{params.seed}-reward").shuffle(order)
+    n_eval = max(1, round(len(order) * params.reward.eval_fraction))
+    eval_idx, train_idx = order[:n_eval], order[n_eval:]
+
+    tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL), model_max_length=params.reward.max_length)
+    model = AutoModelForSequenceClassification.from_pretrained(root / SFT_MODEL, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    encode = lambda texts: tokenizer(texts, truncation=True)["input_ids"]  # noqa: E731
+    chosen_ids, rejected_ids = encode([chosen[i] for i in train_idx]), encode([rejected[i] for i in train_idx])
+    train = [{"chosen": c, "rejected": r} for c, r in zip(chosen_ids, rejected_ids)]
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = PairwiseTrainer(model=model, args=training_args(params, scratch), train_dataset=train,
+                                  data_collator=PairCollator(tokenizer), processing_class=tokenizer)
+        train_loss = trainer.train().training_loss
+    model.eval()
+    bs = params.reward.batch_size * 2
+    r_chosen = reward_scores(model, tokenizer, [chosen[i] for i in eval_idx], bs)
+    r_rejected = reward_scores(model, tokenizer, [rejected[i] for i in eval_idx], bs)
+    wins = [c > r for c, r in zip(r_chosen, r_rejected)]
+    metrics = {"train_loss": train_loss, "eval_accuracy": sum(wins) / len(wins), "n_train": len(train), "n_eval": n_eval,
+               "eval_margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval}
+    save_pretrained(root / REWARD_MODEL, model, tokenizer)
+    write_json(metrics, root / REWARD_METRICS)
+    return f"{len(train)} pairs, held-out pairwise accuracy {metrics['eval_accuracy']:.3f} ({n_eval} pairs) -> {REWARD_MODEL}"
+
+
+def training_args(params: Params, output_dir: str) -> TrainingArguments:
+    rm = params.reward
+    return TrainingArguments(
+        output_dir=output_dir, learning_rate=rm.learning_rate, num_train_epochs=rm.num_train_epochs,
+        per_device_train_batch_size=rm.batch_size, warmup_steps=rm.warmup_ratio, lr_scheduler_type="cosine",
+        seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
+        remove_unused_columns=False, logging_strategy="no", save_strategy="no", report_to="none",
+    )
+
+
+class PairCollator:
+    """Stack a batch of pairs into one padded batch: the B chosen sequences, then the B rejected ones."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, features: list[dict]) -> dict:
+        ids = [f["chosen"] for f in features] + [f["rejected"] for f in features]
+        self.tokenizer.padding_side = "right"
+        return dict(self.tokenizer.pad({"input_ids": ids}, return_tensors="pt"))  # (2B, T)
+
+
+class PairwiseTrainer(Trainer):
+    """transformers.Trainer with the Bradley-Terry loss on stacked (chosen, rejected) batches."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        rewards = model(**inputs).logits.squeeze(-1)  # (2B,)
+        r_chosen, r_rejected = rewards.chunk(2)  # (B,), (B,)
+        loss = -F.logsigmoid(r_chosen - r_rejected).mean()
+        return (loss, {"rewards": rewards}) if return_outputs else loss

@@ -1,0 +1,87 @@
+"""sft: supervised fine-tuning of the policy on the SFT texts (causal LM loss) with `transformers.Trainer`.
+
+Default model (`model.name_or_path: null`): a byte-level BPE tokenizer trained on the SFT texts (`tokenizers`)
+and a small GPT-2 config trained from scratch. Otherwise any causal LM id or local path. EOS ends every text
+so the policy learns to stop; the pad token is distinct from EOS, so EOS keeps its loss.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, GPT2Config,
+                          GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments)
+
+from stages.common import RAW_SFT, SFT_METRICS, SFT_MODEL, device, read_table, save_pretrained, seed_everything, write_json
+from stages.params import ModelParams, Params
+
+EOS, PAD = "<|endoftext|>", "<pad>"
+
+
+def run(params: Params, root: Path = Path(".")) -> str:
+    seed_everything(params.seed)
+    texts = read_table(root / RAW_SFT, ["text"])["text"].tolist()
+    tokenizer, model = build(params.model, texts)
+    ids = tokenizer(texts, truncation=True, max_length=params.sft.max_length - 1)["input_ids"]
+    examples = [{"input_ids": x + [tokenizer.eos_token_id]} for x in ids]
+    n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = Trainer(
+            model=model,
+            args=training_args(params, scratch),
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            train_dataset=examples[n_eval:],
+            eval_dataset=examples[:n_eval],
+            processing_class=tokenizer,
+        )
+        train_loss = trainer.train().training_loss
+        eval_loss = trainer.evaluate()["eval_loss"]
+    metrics = {"train_loss": train_loss, "eval_loss": eval_loss, "n_train": len(examples) - n_eval, "n_eval": n_eval,
+               "n_params": sum(p.numel() for p in model.parameters())}
+    save_pretrained(root / SFT_MODEL, model, tokenizer)
+    write_json(metrics, root / SFT_METRICS)
+    return f"{metrics['n_train']} texts, train loss {train_loss:.3f}, eval loss {eval_loss:.3f} -> {SFT_MODEL}"
+
+
+def training_args(params: Params, output_dir: str) -> TrainingArguments:
+    sft = params.sft
+    return TrainingArguments(
+        output_dir=output_dir, learning_rate=sft.learning_rate, num_train_epochs=sft.num_train_epochs,
+        per_device_train_batch_size=sft.batch_size, per_device_eval_batch_size=sft.batch_size,
+        warmup_steps=sft.warmup_ratio, lr_scheduler_type="cosine", weight_decay=sft.weight_decay,
+        seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
+        logging_strategy="no", save_strategy="no", report_to="none",
+    )
+
+
+def build(spec: ModelParams, texts: list[str]):
+    """The tokenizer and the untrained (or pretrained) causal LM."""
+    if spec.name_or_path is not None:
+        tokenizer = AutoTokenizer.from_pretrained(spec.name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(spec.name_or_path)
+        if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+            tokenizer.add_special_tokens({"pad_token": PAD})
+            model.resize_token_embeddings(len(tokenizer))
+        model.config.pad_token_id = tokenizer.pad_token_id
+        return tokenizer, model
+    tokenizer = train_tokenizer(texts, spec.vocab_size, spec.n_positions)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=spec.n_positions, n_embd=spec.n_embd, n_layer=spec.n_layer,
+        n_head=spec.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer, GPT2LMHeadModel(config)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
+    """A GPT-2-style byte-level BPE tokenizer (exact round trip on any text), trained on `texts`."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, pad_token=PAD,
+                                   model_max_length=max_length)

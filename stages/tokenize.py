@@ -1,0 +1,31 @@
+"""tokenize: the PPO prompts tokenized with the policy's tokenizer, as Parquet (`query`, `input_ids`).
+
+Queries longer than tokenize.max_query_tokens keep their first tokens; those shorter than min_query_tokens
+are dropped. `query` is the decoded kept tokens, so `query + response` is exactly the text the policy saw.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from stages.common import (RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, SFT_MODEL, TOKENIZED_EVAL, TOKENIZED_TRAIN,
+                           StageError, read_table, require_dir, seed_everything, write_parquet)
+from stages.params import Params
+
+
+def run(params: Params, root: Path = Path(".")) -> str:
+    seed_everything(params.seed)
+    tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
+    kept = {}
+    for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
+        queries = read_table(root / source, ["query"])["query"].tolist()
+        ids = [x[:params.tokenize.max_query_tokens] for x in tokenizer(queries)["input_ids"]]
+        ids = [x for x in ids if len(x) >= params.tokenize.min_query_tokens]
+        if not ids:
+            raise StageError(f"{source}: no query has tokenize.min_query_tokens={params.tokenize.min_query_tokens} "
+                             f"tokens; lower it in {params.path}")
+        write_parquet({"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}, root / target)
+        kept[target.stem] = (len(ids), len(queries))
+    return ", ".join(f"{name}: {n} of {total} queries kept" for name, (n, total) in kept.items()) + f" -> {TOKENIZED_TRAIN.parent}"
