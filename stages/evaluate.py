@@ -1,0 +1,100 @@
+"""evaluate: the SFT and PPO policies on the held-out prompts, side by side.
+
+Per policy: mean reward-model score, mean gold score (default synthetic data only), KL to the SFT policy
+(sum over response tokens of log pi(y_t) - log pi_sft(y_t), averaged over the policy's own samples, a Monte
+Carlo estimate of KL(pi || pi_sft)), and mean response length in tokens. Win rate: the fraction of prompts
+where the RM scores the PPO response above the SFT one (ties count half). Both policies are loaded with plain
+transformers and sampled with the `generation` kwargs of the PPO rollouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stages.common import (EVAL_METRICS, EVAL_SAMPLES, PPO_MODEL, REWARD_MODEL, SFT_MODEL, TOKENIZED_EVAL, device,
+                           load_reward_model, read_table, require_dir, reward_scores, seed_everything, write_json,
+                           write_parquet)
+from stages.params import Params
+from stages.synthetic import gold_score
+
+
+def run(params: Params, root: Path = Path(".")) -> str:
+    seed_everything(params.seed)
+    prompts = read_table(root / TOKENIZED_EVAL, ["query", "input_ids"]).head(params.evaluate.n_prompts)
+    queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
+    tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
+    policies = {name: AutoModelForCausalLM.from_pretrained(require_dir(root / path)).to(device()).eval()
+                for name, path in (("sft", SFT_MODEL), ("ppo", PPO_MODEL))}
+    rm, rm_tokenizer = load_reward_model(root / REWARD_MODEL)
+    generation = {k: v for k, v in dataclasses.asdict(params.generation).items() if not (k == "min_length" and v < 0)}
+    bs = params.evaluate.batch_size
+    columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
+    if params.data.is_synthetic:
+        columns["gold"] = []
+    metrics = {}
+    for name, policy in policies.items():
+        response_ids = sample(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
+        responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        texts = [q + r for q, r in zip(queries, responses)]
+        kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
+                         logprob_sums(policies["sft"], query_ids, response_ids, bs))
+        rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
+                "score": reward_scores(rm, rm_tokenizer, texts, bs), "kl_to_sft": kl.tolist(),
+                "response_tokens": [len(r) for r in response_ids]}
+        if "gold" in columns:
+            rows["gold"] = [gold_score(t) for t in texts]
+        for key in columns:
+            columns[key] += rows[key]
+        metrics[name] = {"reward_mean": float(np.mean(rows["score"])), "kl_to_sft": float(kl.mean()),
+                         "response_len_mean": float(np.mean(rows["response_tokens"]))}
+        if "gold" in rows:
+            metrics[name]["gold_mean"] = float(np.mean(rows["gold"]))
+    n = len(queries)
+    sft_scores, ppo_scores = np.array(columns["score"][:n]), np.array(columns["score"][n:])
+    metrics["win_rate"] = float(np.mean((ppo_scores > sft_scores) + 0.5 * (ppo_scores == sft_scores)))
+    write_parquet(columns, root / EVAL_SAMPLES)
+    write_json(metrics, root / EVAL_METRICS)
+    gold = f", gold {metrics['sft']['gold_mean']:.2f} -> {metrics['ppo']['gold_mean']:.2f}" if "gold" in columns else ""
+    return (f"{n} prompts: reward {metrics['sft']['reward_mean']:.2f} (sft) -> {metrics['ppo']['reward_mean']:.2f} (ppo)"
+            f"{gold}, win rate {metrics['win_rate']:.2f}, kl {metrics['ppo']['kl_to_sft']:.2f} -> {EVAL_METRICS}")
+
+
+@torch.no_grad()
+def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch_size: int, desc: str) -> list[list[int]]:
+    """Sampled response tokens per query: left-padded batches, each response cut after its first EOS (kept)."""
+    tokenizer.padding_side = "left"
+    out = []
+    for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch"):
+        batch = tokenizer.pad({"input_ids": query_ids[start:start + batch_size]}, return_tensors="pt").to(model.device)
+        generated = model.generate(**batch, **generation, pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)  # (B, L + new)
+        for row in generated[:, batch["input_ids"].shape[1]:].tolist():
+            end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+            out.append(row[:end])
+    return out
+
+
+@torch.no_grad()
+def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]], batch_size: int) -> list[float]:
+    """sum_t log pi(response_t | query, response_<t) per sample, from right-padded query + response batches."""
+    sums = []
+    for start in range(0, len(query_ids), batch_size):
+        seqs = [q + r for q, r in zip(query_ids[start:start + batch_size], response_ids[start:start + batch_size])]
+        width = max(len(s) for s in seqs)
+        input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        response_mask = torch.zeros(len(seqs), width - 1)  # position t predicts token t + 1
+        for i, (q, s) in enumerate(zip(query_ids[start:], seqs)):
+            input_ids[i, :len(s)], attention_mask[i, :len(s)] = torch.tensor(s), 1
+            response_mask[i, len(q) - 1:len(s) - 1] = 1
+        logits = model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device)).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
+        token_logprobs = logprobs.gather(-1, input_ids[:, 1:, None].to(model.device)).squeeze(-1)  # (B, T-1)
+        sums += (token_logprobs.cpu() * response_mask).sum(-1).tolist()
+    return sums
