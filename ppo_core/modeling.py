@@ -158,7 +158,10 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         return self.pretrained_model.generate(*args, **kwargs)
 
     def gradient_checkpointing_enable(self, **kwargs):
-        self.pretrained_model.gradient_checkpointing_enable(**kwargs)
+        # transformers 5 renamed it (the old name warns and goes away in v6).
+        enable = getattr(self.pretrained_model, "activation_checkpointing_enable", None) \
+            or self.pretrained_model.gradient_checkpointing_enable
+        enable(**kwargs)
         self.pretrained_model.enable_input_require_grads()
 
     def backbone_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
