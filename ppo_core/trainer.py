@@ -115,7 +115,8 @@ class PPOTrainer:
             model, optimizer, self.dataloader, lr_scheduler)
         self.ref_model = ref_model.to(self.accelerator.device)  # frozen: never wrapped, never optimised
         self.current_device = self.accelerator.device
-        self.current_step = 0
+        self.current_step = 0  # logging step, advanced by log_stats (legacy)
+        self.step_count = 0  # completed step() calls
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
         self._warned_negative_kl = False
         self._best_score = -math.inf
@@ -204,6 +205,7 @@ class PPOTrainer:
         self.kl_ctl.update(float(stats["objective/kl"]), cfg.batch_size * self.accelerator.num_processes)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self.step_count += 1
         timing["time/ppo/total"] = time.perf_counter() - t_start
         stats.update(timing)
         if cfg.optimize_device_cache:
@@ -286,6 +288,7 @@ class PPOTrainer:
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
                                           entropy=entropy)
+        _raise_if_non_finite(stats, f"PPO step {self.step_count + 1}: non-finite", "before the update")
         skipped = stats["policy/ratio_mean"] > self.config.ratio_threshold
         stats["policy/skipped"] = skipped.float()
         if skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
@@ -293,8 +296,15 @@ class PPOTrainer:
                           f"ratio_threshold ({self.config.ratio_threshold}); skipping its update.")
         else:
             self.accelerator.backward(loss_p + loss_v)
-        if self.config.max_grad_norm is not None and self.accelerator.sync_gradients:
-            self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        if self.accelerator.sync_gradients:
+            # Clipping with an infinite bound only measures the norm: a non-finite gradient must stop the
+            # run before the optimizer writes it into the weights.
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or math.inf)
+            if norm is not None and not torch.isfinite(torch.as_tensor(norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"PPO step {self.step_count + 1}: non-finite gradient norm ({float(norm)}); "
+                                         "the weights were not updated. Lower learning_rate, set max_grad_norm, "
+                                         "or check the scores.")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
@@ -314,13 +324,14 @@ class PPOTrainer:
             stats = {
                 "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
                 "loss/total": (pg.loss + cfg.vf_coef * vf.loss).detach(),
-                "policy/entropy": masked_mean(entropy, mask) if entropy is not None else torch.tensor(float("nan")),
                 "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
                 "policy/advantages_mean": masked_mean(advantages, mask), "policy/ratio_mean": pg.ratio_mean,
                 "returns/mean": masked_mean(returns, mask), "returns/var": masked_var(returns, mask),
                 "val/vpred": masked_mean(vpreds, mask), "val/error": masked_mean((vpreds - returns) ** 2, mask),
                 "val/clipfrac": vf.clipfrac, "val/mean": masked_mean(values, mask), "val/var": masked_var(values, mask),
             }
+            if entropy is not None:  # absent only when a caller passes neither logits nor entropy
+                stats["policy/entropy"] = masked_mean(entropy, mask)
         return pg.loss, cfg.vf_coef * vf.loss, stats
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
@@ -418,7 +429,7 @@ class PPOTrainer:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
-            "shuffle": self._shuffle.get_state(), "current_step": self.current_step,
+            "shuffle": self._shuffle.get_state(), "current_step": self.current_step, "step_count": self.step_count,
             "rng": checkpoint.rng_state(), "config": flatten_dict(self.config.to_dict()), "extra": extra or {},
         }
         checkpoint.atomic_torch_save(state, path)
@@ -434,7 +445,7 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.running.load_state_dict(state["running"])
         self._shuffle.set_state(state["shuffle"])
-        self.current_step = state["current_step"]
+        self.current_step, self.step_count = state["current_step"], state["step_count"]
         checkpoint.set_rng_state(state["rng"])
         return state["extra"]
 
@@ -479,6 +490,14 @@ class PPOTrainer:
                 f"model = AutoModelForCausalLMWithValueHead.from_pretrained({path!r})\n```\n")
         with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as fh:
             fh.write(card)
+
+
+def _raise_if_non_finite(stats: dict[str, torch.Tensor], prefix: str, suffix: str) -> None:
+    """Raise ``FloatingPointError`` naming the first non-finite statistic (legacy names, ``ppo/`` prefix)."""
+    for key, value in stats.items():
+        if not bool(torch.isfinite(value).all()):
+            raise FloatingPointError(f"{prefix} ppo/{key} ({value.item() if value.numel() == 1 else value}) "
+                                     f"{suffix}; the weights were not updated.")
 
 
 def _token_tensor(x, name: str, i: int) -> torch.Tensor:

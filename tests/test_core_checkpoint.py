@@ -51,3 +51,16 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
     bad.write_bytes(b"truncated")
     with pytest.raises(ValueError, match="ckpt.pt.*cannot be read"):
         make_trainer().load_checkpoint(str(bad))
+
+
+def test_non_finite_loss_stops_the_step_before_any_update():
+    trainer = make_trainer()
+    queries = random_queries(8, seed=0)
+    responses = trainer.generate(queries, batch_size=8, return_prompt=False, max_new_tokens=4)
+    with torch.no_grad():
+        trainer.model.v_head.summary.bias.fill_(float("inf"))  # values inf -> value loss non-finite
+    before = {k: v.clone() for k, v in trainer.model.pretrained_model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match=r"PPO step 1: non-finite ppo/(loss|returns|val)/"):
+        trainer.step(queries, responses, [torch.tensor(1.0)] * 8)
+    for name, value in trainer.model.pretrained_model.state_dict().items():
+        assert torch.equal(value, before[name]), name
