@@ -29,11 +29,11 @@ from __future__ import annotations
 import random
 import re
 
-LEADS = ("", "", "", "honestly", "overall", "i think", "i thought", "to me", "for me", "in the end")
+LEADS = ("", "", "", "honestly", "overall", "i think", "i thought", "to me", "for me", "in short")
 SUBJECTS = (
     "the movie", "this movie", "the film", "this film", "the story", "the plot", "the acting", "the cast",
     "the ending", "the script", "the music", "the soundtrack", "the dialogue", "the pacing", "the direction",
-    "the visuals", "the lead actor", "the villain", "the sequel", "the first half", "the second half",
+    "the visuals", "the lead", "the villain", "the sequel", "the opening", "the finale",
 )
 VERBS = ("was", "is", "felt", "seemed", "looked")
 POSITIVE = (

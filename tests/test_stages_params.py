@@ -1,0 +1,105 @@
+"""stages/params.py: params.yaml mirrors the dataclasses; bad keys and types fail naming the key and the file."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from stages.common import ParamsError
+from stages.params import SECTIONS, load_params, ppo_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_params(tmp_path: Path, edit) -> Path:
+    """A copy of the tiny params with `edit(dict)` applied."""
+    yaml = YAML(typ="safe", pure=True)
+    raw = yaml.load((ROOT / "tests/fixtures/params.tiny.yaml").read_text())
+    edit(raw)
+    path = tmp_path / "params.yaml"
+    yaml.dump(raw, path)
+    return path
+
+
+@pytest.mark.parametrize("path", ["params.yaml", "tests/fixtures/params.tiny.yaml"])
+def test_committed_params_load(path):
+    params = load_params(ROOT / path)
+    assert params.data.is_synthetic
+    assert params.scorer.source == "reward_model"
+
+
+@pytest.mark.parametrize("path", ["params.yaml", "tests/fixtures/params.tiny.yaml"])
+def test_ppo_section_is_ppoconfig_field_for_field(path):
+    from ppo_core import PPOConfig
+
+    params = load_params(ROOT / path)
+    assert list(params.ppo) == [f.name for f in dataclasses.fields(PPOConfig)]
+    assert ppo_config(params).seed == params.seed  # ppo.seed: null -> the top-level seed
+
+
+def test_sections_are_exactly_the_loader_sections():
+    raw = YAML(typ="safe", pure=True).load((ROOT / "params.yaml").read_text())
+    assert list(raw) == list(SECTIONS)
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    path = write_params(tmp_path, lambda p: p["sft"].update(learning_rte=0.1))
+    with pytest.raises(ParamsError, match=r"params.yaml: unknown key 'sft.learning_rte'"):
+        load_params(path)
+
+
+def test_missing_key_names_key(tmp_path):
+    path = write_params(tmp_path, lambda p: p["reward"].pop("batch_size"))
+    with pytest.raises(ParamsError, match=r"missing key 'reward.batch_size'"):
+        load_params(path)
+
+
+@pytest.mark.parametrize(("section", "key", "value", "expected"), [
+    ("sft", "batch_size", 3.5, "sft.batch_size must be an integer"),
+    ("sft", "batch_size", True, "sft.batch_size must be an integer"),
+    ("sft", "learning_rate", "fast", "sft.learning_rate must be a number"),
+    ("generation", "do_sample", "yes", "generation.do_sample must be true or false"),
+    ("model", "name_or_path", 3, "model.name_or_path must be a string"),
+])
+def test_wrong_type_names_key(tmp_path, section, key, value, expected):
+    path = write_params(tmp_path, lambda p: p[section].update({key: value}))
+    with pytest.raises(ParamsError, match=expected):
+        load_params(path)
+
+
+def test_numeric_strings_are_floats(tmp_path):
+    """`dvc exp run -S` writes 2e-05; quoted or not, a float field takes it."""
+    path = write_params(tmp_path, lambda p: p["sft"].update(learning_rate="2e-05"))
+    assert "learning_rate: '2e-05'" in path.read_text()  # a string in the file
+    assert load_params(path).sft.learning_rate == 2e-05
+    path.write_text(path.read_text().replace("learning_rate: '2e-05'", "learning_rate: 3e-05"))
+    assert load_params(path).sft.learning_rate == 3e-05  # YAML 1.2: a float, not the string PyYAML would give
+
+
+def test_range_checked_at_load(tmp_path):
+    path = write_params(tmp_path, lambda p: p["generation"].update(max_new_tokens=100))
+    with pytest.raises(ParamsError, match="generation.max_new_tokens must be <= model.n_positions"):
+        load_params(path)
+
+
+def test_bad_ppo_field_is_a_params_error(tmp_path):
+    path = write_params(tmp_path, lambda p: p["ppo"].update(learnig_rate=0.1))
+    with pytest.raises(ParamsError, match=r"params.yaml: ppo: .*learnig_rate"):
+        ppo_config(load_params(path))
+
+
+def test_explicit_ppo_seed_wins(tmp_path):
+    path = write_params(tmp_path, lambda p: p["ppo"].update(seed=7))
+    assert ppo_config(load_params(path)).seed == 7
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ParamsError, match="params file not found"):
+        load_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: [1,\n")
+    with pytest.raises(ParamsError, match="bad.yaml: not valid YAML"):
+        load_params(bad)

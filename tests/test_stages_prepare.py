@@ -1,0 +1,117 @@
+"""prepare: synthetic data by default; real data from local JSONL/CSV with a column mapping; clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pandas as pd
+import pytest
+
+from stages import prepare
+from stages.common import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, StageError
+from stages.params import DatasetSpec
+from stages.synthetic import gold_score
+
+
+def with_data(params, **specs):
+    return dataclasses.replace(params, data=dataclasses.replace(params.data, **specs))
+
+
+def test_synthetic_sizes_and_labels(tiny_params, tmp_path):
+    prepare.run(tiny_params, tmp_path)
+    data = tiny_params.data
+    assert len(pd.read_parquet(tmp_path / RAW_SFT)) == data.sft.n
+    pairs = pd.read_parquet(tmp_path / RAW_PAIRS)
+    assert list(pairs.columns) == ["prompt", "chosen", "rejected"] and len(pairs) == data.pairs.n
+    assert all(gold_score(p + c) > gold_score(p + r) for p, c, r in pairs.itertuples(index=False))
+    assert len(pd.read_parquet(tmp_path / RAW_PROMPTS_EVAL)) == data.n_eval_prompts
+    assert len(pd.read_parquet(tmp_path / RAW_PROMPTS_TRAIN)) == data.prompts.n - data.n_eval_prompts
+
+
+def test_same_seed_same_bytes(tiny_params, tmp_path):
+    prepare.run(tiny_params, tmp_path / "a")
+    prepare.run(tiny_params, tmp_path / "b")
+    for path in (RAW_SFT, RAW_PAIRS, RAW_PROMPTS_TRAIN, RAW_PROMPTS_EVAL):
+        assert (tmp_path / "a" / path).read_bytes() == (tmp_path / "b" / path).read_bytes()
+
+
+@pytest.fixture
+def real_files(tmp_path):
+    """SFT texts as JSONL (column `review`), pairs as CSV (`good`/`bad`), prompts as JSONL (`prompt`, as in the seed)."""
+    reviews = [f"review number {i} was fine." for i in range(12)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"review": r, "stars": 3}) + "\n" for r in reviews))
+    pd.DataFrame({"prompt": ["the film", "the plot"], "good": [" was great", " worked"], "bad": [" was bad", " failed"]}
+                 ).to_csv(tmp_path / "pairs.csv", index=False)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"prompt {i}", "meta": i}) + "\n" for i in range(10)))
+    return tmp_path
+
+
+def real_specs(files):
+    return dict(
+        sft=DatasetSpec(source=str(files / "sft.jsonl"), split="train", columns={"text": "review"}, n=None),
+        pairs=DatasetSpec(source=str(files / "pairs.csv"), split="train",
+                          columns={"prompt": "prompt", "chosen": "good", "rejected": "bad"}, n=None),
+        prompts=DatasetSpec(source=str(files / "prompts.jsonl"), split="train", columns={"query": "prompt"}, n=None),
+    )
+
+
+def test_real_data_jsonl_and_csv_with_column_mapping(tiny_params, real_files):
+    params = with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files))
+    assert not params.data.is_synthetic
+    out = real_files / "project"
+    prepare.run(params, out)
+    sft = pd.read_parquet(out / RAW_SFT)
+    assert list(sft.columns) == ["text"] and sorted(sft["text"]) == sorted(f"review number {i} was fine." for i in range(12))
+    pairs = pd.read_parquet(out / RAW_PAIRS)
+    assert sorted(pairs["chosen"]) == [" was great", " worked"]
+    train, held_out = pd.read_parquet(out / RAW_PROMPTS_TRAIN), pd.read_parquet(out / RAW_PROMPTS_EVAL)
+    assert len(train) == 7 and len(held_out) == 3
+    assert sorted(train["query"].tolist() + held_out["query"].tolist()) == sorted(f"prompt {i}" for i in range(10))
+
+
+def test_n_keeps_a_seeded_subset(tiny_params, real_files):
+    specs = real_specs(real_files)
+    specs["sft"] = dataclasses.replace(specs["sft"], n=5)
+    prepare.run(with_data(tiny_params, n_eval_prompts=3, **specs), real_files / "project")
+    assert len(pd.read_parquet(real_files / "project" / RAW_SFT)) == 5
+
+
+def test_missing_column_names_file_and_column(tiny_params, real_files):
+    specs = real_specs(real_files)
+    specs["pairs"] = dataclasses.replace(specs["pairs"], columns={"prompt": "prompt", "chosen": "best", "rejected": "bad"})
+    with pytest.raises(StageError, match=r"pairs.csv: column 'best' not found \(data.pairs.columns .* maps 'chosen'"):
+        prepare.run(with_data(tiny_params, n_eval_prompts=3, **specs), real_files / "project")
+
+
+@pytest.mark.parametrize("content", ["", "prompt,good,bad\n"])
+def test_empty_dataset_names_file(tiny_params, real_files, content):
+    (real_files / "pairs.csv").write_text(content)
+    with pytest.raises(StageError, match=r"pairs.csv: no rows \(data.pairs.source"):
+        prepare.run(with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files)), real_files / "project")
+
+
+def test_empty_jsonl_names_file(tiny_params, real_files):
+    (real_files / "sft.jsonl").write_text("")
+    with pytest.raises(StageError, match=r"sft.jsonl: no rows"):
+        prepare.run(with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files)), real_files / "project")
+
+
+def test_too_few_prompts_for_the_held_out_split(tiny_params, real_files):
+    with pytest.raises(StageError, match=r"prompts.jsonl: 10 prompts, but data.n_eval_prompts holds out 10"):
+        prepare.run(with_data(tiny_params, n_eval_prompts=10, **real_specs(real_files)), real_files / "project")
+
+
+def test_unsupported_local_file(tiny_params, real_files):
+    (real_files / "sft.txt").write_text("hello\n")
+    specs = real_specs(real_files)
+    specs["sft"] = dataclasses.replace(specs["sft"], source=str(real_files / "sft.txt"))
+    with pytest.raises(StageError, match=r"sft.txt: not a readable .parquet/.jsonl/.json/.csv file"):
+        prepare.run(with_data(tiny_params, **specs), real_files / "project")
+
+
+def test_hub_dataset_offline_is_a_clear_error(tiny_params):
+    """A dataset id goes through datasets.load_dataset; offline (the default) it fails in one actionable line."""
+    spec = DatasetSpec(source="someone/movie-reviews", split="train", columns={"text": "text"}, n=None)
+    with pytest.raises(StageError, match=r"someone/movie-reviews: could not load .* HF_HUB_OFFLINE=0"):
+        prepare.load(spec, "sft", tiny_params)

@@ -1,0 +1,125 @@
+"""sft, reward, tokenize, ppo, evaluate run directly on tiny params (one shared run, see conftest.tiny_run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pandas as pd
+import pytest
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from stages import ppo, sft, tokenize
+from stages.common import (EVAL_METRICS, EVAL_SAMPLES, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS,
+                           RAW_SFT, REWARD_METRICS, REWARD_MODEL, SFT_METRICS, SFT_MODEL, TOKENIZED_EVAL,
+                           TOKENIZED_TRAIN, StageError)
+from stages.params import ScorerParams
+
+
+def test_sft_model_loads_with_plain_transformers(tiny_run, tiny_params):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL)
+    assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert model.config.n_layer == tiny_params.model.n_layer
+    text = "the movie was very good, but the plot was slow."
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # byte-level BPE: exact round trip
+    assert set(json.loads((tiny_run / SFT_METRICS).read_text())) >= {"train_loss", "eval_loss"}
+
+
+def test_sft_is_deterministic(tiny_run, tiny_params, tmp_path):
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    sft.run(tiny_params, tmp_path)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / SFT_MODEL / name).read_bytes() == (tiny_run / SFT_MODEL / name).read_bytes(), name
+
+
+def test_reward_model_has_one_scalar_head(tiny_run, tiny_params):
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_run / REWARD_MODEL)
+    assert model.config.num_labels == 1
+    assert AutoTokenizer.from_pretrained(tiny_run / REWARD_MODEL).model_max_length == tiny_params.reward.max_length
+    metrics = json.loads((tiny_run / REWARD_METRICS).read_text())
+    assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["n_eval"] >= 1
+
+
+def test_tokenize_truncates_filters_and_round_trips(tiny_run, tiny_params):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
+    for path in (TOKENIZED_TRAIN, TOKENIZED_EVAL):
+        frame = pd.read_parquet(tiny_run / path)
+        assert list(frame.columns) == ["query", "input_ids"] and len(frame)
+        lengths = frame["input_ids"].map(len)
+        assert lengths.between(tiny_params.tokenize.min_query_tokens, tiny_params.tokenize.max_query_tokens).all()
+        assert all(tokenizer.decode(ids) == q for q, ids in zip(frame["query"], frame["input_ids"]))
+
+
+def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_params):
+    steps = -(-tiny_params.ppo["steps"] // tiny_params.ppo["batch_size"])
+    files = sorted(p.name for p in (tiny_run / PPO_ROLLOUTS).iterdir())
+    assert files == [f"step-{i:05d}.parquet" for i in range(steps)]
+    rollouts = pd.read_parquet(tiny_run / PPO_ROLLOUTS)
+    assert {"step", "query", "response", "score", "kl", "query_tokens", "response_tokens", "gold"} <= set(rollouts.columns)
+    assert len(rollouts) == steps * tiny_params.ppo["batch_size"]
+    assert (rollouts["response_tokens"] <= tiny_params.generation.max_new_tokens).all()
+    stats = pd.read_parquet(tiny_run / PPO_STATS)
+    assert stats["step"].tolist() == list(range(steps))
+    assert {"objective/kl", "objective/entropy", "ppo/loss/value", "ppo/policy/clipfrac"} <= set(stats.columns)
+    curves = pd.read_csv(tiny_run / PPO_CURVES)
+    assert {"step", "reward_mean", "gold_mean", "kl", "entropy", "loss_value"} <= set(curves.columns)
+    assert json.loads((tiny_run / PPO_METRICS).read_text())["steps"] == steps
+    model = AutoModelForCausalLM.from_pretrained(tiny_run / PPO_MODEL)  # plain transformers, no value head class
+    assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).config.vocab_size
+
+
+def test_evaluate_metrics_shape(tiny_run, tiny_params):
+    metrics = json.loads((tiny_run / EVAL_METRICS).read_text())
+    assert set(metrics) == {"sft", "ppo", "win_rate"} and 0 <= metrics["win_rate"] <= 1
+    for policy in ("sft", "ppo"):
+        assert set(metrics[policy]) == {"reward_mean", "gold_mean", "kl_to_sft", "response_len_mean"}
+    assert metrics["sft"]["kl_to_sft"] == pytest.approx(0, abs=1e-5)
+    samples = pd.read_parquet(tiny_run / EVAL_SAMPLES)
+    assert samples.groupby("policy").size().to_dict() == {"ppo": tiny_params.evaluate.n_prompts,
+                                                          "sft": tiny_params.evaluate.n_prompts}
+
+
+def test_ppo_with_a_callable_scorer(tiny_run, tiny_params, tmp_path, monkeypatch):
+    """scorer.source: callable takes the list of texts (here: 1.0 per exclamation mark)."""
+    (tmp_path / "my_scores.py").write_text("def excitement(texts):\n    return [float(t.count('!')) for t in texts]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root)
+    shutil.rmtree(root / "data" / "models" / "reward")  # not needed by this scorer
+    scorer = ScorerParams(source="callable", name="my_scores:excitement", label="POSITIVE", batch_size=8)
+    ppo.run(dataclasses.replace(tiny_params, scorer=scorer), root)
+    rollouts = pd.read_parquet(root / PPO_ROLLOUTS)
+    assert (rollouts["score"] == rollouts["response"].str.count("!")).all()
+
+
+def test_pipeline_scorer_reads_the_named_label(tiny_run, tiny_params, tmp_path):
+    """scorer.source: pipeline, as in the seed: a text-classification model's raw score of one label."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        tiny_run / SFT_MODEL, num_labels=2, id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp_path / "clf")
+    tokenizer.save_pretrained(tmp_path / "clf")
+    scorer = ScorerParams(source="pipeline", name=str(tmp_path / "clf"), label="POSITIVE", batch_size=4)
+    score = ppo.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tiny_run)
+    texts = ["the movie was good.", "the plot was bad.", "the cast"]
+    scores = score(texts)
+    logits = model.eval()(**tokenizer(texts[:1], return_tensors="pt")).logits.detach()
+    assert len(scores) == 3 and scores[0] == pytest.approx(float(logits[0, 1]), abs=1e-5)
+    wrong = dataclasses.replace(scorer, label="HAPPY")
+    with pytest.raises(StageError, match="scorer.label 'HAPPY' is not a label"):
+        ppo.build_scorer(dataclasses.replace(tiny_params, scorer=wrong), tiny_run)(texts)
+
+
+def test_bad_callable_scorer_is_a_clear_error(tiny_params, tmp_path):
+    scorer = ScorerParams(source="callable", name="no_such_module:score", label="POSITIVE", batch_size=8)
+    with pytest.raises(StageError, match="scorer.name 'no_such_module:score' is not an importable"):
+        ppo.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tmp_path)
+
+
+def test_missing_upstream_model_is_a_clear_error(tiny_params, tmp_path):
+    with pytest.raises(StageError, match=r"data/models/sft: no saved model here; run the stage that writes it"):
+        tokenize.run(tiny_params, tmp_path)
