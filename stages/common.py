@@ -128,9 +128,13 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     """Write rows with the same keys as CSV (for `dvc plots`), atomically; floats with 6 significant digits."""
     header = list(rows[0])
     lines = [",".join(header)]
-    lines += [",".join(f"{row[key]:.6g}" if isinstance(row[key], float) else str(row[key]) for key in header) for row in rows]
+    lines += [",".join(_cell(row[key]) for key in header) for row in rows]
     with atomic_path(path) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def save_pretrained(path: Path, *objects: Any) -> None:
@@ -148,14 +152,16 @@ def read_table(path: Path, columns: Sequence[str]):
     present = pq.read_schema(path).names
     missing = [name for name in columns if name not in present]
     if missing:
-        raise StageError(f"{path}: column '{missing[0]}' not found (columns: {present}); rerun the stage that writes it")
+        raise StageError(f"{path}: column '{missing[0]}' not found (columns: {present}); "
+                         "rerun the stage that writes it")
     return pq.read_table(path, columns=list(columns)).to_pandas()
 
 
 def require_dir(path: Path) -> Path:
     """Check that a model directory written by an earlier stage exists."""
     if not (Path(path) / "config.json").exists():
-        raise StageError(f"{path}: no saved model here; run the stage that writes it first (`dvc repro` runs them in order)")
+        raise StageError(f"{path}: no saved model here; run the stage that writes it first "
+                         "(`dvc repro` runs them in order)")
     return Path(path)
 
 

@@ -61,12 +61,14 @@ def run(params: Params, root: Path = Path(".")) -> str:
     write_parquet(columns, root / EVAL_SAMPLES)
     write_json(metrics, root / EVAL_METRICS)
     gold = f", gold {metrics['sft']['gold_mean']:.2f} -> {metrics['ppo']['gold_mean']:.2f}" if "gold" in columns else ""
-    return (f"{n} prompts: reward {metrics['sft']['reward_mean']:.2f} (sft) -> {metrics['ppo']['reward_mean']:.2f} (ppo)"
-            f"{gold}, win rate {metrics['win_rate']:.2f}, kl {metrics['ppo']['kl_to_sft']:.2f} -> {EVAL_METRICS}")
+    return (f"{n} prompts: reward {metrics['sft']['reward_mean']:.2f} (sft) -> "
+            f"{metrics['ppo']['reward_mean']:.2f} (ppo){gold}, win rate {metrics['win_rate']:.2f}, "
+            f"kl {metrics['ppo']['kl_to_sft']:.2f} -> {EVAL_METRICS}")
 
 
 @torch.no_grad()
-def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch_size: int, desc: str) -> list[list[int]]:
+def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch_size: int,
+           desc: str) -> list[list[int]]:
     """Sampled response tokens per query: left-padded batches, each response cut after its first EOS (kept)."""
     tokenizer.padding_side = "left"
     out = []

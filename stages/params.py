@@ -270,7 +270,8 @@ def _check_values(p: Params) -> None:
         (all(s.n is None or s.n >= 1 for s in (p.data.sft, p.data.pairs, p.data.prompts)), "data.*.n", "null or >= 1"),
         (0 < p.sft.eval_fraction < 1, "sft.eval_fraction", "in (0, 1)"),
         (0 < p.reward.eval_fraction < 1, "reward.eval_fraction", "in (0, 1)"),
-        (p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens, "tokenize.min_query_tokens", "<= max_query_tokens"),
+        (p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens, "tokenize.min_query_tokens",
+         "<= tokenize.max_query_tokens"),
         (p.scorer.source in SCORER_SOURCES, "scorer.source", f"one of {SCORER_SOURCES}"),
         (p.scorer.source == "reward_model" or bool(p.scorer.name), "scorer.name", "set for this scorer.source"),
         (p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1, "evaluate.n_prompts", "null or >= 1"),
@@ -281,7 +282,8 @@ def _check_values(p: Params) -> None:
             (p.model.n_embd % p.model.n_head == 0, "model.n_embd", "a multiple of model.n_head"),
             (p.sft.max_length <= p.model.n_positions, "sft.max_length", "<= model.n_positions"),
             (p.reward.max_length <= p.model.n_positions, "reward.max_length", "<= model.n_positions"),
-            (longest <= p.model.n_positions, "generation.max_new_tokens", "<= model.n_positions - tokenize.max_query_tokens"),
+            (longest <= p.model.n_positions, "generation.max_new_tokens",
+             "<= model.n_positions - tokenize.max_query_tokens"),
         ]
     for ok, key, expected in checks:
         if not ok:
@@ -289,7 +291,8 @@ def _check_values(p: Params) -> None:
     positive = {
         "sft.batch_size": p.sft.batch_size, "reward.batch_size": p.reward.batch_size,
         "scorer.batch_size": p.scorer.batch_size, "evaluate.batch_size": p.evaluate.batch_size,
-        "generation.max_new_tokens": p.generation.max_new_tokens, "tokenize.max_query_tokens": p.tokenize.max_query_tokens,
+        "generation.max_new_tokens": p.generation.max_new_tokens,
+        "tokenize.max_query_tokens": p.tokenize.max_query_tokens,
         "sft.learning_rate": p.sft.learning_rate, "reward.learning_rate": p.reward.learning_rate,
     }
     for key, value in positive.items():

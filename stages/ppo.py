@@ -72,7 +72,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
         write_parquet(rollouts | ({"gold": gold} if gold else {}), rollouts_dir / f"step-{step:05d}.parquet")
         stats_rows.append({"step": step} | {key: to_python(value) for key, value in sorted(stats.items())})
         write_parquet({key: [row[key] for row in stats_rows] for key in stats_rows[0]}, root / PPO_STATS)
-        curves.append({"step": step, "reward_mean": float(np.mean(scores))} | ({"gold_mean": float(np.mean(gold))} if gold else {})
+        curves.append({"step": step, "reward_mean": float(np.mean(scores))}
+                      | ({"gold_mean": float(np.mean(gold))} if gold else {})
                       | {name: float(stats[key]) for name, key in CURVES.items()})
         write_csv(curves, root / PPO_CURVES)
     save_pretrained(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
@@ -124,12 +125,14 @@ def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as err:
-        raise StageError(f"{params.path}: scorer.name '{spec.name}' is not an importable 'module:function' ({err})") from None
+        raise StageError(f"{params.path}: scorer.name '{spec.name}' is not an importable 'module:function' "
+                         f"({err})") from None
 
     def score_with_callable(texts: list[str]) -> list[float]:
         scores = list(fn(texts))
         if len(scores) != len(texts):
-            raise StageError(f"scorer {spec.name} returned {len(scores)} scores for {len(texts)} texts; return one per text")
+            raise StageError(f"scorer {spec.name} returned {len(scores)} scores for {len(texts)} texts; "
+                             "return one per text")
         return [float(s) for s in scores]
 
     return score_with_callable

@@ -44,18 +44,21 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
         return generate(name, spec.n, params.seed)
     frame = read_source(spec, name)
     if len(frame) == 0:
-        raise StageError(f"{spec.source}: no rows (data.{name}.source in {params.path}); give a dataset with at least one row")
+        raise StageError(f"{spec.source}: no rows (data.{name}.source in {params.path}); "
+                         "give a dataset with at least one row")
     where = f"data.{name}.columns in {params.path}"
     for ours in COLUMNS[name]:
         theirs = spec.columns.get(ours)
         if theirs is None:
-            raise StageError(f"{params.path}: data.{name}.columns has no entry for '{ours}'; map it to a column of {spec.source}")
+            raise StageError(f"{params.path}: data.{name}.columns has no entry for '{ours}'; "
+                             f"map it to a column of {spec.source}")
         if theirs not in frame.columns:
             raise StageError(f"{spec.source}: column '{theirs}' not found ({where} maps '{ours}' to it); "
                              f"its columns are {list(frame.columns)}")
         bad = frame[theirs].map(lambda v: not isinstance(v, str)).sum()
         if bad:
-            raise StageError(f"{spec.source}: column '{theirs}' has {bad} values that are not text (missing or numbers); clean the file")
+            raise StageError(f"{spec.source}: column '{theirs}' has {bad} values that are not text "
+                             "(missing or numbers); clean the file")
     order = list(range(len(frame)))
     random.Random(f"{params.seed}-{name}").shuffle(order)
     frame = frame.iloc[order[:spec.n]]
@@ -82,7 +85,8 @@ def read_source(spec: DatasetSpec, name: str):
     if reader is None or not path.is_file():
         raise StageError(f"{path}: not a readable .parquet/.jsonl/.json/.csv file (data.{name}.source); "
                          f"give one of those, a Hugging Face dataset id, or '{SYNTHETIC}'")
-    kwargs = {"read_json": {"lines": path.suffix.lower() == ".jsonl", "dtype": False}, "read_csv": {"dtype": str}}.get(reader, {})
+    kwargs = {"read_json": {"lines": path.suffix.lower() == ".jsonl", "dtype": False},
+              "read_csv": {"dtype": str}}.get(reader, {})
     try:
         return getattr(pd, reader)(path, **kwargs)
     except (ValueError, OSError) as err:

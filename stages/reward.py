@@ -32,8 +32,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL), model_max_length=params.reward.max_length)
     model = AutoModelForSequenceClassification.from_pretrained(root / SFT_MODEL, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
-    encode = lambda texts: tokenizer(texts, truncation=True)["input_ids"]  # noqa: E731
-    chosen_ids, rejected_ids = encode([chosen[i] for i in train_idx]), encode([rejected[i] for i in train_idx])
+    chosen_ids = tokenizer([chosen[i] for i in train_idx], truncation=True)["input_ids"]
+    rejected_ids = tokenizer([rejected[i] for i in train_idx], truncation=True)["input_ids"]
     train = [{"chosen": c, "rejected": r} for c, r in zip(chosen_ids, rejected_ids)]
     with tempfile.TemporaryDirectory() as scratch:
         trainer = PairwiseTrainer(model=model, args=training_args(params, scratch), train_dataset=train,
@@ -44,11 +44,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
     r_chosen = reward_scores(model, tokenizer, [chosen[i] for i in eval_idx], bs)
     r_rejected = reward_scores(model, tokenizer, [rejected[i] for i in eval_idx], bs)
     wins = [c > r for c, r in zip(r_chosen, r_rejected)]
-    metrics = {"train_loss": train_loss, "eval_accuracy": sum(wins) / len(wins), "n_train": len(train), "n_eval": n_eval,
-               "eval_margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval}
+    metrics = {"train_loss": train_loss, "eval_accuracy": sum(wins) / len(wins),
+               "eval_margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval,
+               "n_train": len(train), "n_eval": n_eval}
     save_pretrained(root / REWARD_MODEL, model, tokenizer)
     write_json(metrics, root / REWARD_METRICS)
-    return f"{len(train)} pairs, held-out pairwise accuracy {metrics['eval_accuracy']:.3f} ({n_eval} pairs) -> {REWARD_MODEL}"
+    return (f"{len(train)} pairs, held-out pairwise accuracy {metrics['eval_accuracy']:.3f} ({n_eval} pairs) "
+            f"-> {REWARD_MODEL}")
 
 
 def training_args(params: Params, output_dir: str) -> TrainingArguments:

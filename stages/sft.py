@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, GPT2Config,
                           GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments)
 
-from stages.common import RAW_SFT, SFT_METRICS, SFT_MODEL, device, read_table, save_pretrained, seed_everything, write_json
+from stages.common import (RAW_SFT, SFT_METRICS, SFT_MODEL, StageError, device, read_table, save_pretrained,
+                           seed_everything, write_json)
 from stages.params import ModelParams, Params
 
 EOS, PAD = "<|endoftext|>", "<pad>"
@@ -59,8 +60,13 @@ def training_args(params: Params, output_dir: str) -> TrainingArguments:
 def build(spec: ModelParams, texts: list[str]):
     """The tokenizer and the untrained (or pretrained) causal LM."""
     if spec.name_or_path is not None:
-        tokenizer = AutoTokenizer.from_pretrained(spec.name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(spec.name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(spec.name_or_path)
+            model = AutoModelForCausalLM.from_pretrained(spec.name_or_path)
+        except OSError as err:
+            raise StageError(f"model.name_or_path '{spec.name_or_path}' could not be loaded "
+                             f"({' '.join(str(err).split())[:160]}); give a local save_pretrained directory, or a hub "
+                             "id with HF_HUB_OFFLINE=0, or null to train the default model from scratch") from None
         if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
             tokenizer.add_special_tokens({"pad_token": PAD})
             model.resize_token_embeddings(len(tokenizer))

@@ -88,7 +88,10 @@ def body(rng: random.Random) -> str:
     mood = rng.choice(MOODS)
     text = " " + _phrase(rng, mood)
     for _ in range(rng.randint(0, 2)):
-        clause = rng.choice(FILLERS) if rng.random() < FILLER_RATE else f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {_phrase(rng, mood)}"
+        if rng.random() < FILLER_RATE:
+            clause = rng.choice(FILLERS)
+        else:
+            clause = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {_phrase(rng, mood)}"
         text += f"{rng.choice(JOINERS)} {clause}"
     return text + "."
 

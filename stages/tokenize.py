@@ -28,4 +28,5 @@ def run(params: Params, root: Path = Path(".")) -> str:
                              f"tokens; lower it in {params.path}")
         write_parquet({"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}, root / target)
         kept[target.stem] = (len(ids), len(queries))
-    return ", ".join(f"{name}: {n} of {total} queries kept" for name, (n, total) in kept.items()) + f" -> {TOKENIZED_TRAIN.parent}"
+    counts = ", ".join(f"{name}: {n} of {total} queries kept" for name, (n, total) in kept.items())
+    return f"{counts} -> {TOKENIZED_TRAIN.parent}"

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
     **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # stages must come from the copy, not from ROOT
-    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # `python` in dvc.yaml = this venv
+    # `python` in dvc.yaml's commands must be this venv's, as it is with the venv activated
+    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
     "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@example.invalid",
     "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@example.invalid",

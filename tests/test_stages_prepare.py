@@ -38,12 +38,13 @@ def test_same_seed_same_bytes(tiny_params, tmp_path):
 
 @pytest.fixture
 def real_files(tmp_path):
-    """SFT texts as JSONL (column `review`), pairs as CSV (`good`/`bad`), prompts as JSONL (`prompt`, as in the seed)."""
+    """SFT texts as JSONL (`review`), pairs as CSV (`good`/`bad`), prompts as JSONL (`prompt`, as in the seed)."""
     reviews = [f"review number {i} was fine." for i in range(12)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"review": r, "stars": 3}) + "\n" for r in reviews))
     pd.DataFrame({"prompt": ["the film", "the plot"], "good": [" was great", " worked"], "bad": [" was bad", " failed"]}
                  ).to_csv(tmp_path / "pairs.csv", index=False)
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"prompt {i}", "meta": i}) + "\n" for i in range(10)))
+    prompts = [{"prompt": f"prompt {i}", "meta": i} for i in range(10)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     return tmp_path
 
 
@@ -62,7 +63,8 @@ def test_real_data_jsonl_and_csv_with_column_mapping(tiny_params, real_files):
     out = real_files / "project"
     prepare.run(params, out)
     sft = pd.read_parquet(out / RAW_SFT)
-    assert list(sft.columns) == ["text"] and sorted(sft["text"]) == sorted(f"review number {i} was fine." for i in range(12))
+    assert list(sft.columns) == ["text"]
+    assert sorted(sft["text"]) == sorted(f"review number {i} was fine." for i in range(12))
     pairs = pd.read_parquet(out / RAW_PAIRS)
     assert sorted(pairs["chosen"]) == [" was great", " worked"]
     train, held_out = pd.read_parquet(out / RAW_PROMPTS_TRAIN), pd.read_parquet(out / RAW_PROMPTS_EVAL)
@@ -79,7 +81,8 @@ def test_n_keeps_a_seeded_subset(tiny_params, real_files):
 
 def test_missing_column_names_file_and_column(tiny_params, real_files):
     specs = real_specs(real_files)
-    specs["pairs"] = dataclasses.replace(specs["pairs"], columns={"prompt": "prompt", "chosen": "best", "rejected": "bad"})
+    columns = {"prompt": "prompt", "chosen": "best", "rejected": "bad"}
+    specs["pairs"] = dataclasses.replace(specs["pairs"], columns=columns)
     with pytest.raises(StageError, match=r"pairs.csv: column 'best' not found \(data.pairs.columns .* maps 'chosen'"):
         prepare.run(with_data(tiny_params, n_eval_prompts=3, **specs), real_files / "project")
 

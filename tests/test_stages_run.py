@@ -58,7 +58,8 @@ def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_param
     files = sorted(p.name for p in (tiny_run / PPO_ROLLOUTS).iterdir())
     assert files == [f"step-{i:05d}.parquet" for i in range(steps)]
     rollouts = pd.read_parquet(tiny_run / PPO_ROLLOUTS)
-    assert {"step", "query", "response", "score", "kl", "query_tokens", "response_tokens", "gold"} <= set(rollouts.columns)
+    expected = {"step", "query", "response", "score", "kl", "query_tokens", "response_tokens", "gold"}
+    assert expected <= set(rollouts.columns)
     assert len(rollouts) == steps * tiny_params.ppo["batch_size"]
     assert (rollouts["response_tokens"] <= tiny_params.generation.max_new_tokens).all()
     stats = pd.read_parquet(tiny_run / PPO_STATS)
@@ -97,8 +98,9 @@ def test_ppo_with_a_callable_scorer(tiny_run, tiny_params, tmp_path, monkeypatch
 
 def test_pipeline_scorer_reads_the_named_label(tiny_run, tiny_params, tmp_path):
     """scorer.source: pipeline, as in the seed: a text-classification model's raw score of one label."""
+    labels = {0: "NEGATIVE", 1: "POSITIVE"}
     model = AutoModelForSequenceClassification.from_pretrained(
-        tiny_run / SFT_MODEL, num_labels=2, id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
+        tiny_run / SFT_MODEL, num_labels=2, id2label=labels, label2id={v: k for k, v in labels.items()})
     tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp_path / "clf")
@@ -123,3 +125,23 @@ def test_bad_callable_scorer_is_a_clear_error(tiny_params, tmp_path):
 def test_missing_upstream_model_is_a_clear_error(tiny_params, tmp_path):
     with pytest.raises(StageError, match=r"data/models/sft: no saved model here; run the stage that writes it"):
         tokenize.run(tiny_params, tmp_path)
+
+
+def test_sft_from_a_local_pretrained_path(tiny_run, tiny_params, tmp_path):
+    """model.name_or_path: fine-tune an existing causal LM (here the tiny SFT model) instead of training one."""
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    model = dataclasses.replace(tiny_params.model, name_or_path=str(tiny_run / SFT_MODEL))
+    sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path / SFT_MODEL).get_vocab() == \
+        AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL).get_vocab()
+    loss = json.loads((tmp_path / SFT_METRICS).read_text())["eval_loss"]
+    assert loss < json.loads((tiny_run / SFT_METRICS).read_text())["eval_loss"]  # it started from trained weights
+
+
+def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    model = dataclasses.replace(tiny_params.model, name_or_path="no-such-org/no-such-model")
+    with pytest.raises(StageError, match=r"model.name_or_path 'no-such-org/no-such-model' could not be loaded"):
+        sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
