@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Keep the (C, V) float32 logits block of a chunk within ~32 MB (fits a CPU's last-level cache's
-# neighbourhood and is negligible on a GPU); at V = 32k that is 256 rows.
-_CHUNK_ELEMENTS = 1 << 23
+# Keep the (C, V) float32 logits block of a chunk within ~128 MB (1024 rows at V = 32k): large enough
+# for efficient matmuls, small next to the (N, V) tensors a plain forward would hold.
+_CHUNK_ELEMENTS = 1 << 25
 # Keep the softmax probabilities for the backward up to 256 MB (float32); beyond, recompute them.
 _SAVE_PROBS_ELEMENTS = 1 << 26
 
@@ -77,20 +77,14 @@ class _LinearLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, softcap, chunk):
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, chunk, with_entropy):
         n, vocab = hidden.shape[0], weight.shape[0]
-        acc = _acc_dtype(hidden.dtype)
-        logprobs = torch.empty(n, dtype=acc, device=hidden.device)
-        lse, entropy = torch.empty_like(logprobs), torch.empty_like(logprobs)
-        save_probs = softcap is None and n * vocab <= _SAVE_PROBS_ELEMENTS
-        probs = torch.empty(n, vocab, dtype=acc, device=hidden.device) if save_probs else None
-        for start in range(0, n, chunk):
-            sl = slice(start, start + chunk)
-            logits = _transform(_project(hidden[sl], weight, bias), scale, softcap)  # (C, V)
-            lse[sl] = torch.logsumexp(logits, dim=-1)
-            logprobs[sl] = logits.gather(1, targets[sl, None]).squeeze(1) - lse[sl]
-            p = torch.exp(logits - lse[sl, None], out=probs[sl] if save_probs else None)
-            entropy[sl] = lse[sl] - (p * logits).sum(-1)  # H = logsumexp(z) - sum_v p_v z_v
+        needs_grad = any(ctx.needs_input_grad[:3])
+        if needs_grad and softcap is None and n * vocab <= _SAVE_PROBS_ELEMENTS:
+            logprobs, entropy, lse, probs = _forward_keeping_probs(hidden, weight, bias, targets, scale, with_entropy)
+        else:
+            logprobs, entropy, lse = _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_entropy)
+            probs = None
         ctx.save_for_backward(hidden, weight, bias, targets, lse, probs)
         ctx.scale, ctx.softcap, ctx.chunk = scale, softcap, chunk
         ctx.mark_non_differentiable(entropy)
@@ -106,45 +100,98 @@ class _LinearLogProb(torch.autograd.Function):
         with amp:
             grads = _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out.to(lse.dtype),
                                              ctx.scale, ctx.softcap, ctx.chunk, ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
+
+
+def _forward_keeping_probs(hidden, weight, bias, targets, scale, with_entropy):
+    """All ``N`` rows at once, turning the ``(N, V)`` logits into the probabilities the backward needs.
+
+    # m = max_v z ;  e = exp(z - m) ;  s = sum_v e ;  log p(y) = (z_y - m) - log s
+    # p = e / s ;  H = log s - sum_v p_v (z_v - m)
+    """
+    z = _project(hidden, weight, bias)  # (N, V)
+    if scale != 1.0:
+        z.mul_(scale)
+    z.sub_(z.amax(dim=-1, keepdim=True))
+    e = torch.exp(z)
+    log_s = e.sum(-1).log()
+    logprobs = z.gather(1, targets[:, None]).squeeze(1) - log_s
+    entropy = log_s - torch.linalg.vecdot(e, z) / log_s.exp() if with_entropy else torch.zeros_like(logprobs)
+    del z
+    probs = e.div_(log_s.exp()[:, None])
+    return logprobs, entropy, log_s, probs  # the saved "lse" is unused when probs are kept
+
+
+def _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_entropy):
+    """``(C, V)`` logits at a time: bounded memory for large ``N * V``, and the no-grad passes."""
+    n = hidden.shape[0]
+    logprobs = torch.empty(n, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
+    lse, entropy = torch.empty_like(logprobs), torch.zeros_like(logprobs)
+    for start in range(0, n, chunk):
+        sl = slice(start, start + chunk)
+        logits = _transform(_project(hidden[sl], weight, bias), scale, softcap)  # (C, V)
+        lse[sl] = torch.logsumexp(logits, dim=-1)
+        logprobs[sl] = logits.gather(1, targets[sl, None]).squeeze(1) - lse[sl]
+        if with_entropy:  # H = logsumexp(z) - sum_v p_v z_v
+            entropy[sl] = lse[sl] - torch.linalg.vecdot(torch.exp(logits - lse[sl, None]), logits)
+    return logprobs, entropy, lse
 
 
 def _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out, scale, softcap, chunk, needs):
     need_h, need_w, need_b = needs
+    if probs is not None:  # one shot over all rows; the saved probabilities become the gradient in place
+        return _grads_from_logit_grad(_logit_grad(probs, targets, grad_out, scale), hidden, weight, needs)
     acc = lse.dtype
     grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-    grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+    grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
     for start in range(0, hidden.shape[0], chunk):
         sl = slice(start, start + chunk)
-        h, g = hidden[sl], grad_out[sl]
-        if probs is not None:
-            grad_z = probs[sl] * -g[:, None]
-        else:
-            logits = _transform(_project(h, weight, bias), scale, softcap)  # recomputed (C, V)
-            grad_z = torch.exp(logits - lse[sl, None]).mul_(-g[:, None])
-        # grad w.r.t. the transformed logits: g * (onehot - p)
-        grad_z[torch.arange(h.shape[0], device=h.device), targets[sl]] += g
+        h = hidden[sl]
+        raw = _project(h, weight, bias)  # recomputed (C, V)
+        logits = _transform(raw, scale, softcap)
+        probs_chunk = torch.exp(logits - lse[sl, None])
+        grad_z = _logit_grad(probs_chunk, targets[sl], grad_out[sl], 1.0)
         if softcap is not None:  # d/dx [c * tanh(x / c)] = 1 - tanh^2
             grad_z.mul_(1.0 - (logits / softcap).square())
         if scale != 1.0:
             grad_z.mul_(scale)
-        # torch.mm runs in the autocast dtype when the forward did; results accumulate in float32.
+        g_h, g_w, g_b = _grads_from_logit_grad(grad_z, h, weight, needs)
         if need_h:
-            grad_h[sl] = torch.mm(grad_z.to(weight.dtype), weight).to(acc)
+            grad_h[sl] = g_h.to(acc)
         if need_w:
-            grad_w += torch.mm(grad_z.T.to(h.dtype), h).to(acc)
+            grad_w += g_w.to(acc)
         if need_b:
-            grad_b += grad_z.sum(0)
+            grad_b += g_b.to(acc)
     return (grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight.dtype) if need_w else None,
-            grad_b.to(bias.dtype) if need_b else None)
+            grad_b.to(weight.dtype) if need_b else None)
+
+
+def _logit_grad(probs, targets, grad_out, scale):
+    """``g * (onehot(y) - p) * scale``, written into ``probs`` (which is consumed)."""
+    grad_z = probs.mul_(-grad_out[:, None])
+    grad_z[torch.arange(len(targets), device=targets.device), targets] += grad_out
+    return grad_z.mul_(scale) if scale != 1.0 else grad_z
+
+
+def _grads_from_logit_grad(grad_z, hidden, weight, needs):
+    """``(grad_h, grad_W, grad_b)`` from the gradient w.r.t. the logits, ``(N, V)``.
+
+    ``torch.mm`` runs in the autocast dtype when the forward did.
+    """
+    need_h, need_w, need_b = needs
+    grad_h = torch.mm(grad_z.to(weight.dtype), weight).to(hidden.dtype) if need_h else None
+    grad_w = torch.mm(grad_z.T.to(hidden.dtype), hidden).to(weight.dtype) if need_w else None
+    grad_b = grad_z.sum(0).to(weight.dtype) if need_b else None
+    return grad_h, grad_w, grad_b
 
 
 def selected_logprobs(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor,
                       chunk_size: int | None = None) -> torch.Tensor:
     """``log p(targets)`` for selected positions, ``(N, H)``, ``(N,)`` -> ``(N,)`` float32, with grad."""
-    return selected_logprobs_and_entropy(hidden, head, targets, chunk_size)[0]
+    chunk = _chunk_size(head.weight.shape[0], chunk_size)
+    return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, head.scale, head.softcap, chunk, False)[0]
 
 
 def selected_logprobs_and_entropy(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor,
@@ -154,7 +201,7 @@ def selected_logprobs_and_entropy(hidden: torch.Tensor, head: LMHead, targets: t
     Only the log-probabilities carry gradients; the entropy is a statistic.
     """
     chunk = _chunk_size(head.weight.shape[0], chunk_size)
-    return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, head.scale, head.softcap, chunk)
+    return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, head.scale, head.softcap, chunk, True)
 
 
 @torch.no_grad()

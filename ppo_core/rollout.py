@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .logprobs import full_kl, selected_logprobs_and_entropy
+from .logprobs import full_kl, selected_logprobs, selected_logprobs_and_entropy
 
 
 class ModelInputs(NamedTuple):
@@ -86,7 +86,10 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
     targets = input_ids[rows, src + 1]  # (N,)
 
     head = _unwrap(model).lm_head()
-    token_logprobs, token_entropy = selected_logprobs_and_entropy(selected, head, targets, chunk_size)
+    if with_entropy:
+        token_logprobs, token_entropy = selected_logprobs_and_entropy(selected, head, targets, chunk_size)
+    else:
+        token_logprobs = selected_logprobs(selected, head, targets, chunk_size)
     logprobs = torch.zeros(valid.shape, dtype=token_logprobs.dtype, device=valid.device)
     logprobs = logprobs.index_put((rows, cols), token_logprobs)
     values = values_all.gather(1, positions).float() * valid
