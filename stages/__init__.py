@@ -6,3 +6,7 @@ import os
 # hub client is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# CPU threads that sleep rather than spin while they wait. Measured on the default SFT step (2 cores, 2 threads):
+# about 10% slower than spinning on an idle machine, 5-8x faster when another busy process shares the cores
+# (spinning threads wait on descheduled peers). Read when torch loads OpenMP, so set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
