@@ -91,7 +91,7 @@ def ppo(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
     data/models/reward (when scorer.source is reward_model).
 
     Writes: data/models/ppo, data/ppo/rollouts/step-*.parquet, data/ppo/stats.parquet, data/ppo/curves.csv,
-    data/ppo/metrics.json.
+    data/ppo/timings.csv, data/ppo/metrics.json.
     """
     _run("ppo", params, debug)
 

@@ -3,7 +3,8 @@
 The reward source is `scorer.source`: the trained reward model (default), a transformers text-classification
 pipeline (the raw score of `scorer.label`, as in the seed), or a Python callable `module:function` taking the
 list of texts. Each step writes its rollouts (data/ppo/rollouts/step-NNNNN.parquet) and rewrites the stats
-table (one row of all `step()` stats per step), the curves for `dvc plots` and the metrics for `dvc metrics`.
+table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to timings.csv so that
+every other artifact is byte-identical across runs), the curves for `dvc plots`; the metrics come at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, pipeline
 
 from ppo_core import AutoModelForCausalLMWithValueHead, PPOTrainer
-from stages.common import (PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, REWARD_MODEL, SFT_MODEL,
+from stages.common import (PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS, REWARD_MODEL,
+                           SFT_MODEL,
                            TOKENIZED_TRAIN, StageError, device, fresh_dir, load_reward_model, read_table, require_dir,
                            reward_scores, save_pretrained, seed_everything, write_csv, write_json, write_parquet)
 from stages.params import Params, ppo_config
@@ -47,7 +49,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
                   "eos_token_id": tokenizer.eos_token_id}
     batches = query_batches(len(prompts), config.batch_size, params.seed)
     rollouts_dir = fresh_dir(root / PPO_ROLLOUTS)  # step files are added one by one, each atomically
-    stats_rows, curves = [], []
+    tables = StepTables(root)
     for step in tqdm(range(config.total_ppo_epochs), desc="ppo", unit="step"):
         idx = next(batches)
         query_tensors = [torch.tensor(prompts["input_ids"][i]) for i in idx]
@@ -68,19 +70,37 @@ def run(params: Params, root: Path = Path(".")) -> str:
             "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_tensors],
             "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_tensors],
             "response_ids": [r.tolist() for r in response_tensors],
-        }
-        write_parquet(rollouts | ({"gold": gold} if gold else {}), rollouts_dir / f"step-{step:05d}.parquet")
-        stats_rows.append({"step": step} | {key: to_python(value) for key, value in sorted(stats.items())})
-        write_parquet({key: [row[key] for row in stats_rows] for key in stats_rows[0]}, root / PPO_STATS)
-        curves.append({"step": step, "reward_mean": float(np.mean(scores))}
-                      | ({"gold_mean": float(np.mean(gold))} if gold else {})
-                      | {name: float(stats[key]) for name, key in CURVES.items()})
-        write_csv(curves, root / PPO_CURVES)
+        } | ({"gold": gold} if gold else {})
+        write_parquet(rollouts, rollouts_dir / f"step-{step:05d}.parquet")
+        tables.append(step, stats, scores, gold)
     save_pretrained(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
-    first, last = curves[0], curves[-1]
-    write_json({"steps": len(curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"}, root / PPO_METRICS)
-    return (f"{len(curves)} steps, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, "
+    first, last = tables.curves[0], tables.curves[-1]
+    write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
+               root / PPO_METRICS)
+    return (f"{len(tables.curves)} steps, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, "
             f"kl {last['kl']:.2f} -> {PPO_MODEL}")
+
+
+class StepTables:
+    """The per-step tables, rewritten (atomically) after each step so that a failed run can be inspected:
+    stats.parquet (every step() stat but the wall-clock `time/*` ones), timings.csv (those), curves.csv."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.stats: list[dict] = []
+        self.timings: list[dict] = []
+        self.curves: list[dict] = []
+
+    def append(self, step: int, stats: dict, scores: list[float], gold: list[float] | None) -> None:
+        keys = sorted(stats)
+        self.stats.append({"step": step} | {k: to_python(stats[k]) for k in keys if not k.startswith("time/")})
+        self.timings.append({"step": step} | {k: float(stats[k]) for k in keys if k.startswith("time/")})
+        self.curves.append({"step": step, "reward_mean": float(np.mean(scores))}
+                           | ({"gold_mean": float(np.mean(gold))} if gold else {})
+                           | {name: float(stats[key]) for name, key in CURVES.items()})
+        write_parquet({key: [row[key] for row in self.stats] for key in self.stats[0]}, self.root / PPO_STATS)
+        write_csv(self.timings, self.root / PPO_TIMINGS)
+        write_csv(self.curves, self.root / PPO_CURVES)
 
 
 def query_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from stages import ppo, sft, tokenize
 from stages.common import (EVAL_METRICS, EVAL_SAMPLES, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS,
-                           RAW_SFT, REWARD_METRICS, REWARD_MODEL, SFT_METRICS, SFT_MODEL, TOKENIZED_EVAL,
-                           TOKENIZED_TRAIN, StageError)
+                           PPO_TIMINGS, RAW_SFT, REWARD_METRICS, REWARD_MODEL, SFT_METRICS, SFT_MODEL,
+                           TOKENIZED_EVAL, TOKENIZED_TRAIN, StageError)
 from stages.params import ScorerParams
 
 
@@ -65,11 +65,24 @@ def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_param
     stats = pd.read_parquet(tiny_run / PPO_STATS)
     assert stats["step"].tolist() == list(range(steps))
     assert {"objective/kl", "objective/entropy", "ppo/loss/value", "ppo/policy/clipfrac"} <= set(stats.columns)
+    assert not any(c.startswith("time/") for c in stats.columns)  # wall-clock stats go to timings.csv
+    assert "time/ppo/total" in pd.read_csv(tiny_run / PPO_TIMINGS).columns
     curves = pd.read_csv(tiny_run / PPO_CURVES)
     assert {"step", "reward_mean", "gold_mean", "kl", "entropy", "loss_value"} <= set(curves.columns)
     assert json.loads((tiny_run / PPO_METRICS).read_text())["steps"] == steps
     model = AutoModelForCausalLM.from_pretrained(tiny_run / PPO_MODEL)  # plain transformers, no value head class
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).config.vocab_size
+
+
+def test_ppo_is_deterministic(tiny_run, tiny_params, tmp_path):
+    """Same inputs and seed: byte-identical policy, rollouts and stats (so DVC sees no change)."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root)
+    ppo.run(tiny_params, root)
+    outputs = [PPO_MODEL / "model.safetensors", PPO_STATS, PPO_CURVES, *sorted((tiny_run / PPO_ROLLOUTS).iterdir())]
+    for path in outputs:
+        rel = path.relative_to(tiny_run) if path.is_absolute() else path
+        assert (root / rel).read_bytes() == (tiny_run / rel).read_bytes(), rel
 
 
 def test_evaluate_metrics_shape(tiny_run, tiny_params):
