@@ -23,10 +23,48 @@ def tiny_params():
 
 @pytest.fixture(scope="session")
 def tiny_run(tiny_params, tmp_path_factory) -> Path:
-    """A project root where every stage has run once, in order, on the tiny params."""
-    from stages import evaluate, ppo, prepare, reward, sft, tokenize
+    """A project root where every stage has run once, in order, on the tiny params.
+
+    Each stage sees only the params sections dvc.yaml says it tracks; reading any other fails the run, so a stage
+    cannot come to depend on a section without dvc.yaml rerunning it when that section changes.
+    """
+    import importlib
 
     root = tmp_path_factory.mktemp("tiny_run")
-    for stage in (prepare, sft, reward, tokenize, ppo, evaluate):
-        stage.run(tiny_params, root)
+    for name, params in params_per_stage(tiny_params).items():
+        importlib.import_module(f"stages.{name}").run(params, root)
     return root
+
+
+def params_per_stage(params) -> dict:
+    """{stage: params with every section the stage does not track in dvc.yaml replaced by an Untracked}."""
+    import dataclasses
+
+    from ruamel.yaml import YAML
+
+    from stages.params import SECTIONS
+
+    stages = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
+    out = {}
+    for name, stage in stages.items():
+        tracked = {key.split(".")[0] for key in stage["params"]}
+        out[name] = dataclasses.replace(params, **{s: Untracked(s, name) for s in SECTIONS if s not in tracked})
+    return out
+
+
+class Untracked:
+    """Stands in for a params section a stage does not track: any use of it fails, naming both."""
+
+    def __init__(self, section: str, stage: str):
+        self.message = f"stage '{stage}' reads params section '{section}', which dvc.yaml does not track for it"
+
+    def __getattr__(self, attr):
+        if attr == "message":
+            raise AttributeError(attr)
+        raise AssertionError(self.message)
+
+    def __iter__(self):
+        raise AssertionError(self.message)
+
+    def __getitem__(self, key):
+        raise AssertionError(self.message)
