@@ -265,6 +265,19 @@ def _convert(value: Any, tp: Any, key: str, path: Path) -> Any:
 
 def _check_values(p: Params) -> None:
     """Range and cross-section checks, done once at load."""
+    positive = {
+        "model.vocab_size": p.model.vocab_size, "model.n_layer": p.model.n_layer, "model.n_head": p.model.n_head,
+        "model.n_embd": p.model.n_embd, "model.n_positions": p.model.n_positions,
+        "sft.learning_rate": p.sft.learning_rate, "sft.num_train_epochs": p.sft.num_train_epochs,
+        "sft.batch_size": p.sft.batch_size, "sft.max_length": p.sft.max_length,
+        "reward.learning_rate": p.reward.learning_rate, "reward.num_train_epochs": p.reward.num_train_epochs,
+        "reward.batch_size": p.reward.batch_size, "reward.max_length": p.reward.max_length,
+        "tokenize.max_query_tokens": p.tokenize.max_query_tokens, "scorer.batch_size": p.scorer.batch_size,
+        "generation.max_new_tokens": p.generation.max_new_tokens, "evaluate.batch_size": p.evaluate.batch_size,
+    }
+    for key, value in positive.items():
+        if not value > 0:
+            raise ParamsError(f"{p.path}: {key} must be > 0, got {value}")
     checks = [
         (p.data.n_eval_prompts >= 1, "data.n_eval_prompts", "at least 1"),
         (all(s.n is None or s.n >= 1 for s in (p.data.sft, p.data.pairs, p.data.prompts)), "data.*.n", "null or >= 1"),
@@ -288,13 +301,3 @@ def _check_values(p: Params) -> None:
     for ok, key, expected in checks:
         if not ok:
             raise ParamsError(f"{p.path}: {key} must be {expected}")
-    positive = {
-        "sft.batch_size": p.sft.batch_size, "reward.batch_size": p.reward.batch_size,
-        "scorer.batch_size": p.scorer.batch_size, "evaluate.batch_size": p.evaluate.batch_size,
-        "generation.max_new_tokens": p.generation.max_new_tokens,
-        "tokenize.max_query_tokens": p.tokenize.max_query_tokens,
-        "sft.learning_rate": p.sft.learning_rate, "reward.learning_rate": p.reward.learning_rate,
-    }
-    for key, value in positive.items():
-        if not value > 0:
-            raise ParamsError(f"{p.path}: {key} must be > 0, got {value}")

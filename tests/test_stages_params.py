@@ -79,9 +79,12 @@ def test_numeric_strings_are_floats(tmp_path):
     assert load_params(path).sft.learning_rate == 3e-05  # YAML 1.2: a float, not the string PyYAML would give
 
 
-def test_range_checked_at_load(tmp_path):
+def test_ranges_checked_at_load(tmp_path):
     path = write_params(tmp_path, lambda p: p["generation"].update(max_new_tokens=100))
     with pytest.raises(ParamsError, match="generation.max_new_tokens must be <= model.n_positions"):
+        load_params(path)
+    path = write_params(tmp_path, lambda p: p["model"].update(n_head=0))
+    with pytest.raises(ParamsError, match="model.n_head must be > 0, got 0"):
         load_params(path)
 
 
