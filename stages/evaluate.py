@@ -32,6 +32,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     policies = {name: AutoModelForCausalLM.from_pretrained(require_dir(root / path)).to(device()).eval()
                 for name, path in (("sft", SFT_MODEL), ("ppo", PPO_MODEL))}
     rm, rm_tokenizer = load_reward_model(root / REWARD_MODEL)
+    # min_length -1 is the seed's "no minimum"; generate() wants a non-negative value, so it is left out
     generation = {k: v for k, v in dataclasses.asdict(params.generation).items() if not (k == "min_length" and v < 0)}
     bs = params.evaluate.batch_size
     columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
@@ -42,8 +43,11 @@ def run(params: Params, root: Path = Path(".")) -> str:
         response_ids = sample(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
         responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         texts = [q + r for q, r in zip(queries, responses)]
-        kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
-                         logprob_sums(policies["sft"], query_ids, response_ids, bs))
+        if name == "sft":
+            kl = np.zeros(len(texts))  # KL(sft || sft)
+        else:
+            kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
+                             logprob_sums(policies["sft"], query_ids, response_ids, bs))
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
                 "score": reward_scores(rm, rm_tokenizer, texts, bs), "kl_to_sft": kl.tolist(),
                 "response_tokens": [len(r) for r in response_ids]}

@@ -158,3 +158,20 @@ def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
     model = dataclasses.replace(tiny_params.model, name_or_path="no-such-org/no-such-model")
     with pytest.raises(StageError, match=r"model.name_or_path 'no-such-org/no-such-model' could not be loaded"):
         sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
+
+
+def test_logprob_sums_match_one_sample_at_a_time(tiny_run):
+    """The padded batch in evaluate.logprob_sums gives each sample's sum_t log p(response_t | ...) as if alone."""
+    import torch
+
+    from stages.evaluate import logprob_sums
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).eval()
+    queries, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 0]]
+    expected = []
+    for q, r in zip(queries, responses):
+        ids = torch.tensor([q + r])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)  # (T-1, V)
+        expected.append(sum(float(logprobs[len(q) - 1 + t, tok]) for t, tok in enumerate(r)))
+    assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
