@@ -283,6 +283,8 @@ def _check_values(p: Params) -> None:
         (all(s.n is None or s.n >= 1 for s in (p.data.sft, p.data.pairs, p.data.prompts)), "data.*.n", "null or >= 1"),
         (0 < p.sft.eval_fraction < 1, "sft.eval_fraction", "in (0, 1)"),
         (0 < p.reward.eval_fraction < 1, "reward.eval_fraction", "in (0, 1)"),
+        (0 <= p.sft.warmup_ratio < 1, "sft.warmup_ratio", "in [0, 1)"),
+        (0 <= p.reward.warmup_ratio < 1, "reward.warmup_ratio", "in [0, 1)"),
         (p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens, "tokenize.min_query_tokens",
          "<= tokenize.max_query_tokens"),
         (p.scorer.source in SCORER_SOURCES, "scorer.source", f"one of {SCORER_SOURCES}"),

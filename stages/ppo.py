@@ -1,4 +1,4 @@
-"""ppo: the seed's loop on ppo_core: generate responses, score them, `step()`; ceil(ppo.steps / ppo.batch_size) times.
+"""ppo: the seed's loop on ppo_core (generate, score, `step()`), ceil(ppo.steps / ppo.batch_size) times.
 
 The reward source is `scorer.source`: the trained reward model (default), a transformers text-classification
 pipeline (the raw score of `scorer.label`, as in the seed), or a Python callable `module:function` taking the
@@ -22,9 +22,9 @@ from transformers import AutoTokenizer, pipeline
 
 from ppo_core import AutoModelForCausalLMWithValueHead, PPOTrainer
 from stages.common import (PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS, REWARD_MODEL,
-                           SFT_MODEL,
-                           TOKENIZED_TRAIN, StageError, device, fresh_dir, load_reward_model, read_table, require_dir,
-                           reward_scores, save_pretrained, seed_everything, write_csv, write_json, write_parquet)
+                           SFT_MODEL, TOKENIZED_TRAIN, StageError, device, fresh_dir, load_reward_model, read_table,
+                           require_dir, reward_scores, save_pretrained, seed_everything, write_csv, write_json,
+                           write_parquet)
 from stages.params import Params, ppo_config
 from stages.synthetic import gold_score
 
