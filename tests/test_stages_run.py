@@ -175,3 +175,19 @@ def test_logprob_sums_match_one_sample_at_a_time(tiny_run):
             logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)  # (T-1, V)
         expected.append(sum(float(logprobs[len(q) - 1 + t, tok]) for t, tok in enumerate(r)))
     assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
+
+
+def test_real_data_runs_have_no_gold_score(tiny_run, tiny_params, tmp_path):
+    """Without the synthetic data the gold score is unknown: ppo and evaluate leave it out rather than guess."""
+    from stages import evaluate
+
+    real = dataclasses.replace(tiny_params.data.prompts, source="prompts.jsonl")
+    params = dataclasses.replace(tiny_params, data=dataclasses.replace(tiny_params.data, prompts=real))
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root)
+    ppo.run(params, root)
+    evaluate.run(params, root)
+    assert "gold" not in pd.read_parquet(root / PPO_ROLLOUTS).columns
+    assert "gold_mean" not in pd.read_csv(root / PPO_CURVES).columns
+    metrics = json.loads((root / EVAL_METRICS).read_text())
+    assert set(metrics["ppo"]) == {"reward_mean", "kl_to_sft", "response_len_mean"}
