@@ -8,6 +8,8 @@ TORCH   ?= torch==2.13.0
 export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# dvc.yaml runs `python -m stages ...`: that `python` must be the venv's.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: install run test bench clean
 
