@@ -32,7 +32,7 @@ test: install
 	$(BIN)/python -m pytest tests
 
 bench: install
-	$(BIN)/python bench/ppo_step.py
+	$(BIN)/python bench/compare.py
 
 clean:
 	rm -rf $(VENV)
