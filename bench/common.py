@@ -1,0 +1,353 @@
+"""Shared pieces of the PPO benchmark: shapes, local model and tokenizer, queries, score, timing.
+
+Everything here must import and behave the same under two environments:
+  - the project venv  (transformers 5.x, runs `floor.py` and `ppo_step.py --impl ppo_core`)
+  - the TRL scratch venv (transformers 4.46 + trl 0.11.4, runs `ppo_step.py --impl trl`)
+so it only uses APIs present in both (GPT2Config/GPT2LMHeadModel, PreTrainedTokenizerFast,
+save_pretrained/from_pretrained, generate) and builds its weights with plain torch.
+
+Nothing is downloaded: the tokenizer is a word-level vocabulary ("<pad>", "<eos>", "t2".."t{V-1}") built
+in memory, and the model is a random-init GPT-2 whose weights depend only on the seed and torch.
+"""
+
+import os
+
+# Set before transformers is imported: no hub look-ups, no tokenizers thread pool fighting torch's threads.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # transformers 5 draws bars for every save/load of the tiny model
+
+PAD_ID, EOS_ID = 0, 1  # ids 0 and 1 of every vocabulary; generation suppresses both (see gen_kwargs)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A GPT-2 config small enough for a 2-core CPU; `vocab_size` sets the cost of the LM head."""
+
+    vocab_size: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_positions: int = 64  # query (<= 10) + response (24) fits with room to spare
+
+
+SHAPES = {
+    "tiny": Shape(vocab_size=384, n_layer=2, n_embd=128, n_head=4),  # ~0.45M params: trainer overhead dominates
+    "32k": Shape(vocab_size=32000, n_layer=2, n_embd=256, n_head=4),  # ~9.8M params, most of it the 32k LM head
+    "base": Shape(vocab_size=32000, n_layer=6, n_embd=512, n_head=8),  # ~35M params, optional larger point
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The PPO workload of one `step`, identical for every implementation (the seed's loop)."""
+
+    batch_size: int = 64  # rollouts per step
+    mini_batch_size: int = 16  # rollouts per optimizer step
+    ppo_epochs: int = 4  # passes over the batch -> 4 * 64 / 16 = 16 optimizer steps per PPO step
+    max_new_tokens: int = 24  # every response is exactly this long (EOS and PAD are never sampled)
+    query_len_min: int = 6
+    query_len_max: int = 10  # inclusive
+    learning_rate: float = 1.41e-5  # TRL's legacy default
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenizer, model, queries
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over "<pad>", "<eos>", "t2".."t{V-1}" (both trainers want a
+    `PreTrainedTokenizerBase` with pad and eos ids; the text side is never used by the benchmark)."""
+    vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID}
+    vocab.update({f"t{i}": i for i in range(2, vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<eos>",
+        padding_side="left",  # decoder-only generation wants left padding; a constructor kwarg is saved
+    )
+    assert (tok.pad_token_id, tok.eos_token_id) == (PAD_ID, EOS_ID), (tok.pad_token_id, tok.eos_token_id)
+    return tok
+
+
+def gpt2_config(shape: Shape) -> GPT2Config:
+    """GPT-2 config with dropout off: dropout is a mode switch implementations set differently (TRL leaves
+    the model in train mode, others call eval()), so turning it off makes every impl do the same work."""
+    return GPT2Config(
+        vocab_size=shape.vocab_size,
+        n_positions=shape.n_positions,
+        n_embd=shape.n_embd,
+        n_layer=shape.n_layer,
+        n_head=shape.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+
+
+@torch.no_grad()
+def reinit_weights(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter from one seeded generator, in sorted-name order.
+
+    transformers 4.46 and 5.x initialise GPT-2 through different code paths, so the same `manual_seed`
+    would give different weights in the two venvs; this makes them bit-identical (see `weights_digest`).
+    GPT-2 style: N(0, 0.02) for matrices, 1 for LayerNorm scales, 0 for biases."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):  # tied lm_head/wte appears once
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        elif name.endswith(".weight"):  # LayerNorm scale
+            p.fill_(1.0)
+        else:
+            p.zero_()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A short fingerprint of the weights, to check that both venvs benchmark the same model."""
+    total = sum(p.double().sum().item() * (i + 1) for i, (_, p) in enumerate(sorted(model.named_parameters())))
+    return f"{total:.10e}"
+
+
+def build_model_dir(shape_name: str, out_dir: str, seed: int = 0) -> str:
+    """Save a random-init GPT-2 and its tokenizer to `out_dir` (loadable by any `from_pretrained`)."""
+    shape = SHAPES[shape_name]
+    model = GPT2LMHeadModel(gpt2_config(shape))
+    reinit_weights(model, seed)
+    model.save_pretrained(out_dir)
+    build_tokenizer(shape.vocab_size).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_queries(step: int, vocab_size: int, setting: Setting) -> list:
+    """The queries of PPO step `step`: `batch_size` 1-D LongTensors of random ids (never pad/eos) with
+    lengths in [query_len_min, query_len_max]. Seeded by (seed, step) so every impl sees the same batch."""
+    gen = torch.Generator().manual_seed(setting.seed * 1_000_003 + step)
+    lengths = torch.randint(setting.query_len_min, setting.query_len_max + 1, (setting.batch_size,), generator=gen)
+    return [torch.randint(2, vocab_size, (int(n),), generator=gen) for n in lengths]
+
+
+def left_pad(queries: list, pad_id: int = PAD_ID) -> tuple:
+    """Stack ragged 1-D queries into (input_ids, attention_mask), both (B, T), padded on the left."""
+    width = max(len(q) for q in queries)
+    input_ids = torch.full((len(queries), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(queries), width), dtype=torch.long)
+    for i, q in enumerate(queries):
+        input_ids[i, width - len(q) :] = q
+        attention_mask[i, width - len(q) :] = 1
+    return input_ids, attention_mask
+
+
+def gen_kwargs(setting: Setting) -> dict:
+    """The seed's sampling kwargs, plus `suppress_tokens` so every response is exactly max_new_tokens long.
+
+    Why suppress rather than only `eos_token_id=None`: TRL's `generate` (and any trainer that follows it)
+    truncates each response after the first *tokenizer* eos id whatever `generate` was told, so an eos
+    sampled by chance (~6% of responses at vocab 384) would shorten the work of one impl and not another.
+    PAD is suppressed too so that no implementation can mistake a sampled pad for padding."""
+    return {
+        "min_length": -1,
+        "top_k": 0,
+        "top_p": 1.0,
+        "do_sample": True,
+        "pad_token_id": PAD_ID,
+        "max_new_tokens": setting.max_new_tokens,
+        "suppress_tokens": [PAD_ID, EOS_ID],
+    }
+
+
+def rule_scores(responses: list, vocab_size: int) -> list:
+    """Score = fraction of response tokens in the lower half of the vocabulary (a 0-d float per sample).
+    Random sampling gives ~0.5, so a policy that learns moves it visibly; cost is negligible."""
+    return [(r < vocab_size // 2).float().mean().cpu() for r in responses]
+
+
+# ----------------------------------------------------------------------------------------------------
+# machine, timing, memory
+
+
+def device() -> torch.device:
+    """The device the benchmark runs on: the GPU when one is present, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def set_threads(n: int) -> None:
+    """Pin torch's intra-op threads (OMP_NUM_THREADS should match; compare.py sets both)."""
+    torch.set_num_threads(n)
+
+
+def sync() -> None:
+    """Wait for queued GPU work, so wall-clock timers measure the work and not its launch."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """`with Timer() as t: ...` then `t.s` holds the elapsed wall seconds (GPU-synchronised) and `t.cpu_s`
+    the CPU seconds this process used meanwhile (all threads): on a busy machine wall time grows, CPU
+    time much less, so the pair tells contention from real cost."""
+
+    def __enter__(self):
+        sync()
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        sync()
+        self.s = time.perf_counter() - self.t0
+        self.cpu_s = time.process_time() - self.c0
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OthersLoad:
+    """`with OthersLoad() as load: ...` then `load.frac` is the share of the machine's CPU capacity that
+    *other* processes used meanwhile (0 = we had the machine to ourselves, 0.5 = half of it was taken).
+    Benchmarks on a shared 2-core box are only comparable when this is near 0."""
+
+    def __enter__(self):
+        self.busy0, self.self0, self.t0 = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        busy1 = _busy_cpu_seconds()
+        if busy1 is None or self.busy0 is None:
+            self.frac = None
+            return
+        others = (busy1 - self.busy0) - (time.process_time() - self.self0)
+        capacity = (os.cpu_count() or 1) * (time.perf_counter() - self.t0)
+        self.frac = max(0.0, others / capacity)
+
+
+def median_after_warmup(values: list, warmup: int) -> float:
+    """Median of the measured steps; the first `warmup` carry one-off costs (allocator growth, lazy init)."""
+    kept = values[warmup:] or values
+    return statistics.median(kept)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def peak_gpu_mb() -> float | None:
+    """Peak GPU memory allocated by torch, in MiB, or None on CPU."""
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    """What a reader needs to compare numbers across machines."""
+    dev = device()
+    return {
+        "device": dev.type,
+        "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def add_common_args(parser) -> None:
+    """CLI flags shared by floor.py and ppo_step.py."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="model shape (see SHAPES)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (after warmup)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the median")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (match OMP_NUM_THREADS)")
+    parser.add_argument("--bf16", action="store_true", help="cast the model to bfloat16 (default fp32)")
+    parser.add_argument("--json", default=None, help="also write the result as JSON to this path")
+
+
+def run_steps(step_fn, n: int) -> tuple:
+    """Call `step_fn(step)` for step in 0..n-1; returns (per-step dicts, share of CPU others used)."""
+    with OthersLoad() as load:
+        steps = [step_fn(step) for step in range(n)]
+    return steps, load.frac
+
+
+def summarize(impl: str, args, setting: Setting, digest: str, steps: list, others_frac: float | None) -> dict:
+    """The result every script reports: run description, medians over the measured steps, memory.
+
+    Each per-step dict must hold `total_s`, `cpu_s`, `gen_s` and `gen_tokens`; the caller adds its own
+    medians (e.g. forward/train split, reward)."""
+    med = lambda values: median_after_warmup(list(values), args.warmup)  # noqa: E731
+    return {
+        "impl": impl,
+        "shape": args.shape,
+        "shape_config": asdict(SHAPES[args.shape]),
+        "setting": asdict(setting),
+        "dtype": "bfloat16" if args.bf16 else "float32",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "weights_digest": digest,
+        "machine": machine_info(),
+        "median_s_per_step": med(s["total_s"] for s in steps),
+        "median_cpu_s_per_step": med(s["cpu_s"] for s in steps),
+        "median_gen_s": med(s["gen_s"] for s in steps),
+        "gen_tokens_per_s": med(s["gen_tokens"] / s["gen_s"] for s in steps),
+        "response_tokens_per_step": sorted({s["gen_tokens"] for s in steps}),
+        "others_cpu_frac": others_frac,
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_gpu_mb": peak_gpu_mb(),
+        "per_step": steps,
+    }
+
+
+def report(result: dict, json_path: str | None) -> None:
+    """Print the headline numbers, and write the full result as JSON when asked."""
+    others = result["others_cpu_frac"]
+    print(
+        f"[{result['impl']}] shape={result['shape']} {result['dtype']} {result['machine']['device']}: "
+        f"median {result['median_s_per_step']:.3f} s/step ({result['median_cpu_s_per_step']:.2f} CPU s), "
+        f"generate {result['median_gen_s']:.3f} s = {result['gen_tokens_per_s']:.0f} tok/s, "
+        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+        + (f", other processes used {others:.0%} of the CPU" if others is not None else "")
+    )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
