@@ -20,6 +20,7 @@ import gc
 import inspect
 import math
 import numbers
+import os
 import time
 import warnings
 from typing import Any, Callable, Iterable
@@ -131,8 +132,8 @@ class PPOTrainer:
                           shuffle=True, drop_last=True, generator=generator)
 
     def _remove_unused_columns(self, dataset):
-        keep = set(inspect.signature(self.accelerator.unwrap_model(self.model).forward if hasattr(self, "model")
-                                     else AutoModelForCausalLMWithValueHead.forward).parameters)
+        # Called before the model is prepared: the columns the value-head model's forward takes.
+        keep = set(inspect.signature(AutoModelForCausalLMWithValueHead.forward).parameters)
         keep |= {"label", "query", "response", "input_ids", "attention_mask"}
         drop = [c for c in dataset.column_names if c not in keep]
         return dataset.remove_columns(drop) if drop else dataset
@@ -481,8 +482,6 @@ class PPOTrainer:
 
     def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
         """Write a short model card (``README.md``) into ``path``."""
-        import os
-
         os.makedirs(path, exist_ok=True)
         card = (f"---\nlicense: apache-2.0\ntags:\n- ppo_core\n- reinforcement-learning\n- rlhf\n---\n\n"
                 f"# {model_name}\n\nA language model fine-tuned with PPO (ppo_core, the legacy TRL PPOTrainer API).\n\n"
