@@ -48,6 +48,9 @@ PPO_TIMINGS = Path("data/ppo/timings.csv")
 PPO_METRICS = Path("data/ppo/metrics.json")
 EVAL_SAMPLES = Path("data/eval/samples.parquet")
 EVAL_METRICS = Path("data/eval/metrics.json")
+SFT_CHECKPOINTS = Path("data/checkpoints/sft")
+REWARD_CHECKPOINTS = Path("data/checkpoints/reward")
+PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
 
 
 def seed_everything(seed: int) -> None:
@@ -97,6 +100,22 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def remove_stale_temporaries(*directories: Path) -> None:
+    """Delete what a killed writer left in `directories`: the temporary names of `atomic_path`
+    (`.NAME.tmp-PID`, `.NAME.old-PID`) and of `ppo_core`'s checkpoint writer (`.tmp-*`)."""
+    for directory in directories:
+        for pattern in (".*.tmp-*", ".*.old-*", ".tmp-*"):
+            for path in Path(directory).glob(pattern):
+                _remove(path)
+
+
+def note(message: str) -> None:
+    """Tell the user something they should know but that is not an error (one line, on stderr)."""
+    import sys
+
+    print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 def fresh_dir(path: Path) -> Path:
@@ -164,6 +183,17 @@ def require_dir(path: Path) -> Path:
         raise StageError(f"{path}: no saved model here; run the stage that writes it first "
                          "(`dvc repro` runs them in order)")
     return Path(path)
+
+
+def model_context(path: Path) -> int:
+    """The most tokens the model at `path` attends to (its position embeddings), from its config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return 1 << 30  # no fixed context (e.g. relative positions): nothing to drop
 
 
 def load_reward_model(path: Path):

@@ -151,6 +151,22 @@ class EvaluateParams:
     """Prompts per generation and scoring batch."""
 
 
+@dataclass(frozen=True)
+class CheckpointParams:
+    """Resumable state of the training stages (sft, reward, ppo), kept in data/checkpoints/<stage>.
+
+    A rerun after a crash or a kill resumes from the last complete checkpoint and ends with the same
+    artifacts as an uninterrupted run. No stage tracks this section in dvc.yaml: it changes no output.
+    """
+
+    ppo_every: int
+    """ppo: save the whole PPO state every N `step()` calls (and after the last one); 0: no checkpoints."""
+    trainer_every: int
+    """sft, reward: save a transformers.Trainer checkpoint every N optimiser steps; 0: no checkpoints."""
+    on_mismatch: str
+    """A checkpoint written with other params or inputs: "restart" (say so, discard it) or "stop" (exit 2)."""
+
+
 SECTIONS: dict[str, type] = {
     "seed": int,
     "data": DataParams,
@@ -162,8 +178,10 @@ SECTIONS: dict[str, type] = {
     "generation": GenerationParams,
     "ppo": dict,
     "evaluate": EvaluateParams,
+    "checkpoint": CheckpointParams,
 }
 SCORER_SOURCES = ("reward_model", "pipeline", "callable")
+ON_MISMATCH = ("restart", "stop")
 
 
 @dataclass(frozen=True)
@@ -182,6 +200,7 @@ class Params:
     ppo: dict[str, Any]
     """PPOConfig keyword arguments, checked by `ppo_config()`."""
     evaluate: EvaluateParams
+    checkpoint: CheckpointParams
 
 
 def load_params(path: str | Path) -> Params:
@@ -290,6 +309,9 @@ def _check_values(p: Params) -> None:
         (p.scorer.source in SCORER_SOURCES, "scorer.source", f"one of {SCORER_SOURCES}"),
         (p.scorer.source == "reward_model" or bool(p.scorer.name), "scorer.name", "set for this scorer.source"),
         (p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1, "evaluate.n_prompts", "null or >= 1"),
+        (p.checkpoint.ppo_every >= 0, "checkpoint.ppo_every", ">= 0 (0: no checkpoints)"),
+        (p.checkpoint.trainer_every >= 0, "checkpoint.trainer_every", ">= 0 (0: no checkpoints)"),
+        (p.checkpoint.on_mismatch in ON_MISMATCH, "checkpoint.on_mismatch", f"one of {ON_MISMATCH}"),
     ]
     if p.model.name_or_path is None:
         longest = p.tokenize.max_query_tokens + p.generation.max_new_tokens

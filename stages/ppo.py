@@ -21,17 +21,24 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, pipeline
 
 from ppo_core import AutoModelForCausalLMWithValueHead, PPOTrainer
-from stages.common import (PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS, REWARD_MODEL,
-                           SFT_MODEL, TOKENIZED_TRAIN, StageError, device, fresh_dir, load_reward_model, read_table,
-                           require_dir, reward_scores, save_pretrained, seed_everything, write_csv, write_json,
-                           write_parquet)
+from stages.common import (PPO_CHECKPOINTS, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS,
+                           REWARD_MODEL, SFT_MODEL, TOKENIZED_TRAIN, StageError, device, fresh_dir, load_reward_model,
+                           model_context, note, read_table, remove_stale_temporaries, require_dir, reward_scores,
+                           save_pretrained, seed_everything, write_csv, write_json, write_parquet)
 from stages.params import Params, ppo_config
+from stages.resume import fingerprint, open_checkpoint_dir
 from stages.synthetic import gold_score
 
 # curves.csv column -> step() stats key (plus reward_mean and gold_mean, computed from the raw scores)
 CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "objective/entropy",
           "loss_value": "ppo/loss/value", "loss_policy": "ppo/loss/policy", "clipfrac": "ppo/policy/clipfrac",
           "approxkl": "ppo/policy/approxkl", "response_len": "tokens/responses_len_mean"}
+
+
+# The params this stage tracks in dvc.yaml (a test keeps the two lists equal): a checkpoint is reused only
+# for the same values and the same input files.
+TRACKED = ("seed", "data.sft.source", "data.pairs.source", "data.prompts.source", "scorer", "generation", "ppo")
+INPUTS = (TOKENIZED_TRAIN, SFT_MODEL, REWARD_MODEL)
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -42,15 +49,22 @@ def run(params: Params, root: Path = Path(".")) -> str:
         raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than ppo.batch_size={config.batch_size}; "
                          f"lower ppo.batch_size in {params.path} or give more prompts")
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
+    longest, context = max(map(len, prompts["input_ids"])), model_context(root / SFT_MODEL)
+    if longest + params.generation.max_new_tokens > context:
+        raise StageError(f"{TOKENIZED_TRAIN}: a {longest}-token query plus generation.max_new_tokens="
+                         f"{params.generation.max_new_tokens} exceeds the {context}-token context of {SFT_MODEL}; "
+                         f"lower one of them (tokenize.max_query_tokens) in {params.path}")
     model = AutoModelForCausalLMWithValueHead.from_pretrained(root / SFT_MODEL)
     trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)  # reference: a frozen copy of SFT
     score = build_scorer(params, root)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     batches = query_batches(len(prompts), config.batch_size, params.seed)
-    rollouts_dir = fresh_dir(root / PPO_ROLLOUTS)  # step files are added one by one, each atomically
-    tables = StepTables(root)
-    for step in tqdm(range(config.total_ppo_epochs), desc="ppo", unit="step"):
+    start, tables = resume(trainer, params, root)
+    for _ in range(start):  # the data position: the batches the checkpointed steps consumed
+        next(batches)
+    total = config.total_ppo_epochs
+    for step in tqdm(range(start, total), desc="ppo", unit="step", initial=start, total=total):
         idx = next(batches)
         query_tensors = [torch.tensor(prompts["input_ids"][i]) for i in idx]
         queries = [prompts["query"][i] for i in idx]
@@ -59,9 +73,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
         responses = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
         # 2. score
         texts = [q + r for q, r in zip(queries, responses)]
-        scores = score(texts)
+        scores = checked_scores(score(texts), len(texts), params, step)
         # 3. optimise
-        stats = trainer.step(query_tensors, response_tensors, [torch.tensor(s, dtype=torch.float) for s in scores])
+        try:
+            stats = trainer.step(query_tensors, response_tensors, [torch.tensor(s, dtype=torch.float) for s in scores])
+        except FloatingPointError as err:  # raised before the update: the last checkpoint is intact
+            raise StageError(f"{err}; the checkpoint in {root / PPO_CHECKPOINTS} (if any) is intact and a rerun "
+                             "resumes from it") from None
         # 4. record
         gold = [gold_score(t) for t in texts] if params.data.is_synthetic else None
         rollouts = {
@@ -71,18 +89,57 @@ def run(params: Params, root: Path = Path(".")) -> str:
             "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_tensors],
             "response_ids": [r.tolist() for r in response_tensors],
         } | ({"gold": gold} if gold else {})
-        write_parquet(rollouts, rollouts_dir / f"step-{step:05d}.parquet")
+        write_parquet(rollouts, root / PPO_ROLLOUTS / rollout_file(step))
         tables.append(step, stats, scores, gold)
+        tables.write()
+        # 5. checkpoint: after the step's artifacts, so a resumed run never redoes a step it has written
+        every = params.checkpoint.ppo_every
+        if every and ((step + 1) % every == 0 or step + 1 == total):
+            trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / STATE), extra={"step": step + 1,
+                                                                               "tables": tables.state()})
+    tables.write()
     save_pretrained(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
     first, last = tables.curves[0], tables.curves[-1]
     write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
                root / PPO_METRICS)
-    return (f"{len(tables.curves)} steps, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, "
+    resumed = f", resumed at step {start}" if start else ""
+    return (f"{len(tables.curves)} steps{resumed}, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, "
             f"kl {last['kl']:.2f} -> {PPO_MODEL}")
 
 
+STATE = "state.pt"
+
+
+def rollout_file(step: int) -> str:
+    return f"step-{step:05d}.parquet"
+
+
+def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTables]:
+    """Restore the last checkpoint of a run with the same params and inputs, if there is one: the trainer's
+    whole state, the per-step tables and the rollout files of the steps it covers (later ones are removed).
+    Returns (the first step to run, the tables); (0, empty tables) for a fresh run."""
+    directory, rollouts = root / PPO_CHECKPOINTS, root / PPO_ROLLOUTS
+    remove_stale_temporaries(directory, rollouts, rollouts.parent, root / PPO_MODEL.parent)
+    expected = fingerprint(params, TRACKED, INPUTS if params.scorer.source == "reward_model" else INPUTS[:2], root)
+    tables = StepTables(root)
+    if open_checkpoint_dir(directory, expected, params, "ppo") and (directory / STATE).exists():
+        extra = trainer.load_checkpoint(str(directory / STATE))
+        start = extra["step"]
+        missing = [rollout_file(s) for s in range(start) if not (rollouts / rollout_file(s)).exists()]
+        if missing:
+            raise StageError(f"{rollouts}: {missing[0]} of the steps checkpointed in {directory} is missing; "
+                             f"delete {directory} to start fresh")
+        for path in rollouts.glob("step-*.parquet"):
+            if path.name >= rollout_file(start):
+                path.unlink()  # written after the checkpoint: the resumed run writes it again
+        note(f"ppo: resuming from {directory / STATE} at step {start}")
+        return start, StepTables.from_state(root, extra["tables"])
+    fresh_dir(rollouts)
+    return 0, tables
+
+
 class StepTables:
-    """The per-step tables, rewritten (atomically) after each step so that a failed run can be inspected:
+    """The per-step tables, rewritten (atomically) after each step by `write` so that a failed run can be inspected:
     stats.parquet (every step() stat but the wall-clock `time/*` ones), timings.csv (those), curves.csv."""
 
     def __init__(self, root: Path):
@@ -98,9 +155,21 @@ class StepTables:
         self.curves.append({"step": step, "reward_mean": float(np.mean(scores))}
                            | ({"gold_mean": float(np.mean(gold))} if gold else {})
                            | {name: float(stats[key]) for name, key in CURVES.items()})
+
+    def write(self) -> None:
         write_parquet({key: [row[key] for row in self.stats] for key in self.stats[0]}, self.root / PPO_STATS)
         write_csv(self.timings, self.root / PPO_TIMINGS)
         write_csv(self.curves, self.root / PPO_CURVES)
+
+    def state(self) -> dict[str, list[dict]]:
+        """The rows so far, for a checkpoint (plain Python values)."""
+        return {"stats": self.stats, "timings": self.timings, "curves": self.curves}
+
+    @classmethod
+    def from_state(cls, root: Path, state: dict[str, list[dict]]) -> StepTables:
+        tables = cls(root)
+        tables.stats, tables.timings, tables.curves = state["stats"], state["timings"], state["curves"]
+        return tables
 
 
 def query_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
@@ -111,6 +180,27 @@ def query_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
         rng.shuffle(order)
         for start in range(0, n - batch_size + 1, batch_size):
             yield order[start:start + batch_size]
+
+
+def checked_scores(scores, n: int, params: Params, step: int) -> list[float]:
+    """The scorer's output as n finite floats, or a StageError naming the step, the text and the value."""
+    where = f"step {step}: scorer ({params.scorer.source}{f' {params.scorer.name}' if params.scorer.name else ''})"
+    try:
+        scores = list(scores)
+    except TypeError:
+        raise StageError(f"{where} returned {type(scores).__name__}, not a list; return one number per text") from None
+    if len(scores) != n:
+        raise StageError(f"{where} returned {len(scores)} scores for {n} texts; return one number per text")
+    out = []
+    for i, value in enumerate(scores):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise StageError(f"{where} returned {value!r} ({type(value).__name__}) for text {i}; return a number")
+        if not np.isfinite(value):
+            raise StageError(f"{where} returned {value} for text {i}; scores must be finite numbers")
+        out.append(float(value))
+    return out
 
 
 def to_python(value):
@@ -148,11 +238,4 @@ def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float
         raise StageError(f"{params.path}: scorer.name '{spec.name}' is not an importable 'module:function' "
                          f"({err})") from None
 
-    def score_with_callable(texts: list[str]) -> list[float]:
-        scores = list(fn(texts))
-        if len(scores) != len(texts):
-            raise StageError(f"scorer {spec.name} returned {len(scores)} scores for {len(texts)} texts; "
-                             "return one per text")
-        return [float(s) for s in scores]
-
-    return score_with_callable
+    return fn  # its output is checked by `checked_scores`

@@ -82,6 +82,9 @@ def read_source(spec: DatasetSpec, name: str):
     reader = LOCAL_READERS.get(path.suffix.lower())
     if reader is None and not path.exists():
         return read_hub(spec, name)
+    if reader is not None and not path.exists():
+        raise StageError(f"{path}: file not found (data.{name}.source); give an existing file, a Hugging Face "
+                         f"dataset id, or '{SYNTHETIC}'")
     if reader is None or not path.is_file():
         raise StageError(f"{path}: not a readable .parquet/.jsonl/.json/.csv file (data.{name}.source); "
                          f"give one of those, a Hugging Face dataset id, or '{SYNTHETIC}'")

@@ -8,15 +8,21 @@ accuracy (r_chosen > r_rejected) on held-out pairs.
 from __future__ import annotations
 
 import random
-import tempfile
 from pathlib import Path
 
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
-from stages.common import (RAW_PAIRS, REWARD_METRICS, REWARD_MODEL, SFT_MODEL, device, read_table, require_dir,
-                           reward_scores, save_pretrained, seed_everything, write_json)
+from stages.common import (RAW_PAIRS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL, SFT_MODEL, device, read_table,
+                           remove_stale_temporaries, require_dir, reward_scores, save_pretrained, seed_everything,
+                           write_json)
 from stages.params import Params
+from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
+
+
+# The params this stage tracks in dvc.yaml, and its inputs: a checkpoint is reused only for the same ones.
+TRACKED = ("seed", "reward")
+INPUTS = (RAW_PAIRS, SFT_MODEL)
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -35,16 +41,24 @@ def run(params: Params, root: Path = Path(".")) -> str:
     chosen_ids = tokenizer([chosen[i] for i in train_idx], truncation=True)["input_ids"]
     rejected_ids = tokenizer([rejected[i] for i in train_idx], truncation=True)["input_ids"]
     train = [{"chosen": c, "rejected": r} for c, r in zip(chosen_ids, rejected_ids)]
-    with tempfile.TemporaryDirectory() as scratch:
-        trainer = PairwiseTrainer(model=model, args=training_args(params, scratch), train_dataset=train,
-                                  data_collator=PairCollator(tokenizer), processing_class=tokenizer)
-        train_loss = trainer.train().training_loss
+    checkpoints = root / REWARD_CHECKPOINTS
+    remove_stale_temporaries(root / REWARD_MODEL.parent, root / REWARD_METRICS.parent)
+    resume_from = open_trainer_checkpoints(checkpoints, fingerprint(params, TRACKED, INPUTS, root), params, "reward")
+    trainer = PairwiseTrainer(model=model, args=training_args(params, checkpoints), train_dataset=train,
+                              data_collator=PairCollator(tokenizer), processing_class=tokenizer,
+                              callbacks=[trainer_callback()])
+    trainer.train(resume_from_checkpoint=resume_from)
     model.eval()
     bs = params.reward.batch_size * 2
+    # Scores of the final model (not the running mean of training, which a resumed run only partly sees)
+    train_chosen = reward_scores(model, tokenizer, [chosen[i] for i in train_idx], bs)
+    train_rejected = reward_scores(model, tokenizer, [rejected[i] for i in train_idx], bs)
     r_chosen = reward_scores(model, tokenizer, [chosen[i] for i in eval_idx], bs)
     r_rejected = reward_scores(model, tokenizer, [rejected[i] for i in eval_idx], bs)
     wins = [c > r for c, r in zip(r_chosen, r_rejected)]
-    metrics = {"train_loss": train_loss, "eval_accuracy": sum(wins) / len(wins),
+    metrics = {"train_loss": bradley_terry_loss(train_chosen, train_rejected),
+               "train_accuracy": sum(c > r for c, r in zip(train_chosen, train_rejected)) / len(train),
+               "eval_loss": bradley_terry_loss(r_chosen, r_rejected), "eval_accuracy": sum(wins) / len(wins),
                "eval_margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval,
                "n_train": len(train), "n_eval": n_eval}
     save_pretrained(root / REWARD_MODEL, model, tokenizer)
@@ -53,13 +67,21 @@ def run(params: Params, root: Path = Path(".")) -> str:
             f"-> {REWARD_MODEL}")
 
 
-def training_args(params: Params, output_dir: str) -> TrainingArguments:
-    rm = params.reward
+def bradley_terry_loss(r_chosen: list[float], r_rejected: list[float]) -> float:
+    """Mean of -log sigmoid(r_chosen - r_rejected) over pairs."""
+    import torch
+
+    return float(-F.logsigmoid(torch.tensor(r_chosen) - torch.tensor(r_rejected)).mean())
+
+
+def training_args(params: Params, output_dir: Path) -> TrainingArguments:
+    rm, every = params.reward, params.checkpoint.trainer_every
     return TrainingArguments(
-        output_dir=output_dir, learning_rate=rm.learning_rate, num_train_epochs=rm.num_train_epochs,
+        output_dir=str(output_dir), save_strategy="steps" if every else "no", save_steps=every or 500,
+        save_total_limit=1, learning_rate=rm.learning_rate, num_train_epochs=rm.num_train_epochs,
         per_device_train_batch_size=rm.batch_size, warmup_steps=rm.warmup_ratio, lr_scheduler_type="cosine",
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
-        remove_unused_columns=False, logging_strategy="no", save_strategy="no", report_to="none",
+        remove_unused_columns=False, logging_strategy="no", report_to="none",
     )
 
 

@@ -7,18 +7,23 @@ so the policy learns to stop; the pad token is distinct from EOS, so EOS keeps i
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, GPT2Config,
                           GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments)
 
-from stages.common import (RAW_SFT, SFT_METRICS, SFT_MODEL, StageError, device, read_table, save_pretrained,
-                           seed_everything, write_json)
+from stages.common import (RAW_SFT, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError, device, note, read_table,
+                           remove_stale_temporaries, save_pretrained, seed_everything, write_json)
 from stages.params import ModelParams, Params
+from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
 
 EOS, PAD = "<|endoftext|>", "<pad>"
+
+
+# The params this stage tracks in dvc.yaml, and its inputs: a checkpoint is reused only for the same ones.
+TRACKED = ("seed", "model", "sft")
+INPUTS = (RAW_SFT,)
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -28,17 +33,22 @@ def run(params: Params, root: Path = Path(".")) -> str:
     ids = tokenizer(texts, truncation=True, max_length=params.sft.max_length - 1)["input_ids"]
     examples = [{"input_ids": x + [tokenizer.eos_token_id]} for x in ids]
     n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
-    with tempfile.TemporaryDirectory() as scratch:
-        trainer = Trainer(
-            model=model,
-            args=training_args(params, scratch),
-            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-            train_dataset=examples[n_eval:],
-            eval_dataset=examples[:n_eval],
-            processing_class=tokenizer,
-        )
-        train_loss = trainer.train().training_loss
-        eval_loss = trainer.evaluate()["eval_loss"]
+    checkpoints = root / SFT_CHECKPOINTS
+    remove_stale_temporaries(root / SFT_MODEL.parent, root / SFT_METRICS.parent)
+    resume_from = open_trainer_checkpoints(checkpoints, fingerprint(params, TRACKED, INPUTS, root), params, "sft")
+    trainer = Trainer(
+        model=model,
+        args=training_args(params, checkpoints),
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        train_dataset=examples[n_eval:],
+        eval_dataset=examples[:n_eval],
+        processing_class=tokenizer,
+        callbacks=[trainer_callback()],
+    )
+    trainer.train(resume_from_checkpoint=resume_from)
+    # Losses of the final model (not the running mean of training, which a resumed run only partly sees)
+    train_loss = trainer.evaluate(examples[n_eval:], metric_key_prefix="train")["train_loss"]
+    eval_loss = trainer.evaluate()["eval_loss"]
     metrics = {"train_loss": train_loss, "eval_loss": eval_loss, "n_train": len(examples) - n_eval, "n_eval": n_eval,
                "n_params": sum(p.numel() for p in model.parameters())}
     save_pretrained(root / SFT_MODEL, model, tokenizer)
@@ -46,14 +56,15 @@ def run(params: Params, root: Path = Path(".")) -> str:
     return f"{metrics['n_train']} texts, train loss {train_loss:.3f}, eval loss {eval_loss:.3f} -> {SFT_MODEL}"
 
 
-def training_args(params: Params, output_dir: str) -> TrainingArguments:
-    sft = params.sft
+def training_args(params: Params, output_dir: Path) -> TrainingArguments:
+    sft, every = params.sft, params.checkpoint.trainer_every
     return TrainingArguments(
-        output_dir=output_dir, learning_rate=sft.learning_rate, num_train_epochs=sft.num_train_epochs,
+        output_dir=str(output_dir), save_strategy="steps" if every else "no", save_steps=every or 500,
+        save_total_limit=1, learning_rate=sft.learning_rate, num_train_epochs=sft.num_train_epochs,
         per_device_train_batch_size=sft.batch_size, per_device_eval_batch_size=sft.batch_size,
         warmup_steps=sft.warmup_ratio, lr_scheduler_type="cosine", weight_decay=sft.weight_decay,
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
-        logging_strategy="no", save_strategy="no", report_to="none",
+        logging_strategy="no", report_to="none",
     )
 
 
@@ -68,8 +79,12 @@ def build(spec: ModelParams, texts: list[str]):
                              f"({' '.join(str(err).split())[:160]}); give a local save_pretrained directory, or a hub "
                              "id with HF_HUB_OFFLINE=0, or null to train the default model from scratch") from None
         if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+            # Padding with EOS would mask EOS out of the loss and the policy would never learn to stop.
+            why = "has no pad token" if tokenizer.pad_token is None else "pads with its EOS token"
             tokenizer.add_special_tokens({"pad_token": PAD})
             model.resize_token_embeddings(len(tokenizer))
+            note(f"sft: the tokenizer of {spec.name_or_path} {why}; added '{PAD}' (id {tokenizer.pad_token_id}) and "
+                 "resized the embeddings")
         model.config.pad_token_id = tokenizer.pad_token_id
         return tokenizer, model
     tokenizer = train_tokenizer(texts, spec.vocab_size, spec.n_positions)

@@ -11,13 +11,15 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from stages.common import (RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, SFT_MODEL, TOKENIZED_EVAL, TOKENIZED_TRAIN,
-                           StageError, read_table, require_dir, seed_everything, write_parquet)
+                           StageError, model_context, read_table, require_dir, seed_everything,
+                           write_parquet)
 from stages.params import Params
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
     seed_everything(params.seed)
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
+    context = model_context(root / SFT_MODEL)
     kept = {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
         queries = read_table(root / source, ["query"])["query"].tolist()
@@ -26,7 +28,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
         if not ids:
             raise StageError(f"{source}: no query has tokenize.min_query_tokens={params.tokenize.min_query_tokens} "
                              f"tokens; lower it in {params.path}")
+        fitting = [x for x in ids if len(x) < context]  # room for at least one response token
+        if not fitting:
+            raise StageError(f"{source}: all {len(ids)} queries are {context} tokens or longer after truncation, the "
+                             f"whole context of {SFT_MODEL}; lower tokenize.max_query_tokens in {params.path}")
+        ids = fitting
         write_parquet({"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}, root / target)
         kept[target.stem] = (len(ids), len(queries))
     counts = ", ".join(f"{name}: {n} of {total} queries kept" for name, (n, total) in kept.items())
     return f"{counts} -> {TOKENIZED_TRAIN.parent}"
+

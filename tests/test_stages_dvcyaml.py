@@ -46,7 +46,8 @@ def test_code_deps_cover_what_the_stage_imports(name):
     imports = code_imports(name)
     assert f"stages/{name}.py" in deps
     for module in (m for m in imports if m.startswith("stages.")):
-        assert module.split(".")[1] in {"common", "params", "synthetic"}, f"{name} imports another stage: {module}"
+        helpers = {"common", "params", "synthetic", "resume"}
+        assert module.split(".")[1] in helpers, f"{name} imports another stage: {module}"
         assert f"stages/{module.split('.')[1]}.py" in deps
     assert ("ppo_core" in imports) == ("ppo_core" in deps)
 
@@ -76,3 +77,15 @@ def test_tracked_params_exist():
             for part in key.split("."):
                 assert part in node, f"{name} tracks {key}, not in params.yaml"
                 node = node[part]
+
+
+@pytest.mark.parametrize("name", ["sft", "reward", "ppo"])
+def test_checkpoint_fingerprint_covers_what_dvc_tracks(name):
+    """A checkpoint is reused only for the params and input files the stage's dvc.yaml entry tracks."""
+    import importlib
+
+    module = importlib.import_module(f"stages.{name}")
+    assert list(module.TRACKED) == STAGES[name]["params"]
+    assert {str(path) for path in module.INPUTS} == {d for d in STAGES[name]["deps"] if d.startswith("data/")}
+    persisted = [path for o in STAGES[name]["outs"] if isinstance(o, dict) for path, spec in o.items() if spec["persist"]]
+    assert f"data/checkpoints/{name}" in persisted

@@ -1,0 +1,146 @@
+"""Resuming the training stages: a checkpoint directory is reused only for the inputs it was written with.
+
+Each training stage keeps its resumable state in `data/checkpoints/<stage>` (a DVC output with `persist:
+true`, so `dvc repro` does not delete it before rerunning the stage). Beside the state lies `fingerprint.json`:
+the params the stage tracks in dvc.yaml and a digest of each input file. A rerun whose fingerprint matches
+resumes; one that does not either starts fresh (and says so) or stops, as `checkpoint.on_mismatch` decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from stages.common import StageError, fresh_dir, note, write_json
+from stages.params import Params
+
+FINGERPRINT = "fingerprint.json"
+
+
+def fingerprint(params: Params, keys: Iterable[str], inputs: Iterable[Path], root: Path) -> dict[str, Any]:
+    """What a stage's state depends on: the values of its params `keys` (dotted, as dvc.yaml lists them)
+    and the SHA-256 of each input file or directory (paths relative to `root`)."""
+    return {"params": {key: _plain(_lookup(params, key)) for key in keys},
+            "inputs": {str(path): digest(root / path) for path in inputs}}
+
+
+def digest(path: Path) -> str:
+    """SHA-256 of a file, or of a directory's files (relative names and contents, in sorted order)."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for file in files:
+        h.update(str(file.relative_to(path) if path.is_dir() else file.name).encode() + b"\0")
+        with open(file, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def open_checkpoint_dir(directory: Path, expected: dict[str, Any], params: Params, stage: str) -> bool:
+    """Make `directory` ready for the stage: True when it holds state written for `expected` (resume from
+    it), False when it is now empty but for the fingerprint (start fresh). State written for other params
+    or inputs is discarded with a note, or refused with a StageError when `checkpoint.on_mismatch: stop`."""
+    directory = Path(directory)
+    path = directory / FINGERPRINT
+    found = json.loads(path.read_text()) if path.exists() else None
+    if found == expected:
+        return True
+    if found is not None:
+        what = first_difference(found, expected)
+        if params.checkpoint.on_mismatch == "stop":
+            raise StageError(f"{directory}: checkpoint written with other {what}; delete the directory to start "
+                             f"fresh, or set checkpoint.on_mismatch: restart in {params.path}")
+        note(f"{stage}: {directory} was written with other {what}; starting fresh (checkpoint.on_mismatch: restart)")
+    fresh_dir(directory)
+    write_json(expected, path)
+    return False
+
+
+def first_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The first differing leaf of two fingerprints, for a message: "params (ppo.learning_rate: 0.1 -> 0.2)"."""
+    a, b = _flatten(old), _flatten(new)
+    for key in sorted(a.keys() | b.keys()):
+        if a.get(key) != b.get(key):
+            kind, _, name = key.partition(":")
+            if kind == "inputs":
+                return f"inputs ({name} changed)"
+            return f"params ({name}: {a.get(key, '<absent>')} -> {b.get(key, '<absent>')})"
+    return "contents"
+
+
+def _flatten(fp: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for kind in ("params", "inputs"):
+        for key, value in (fp.get(kind) or {}).items():
+            if isinstance(value, dict):
+                out.update({f"{kind}:{key}.{k}": v for k, v in _flatten_dict(value).items()})
+            else:
+                out[f"{kind}:{key}"] = value
+    return out
+
+
+def _flatten_dict(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in _flatten_dict(value).items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _lookup(params: Params, key: str) -> Any:
+    value: Any = params
+    for part in key.split("."):
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """A params value as JSON: dataclasses become dicts (tuples lists), as the fingerprint file stores them."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    return json.loads(json.dumps(value))
+
+
+# ---- transformers.Trainer checkpoints (sft, reward) ---------------------------------------------------------
+COMPLETE = "COMPLETE"
+
+
+def trainer_callback():
+    """A Trainer callback that marks a checkpoint directory complete once transformers has written all of it.
+
+    transformers writes `checkpoint-N/` file by file, in place: a kill during the save leaves a partial
+    directory. Only marked ones are resumed from (a kill between the save and the mark loses one interval).
+    """
+    from transformers import TrainerCallback
+
+    class MarkComplete(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                (Path(args.output_dir) / f"checkpoint-{state.global_step}" / COMPLETE).touch()
+
+    return MarkComplete()
+
+
+def last_trainer_checkpoint(directory: Path) -> Path | None:
+    """The newest complete `checkpoint-N` in `directory` (incomplete ones are deleted), or None."""
+    found = sorted(Path(directory).glob("checkpoint-*"), key=lambda p: int(p.name.rpartition("-")[2]))
+    complete = [p for p in found if (p / COMPLETE).exists()]
+    for partial in set(found) - set(complete):
+        shutil.rmtree(partial)
+    return complete[-1] if complete else None
+
+
+def open_trainer_checkpoints(directory: Path, expected: dict[str, Any], params: Params, stage: str) -> str | None:
+    """For `trainer.train(resume_from_checkpoint=...)`: the checkpoint to resume from, or None (fresh run)."""
+    last = last_trainer_checkpoint(directory) if open_checkpoint_dir(directory, expected, params, stage) else None
+    if last is not None:
+        note(f"{stage}: resuming from {last}")
+    return str(last) if last is not None else None
