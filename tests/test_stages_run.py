@@ -77,7 +77,7 @@ def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_param
 def test_ppo_is_deterministic(tiny_run, tiny_params, tmp_path):
     """Same inputs and seed: byte-identical policy, rollouts and stats (so DVC sees no change)."""
     root = tmp_path / "project"
-    shutil.copytree(tiny_run, root)
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints"))  # a rerun, not a resume
     ppo.run(tiny_params, root)
     outputs = [PPO_MODEL / "model.safetensors", PPO_STATS, PPO_CURVES, *sorted((tiny_run / PPO_ROLLOUTS).iterdir())]
     for path in outputs:

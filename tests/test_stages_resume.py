@@ -1,0 +1,231 @@
+"""Reproducible and resumable: same inputs give the same bytes; a stage killed at any moment and rerun ends with
+the artifacts of an uninterrupted run; a checkpoint written for other params is never silently reused."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from stages import ppo, resume, reward, sft
+from stages.common import (PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL,
+                           SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError)
+from stages.params import load_params
+from tests.conftest import ROOT, TINY_PARAMS, params_per_stage
+
+DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def digests(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """{relative path: sha256} of every file under root/data, but those under an `exclude` prefix."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((root / "data").rglob("*")) if p.is_file()
+            and not str(p.relative_to(root)).startswith(exclude)}
+
+
+def remove_outputs_as_dvc_does(root: Path, stage: str) -> None:
+    """`dvc repro` deletes a stage's outputs before rerunning it, but those marked `persist: true`."""
+    for out in DVC_STAGES[stage]["outs"] + DVC_STAGES[stage].get("metrics", []):
+        path, spec = next(iter(out.items())) if isinstance(out, dict) else (out, {})
+        if not spec.get("persist"):
+            target = root / path
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+
+
+def params_file(tmp_path: Path, **changes) -> Path:
+    """The tiny params with `changes` ({"ppo__steps": 48} sets ppo.steps), written to tmp_path/params.yaml."""
+    yaml = YAML()
+    data = yaml.load(TINY_PARAMS.read_text())
+    for key, value in changes.items():
+        *parents, leaf = key.split("__")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    path = tmp_path / "params.yaml"
+    with path.open("w") as fh:
+        yaml.dump(data, fh)
+    return path
+
+
+def run_stage(stage: str, params: Path, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "stages", stage, "--params", str(params)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def upstream_of_ppo(tiny_run: Path, root: Path) -> Path:
+    """A project with everything the ppo stage reads (tiny_run's data) and none of its outputs."""
+    shutil.copytree(tiny_run / "data", root / "data", ignore=shutil.ignore_patterns("ppo", "eval"))
+    shutil.rmtree(root / PPO_MODEL, ignore_errors=True)
+    return root
+
+
+def test_two_full_pipeline_runs_are_byte_identical(tiny_run, tiny_params, tmp_path):
+    """Every Parquet file, model weight, tokenizer and metrics file; only wall-clock timings and the
+    checkpoints (which hold the timings and the trainer's own state) are left out."""
+    import importlib
+
+    for name, params in params_per_stage(tiny_params).items():
+        importlib.import_module(f"stages.{name}").run(params, tmp_path)
+    exclude = ("data/ppo/timings.csv", "data/checkpoints/")
+    first, second = digests(tiny_run, exclude), digests(tmp_path, exclude)
+    assert first == second
+    assert sum(name.endswith(".parquet") for name in first) >= 8 and sum(
+        name.endswith(".safetensors") for name in first) >= 3
+
+
+def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts(tiny_run, tmp_path):
+    """SIGKILL after a random step plus a random delay (mid-step, mid-write or mid-checkpoint), the outputs
+    dvc deletes deleted, the stage rerun: every artifact equals an uninterrupted run's, byte for byte."""
+    params = params_file(tmp_path, ppo__steps=48, checkpoint__ppo_every=2)  # 6 steps, a checkpoint every 2
+    whole, killed = upstream_of_ppo(tiny_run, tmp_path / "whole"), upstream_of_ppo(tiny_run, tmp_path / "killed")
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    after, delay = rng.randint(2, 4), rng.uniform(0.0, 0.2)
+    where = f"(seed {seed}: killed {delay:.3f} s after step {after} was written)"
+
+    proc = run_stage("ppo", params, killed)
+    deadline = time.monotonic() + 300
+    while not (killed / PPO_ROLLOUTS / ppo.rollout_file(after)).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, f"the stage ended before the kill {where}"
+
+    remove_outputs_as_dvc_does(killed, "ppo")
+    rerun = run_stage("ppo", params, killed)
+    _, err = rerun.communicate()
+    assert rerun.returncode == 0, err[-2000:]
+    assert "note: ppo: resuming from data/checkpoints/ppo/state.pt at step" in err, where
+    uninterrupted = run_stage("ppo", params, whole)
+    _, err = uninterrupted.communicate()
+    assert uninterrupted.returncode == 0, err[-2000:]
+
+    exclude = ("data/ppo/timings.csv", "data/checkpoints/")
+    expected = digests(whole, exclude)
+    assert len([name for name in expected if "rollouts/step-" in name]) == 6
+    assert digests(killed, exclude) == expected, where
+    assert not list(killed.rglob(".*tmp-*")), "a killed writer's temporary file was left behind"
+
+
+def crash_at(step: int):
+    """A Trainer callback factory: the stage's checkpoint marker, plus a crash when `step` ends."""
+
+    def factory():
+        marker = resume.trainer_callback()
+
+        class Crash(type(marker)):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == step:
+                    raise KeyboardInterrupt(f"crash at step {step}")
+
+        return Crash()
+
+    return factory
+
+
+@pytest.mark.parametrize("stage, outputs", [
+    (sft, (SFT_MODEL, SFT_METRICS, SFT_CHECKPOINTS)), (reward, (REWARD_MODEL, REWARD_METRICS, REWARD_CHECKPOINTS)),
+])
+def test_trainer_stages_resume_from_their_checkpoint(stage, outputs, tiny_run, tiny_params, tmp_path, monkeypatch,
+                                                      capfd):
+    """sft and reward crash after their first checkpoint (step 2) and rerun: same model and metrics."""
+    model, metrics, checkpoints = outputs
+    shutil.copytree(tiny_run / "data", tmp_path / "data")
+    remove_outputs_as_dvc_does(tmp_path, stage.__name__.split(".")[1])
+    shutil.rmtree(tmp_path / checkpoints)
+    params = params_per_stage(tiny_params)[stage.__name__.split(".")[1]]
+    with monkeypatch.context() as patch:
+        patch.setattr(stage, "trainer_callback", crash_at(3))
+        with pytest.raises(KeyboardInterrupt):
+            stage.run(params, tmp_path)
+    assert [p.name for p in (tmp_path / checkpoints).glob("checkpoint-*")] == ["checkpoint-2"]
+    assert not (tmp_path / model).exists()
+    capfd.readouterr()
+    stage.run(params, tmp_path)
+    assert f"resuming from {tmp_path / checkpoints / 'checkpoint-2'}" in capfd.readouterr().err
+    for path in [*sorted((tiny_run / model).iterdir()), tiny_run / metrics]:
+        rel = path.relative_to(tiny_run)
+        assert (tmp_path / rel).read_bytes() == path.read_bytes(), rel
+
+
+def test_checkpoint_from_other_params_restarts_or_stops(tiny_run, tiny_params, tmp_path, capfd):
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root)
+    changed = dataclasses.replace(tiny_params, ppo={**tiny_params.ppo, "learning_rate": 0.0001})
+    stop = dataclasses.replace(changed, checkpoint=dataclasses.replace(tiny_params.checkpoint, on_mismatch="stop"))
+    before = digests(root)
+    with pytest.raises(StageError, match=r"data/checkpoints/ppo: checkpoint written with other params "
+                                         r"\(ppo.learning_rate: 0.0003 -> 0.0001\); delete the directory"):
+        ppo.run(stop, root)
+    assert digests(root) == before  # stopping touched nothing
+
+    capfd.readouterr()
+    ppo.run(changed, root)
+    err = capfd.readouterr().err
+    assert "data/checkpoints/ppo was written with other params (ppo.learning_rate: 0.0003 -> 0.0001); " \
+           "starting fresh" in err and "resuming" not in err
+
+    (root / SFT_MODEL / "model.safetensors").write_bytes((root / PPO_MODEL / "model.safetensors").read_bytes())
+    with pytest.raises(StageError, match=r"other inputs \(data/models/sft changed\)"):
+        ppo.run(dataclasses.replace(changed, checkpoint=stop.checkpoint), root)
+
+
+def test_rerun_with_the_same_params_resumes_from_the_final_checkpoint(tiny_run, tiny_params, tmp_path, capfd):
+    """A forced rerun (`dvc repro -f`) of a finished run: nothing is recomputed, the artifacts come back equal."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root)
+    remove_outputs_as_dvc_does(root, "ppo")
+    steps = -(-tiny_params.ppo["steps"] // tiny_params.ppo["batch_size"])
+    capfd.readouterr()
+    ppo.run(tiny_params, root)
+    assert f"resuming from data/checkpoints/ppo/state.pt at step {steps}" in capfd.readouterr().err.replace(
+        str(root) + "/", "")
+    exclude = ("data/ppo/timings.csv", "data/checkpoints/")
+    assert digests(root, exclude) == digests(tiny_run, exclude)
+
+
+def test_a_non_finite_loss_stops_the_stage_and_the_checkpoint_resumes(tiny_run, tiny_params, tmp_path, capfd,
+                                                                        monkeypatch):
+    """A scorer that blows up at step 1 makes the value loss infinite: one-line error naming the step and the
+    statistic, the step-1 checkpoint intact; with the scorer fixed (same params), the rerun resumes and ends."""
+    scorer_module = tmp_path / "exploding.py"
+    scorer_module.write_text("import os\nCALLS = [0]\n\ndef score(texts):\n    CALLS[0] += 1\n"
+                             "    big = 1e30 if CALLS[0] == 2 and not os.environ.get('FIXED') else 1.0\n"
+                             "    return [big * t.count('e') for t in texts]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = upstream_of_ppo(tiny_run, tmp_path / "project")
+    scorer = dataclasses.replace(tiny_params.scorer, source="callable", name="exploding:score")
+    params = dataclasses.replace(tiny_params, scorer=scorer)
+    with pytest.raises(StageError) as err:
+        ppo.run(params, root)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("PPO step 2: non-finite") and "ppo/" in message
+    assert "data/checkpoints/ppo (if any) is intact" in message
+    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [ppo.rollout_file(0)]
+
+    monkeypatch.setenv("FIXED", "1")
+    capfd.readouterr()
+    summary = ppo.run(params, root)
+    assert "resumed at step 1" in summary
+    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [ppo.rollout_file(0), ppo.rollout_file(1)]
+
+
+def test_params_file_path_does_not_change_the_fingerprint(tiny_params, tmp_path):
+    """The same values loaded from another file (dvc exp run, a copy) resume the same checkpoint."""
+    other = load_params(params_file(tmp_path))
+    keys, inputs = ppo.TRACKED, ()
+    assert resume.fingerprint(other, keys, inputs, tmp_path) == resume.fingerprint(tiny_params, keys, inputs, tmp_path)
