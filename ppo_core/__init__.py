@@ -3,10 +3,11 @@ on current transformers and torch."""
 
 from .config import PPOConfig
 from .core import LengthSampler
-from .modeling import AutoModelForCausalLMWithValueHead, create_reference_model
+from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
+                       create_reference_model)
 from .trainer import PPOTrainer
 from .utils import set_seed
 
-__all__ = ["AutoModelForCausalLMWithValueHead", "LengthSampler", "PPOConfig", "PPOTrainer",
-           "create_reference_model", "set_seed"]
+__all__ = ["AutoModelForCausalLMWithValueHead", "AutoModelForSeq2SeqLMWithValueHead", "LengthSampler", "PPOConfig",
+           "PPOTrainer", "PreTrainedModelWrapper", "create_reference_model", "set_seed"]
 __version__ = "0.1.0"

@@ -1,22 +1,26 @@
-"""Causal LMs with a scalar value head, and frozen reference copies that genuinely share layers.
+"""Language models with a scalar value head, and frozen reference copies that genuinely share layers.
 
 ``AutoModelForCausalLMWithValueHead`` wraps any ``transformers.AutoModelForCausalLM`` (GPT-2, Llama,
-Qwen2, GPT-NeoX, OPT, ...). Besides the legacy ``forward`` (full logits), it exposes the two pieces
-the trainer's fast path needs: the backbone's last hidden states and the LM head (``lm_head()``),
-so log-probabilities can be computed at response positions only (see ``ppo_core.logprobs``).
+Qwen2, GPT-NeoX, OPT, ...), ``AutoModelForSeq2SeqLMWithValueHead`` any encoder-decoder
+``AutoModelForSeq2SeqLM`` (T5, BART, ...); either may hold a PEFT adapter (``ppo_core.adapters``).
+Besides the legacy ``forward`` (full logits), they expose the two pieces the trainer's fast path needs:
+the last hidden states (``forward(..., hidden_only=True)``) and the LM head (``lm_head()``), so
+log-probabilities can be computed at response positions only (see ``ppo_core.logprobs``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
+from . import adapters
 from .logprobs import LMHead
 
 logger = logging.getLogger(__name__)
@@ -52,73 +56,106 @@ def _hidden_size(config) -> int:
                      "pass a model whose config has hidden_size.")
 
 
-class AutoModelForCausalLMWithValueHead(nn.Module):
-    """A causal LM plus a value head on its last hidden state (TRL's legacy class, same API).
+class PreTrainedModelWrapper(nn.Module):
+    """A transformers LM, optionally inside a PEFT adapter, plus a scalar value head (legacy TRL's base class).
 
-    ``forward(input_ids, past_key_values=None, attention_mask=None, return_past_key_values=False, **kw)``
-    returns ``(lm_logits, loss, values)`` with ``lm_logits`` ``(B, T, V)`` float32 and ``values`` ``(B, T)``.
+    The shared half of :class:`AutoModelForCausalLMWithValueHead` and
+    :class:`AutoModelForSeq2SeqLMWithValueHead`: construction, persistence and the LM head. With a
+    ``peft.PeftModel`` inside (``is_peft_model``), only the adapter and the value head are trainable and
+    the reference policy is the same model under ``pretrained_model.disable_adapter()``.
     """
 
-    transformers_parent_class = AutoModelForCausalLM
+    transformers_parent_class = None  # the transformers Auto class that loads the LM
+    is_encoder_decoder = False
     supported_args = _VALUE_HEAD_KWARGS
 
     def __init__(self, pretrained_model: PreTrainedModel, summary_dropout_prob: float | None = 0.1,
                  v_head_initializer_range: float = 0.2, v_head_init_strategy: str | None = None):
         super().__init__()
-        if not isinstance(pretrained_model, PreTrainedModel):
-            raise ValueError(f"AutoModelForCausalLMWithValueHead wraps a transformers PreTrainedModel, "
-                             f"got {type(pretrained_model).__name__}.")
+        name = type(self).__name__
+        self.is_peft_model = adapters.is_peft_model(pretrained_model)
+        lm = adapters.check_supported(pretrained_model) if self.is_peft_model else pretrained_model
+        if not isinstance(lm, PreTrainedModel):
+            raise ValueError(f"{name} wraps a transformers PreTrainedModel (or a peft.PeftModel of one), "
+                             f"got {type(lm).__name__}.")
+        if bool(getattr(lm.config, "is_encoder_decoder", False)) != self.is_encoder_decoder:
+            kind, other = (("not an encoder-decoder", "AutoModelForCausalLMWithValueHead") if self.is_encoder_decoder
+                           else ("an encoder-decoder", "AutoModelForSeq2SeqLMWithValueHead"))
+            raise ValueError(f"{name}: {type(lm).__name__} is {kind} model; wrap it with {other}.")
         self.pretrained_model = pretrained_model
-        self.v_head = ValueHead(_hidden_size(pretrained_model.config), summary_dropout_prob)
-        self.v_head.to(pretrained_model.device)
+        self.v_head = ValueHead(_hidden_size(lm.config), summary_dropout_prob)
+        self.v_head.to(lm.device)
         if v_head_init_strategy == "normal":
             nn.init.normal_(self.v_head.summary.weight, mean=0.0, std=v_head_initializer_range)
             nn.init.zeros_(self.v_head.summary.bias)
         elif v_head_init_strategy is not None:
             raise ValueError(f"v_head_init_strategy must be None or 'normal', got {v_head_init_strategy!r}.")
-        self.is_encoder_decoder = False
-        self.is_peft_model = False
         self.is_sequential_parallel = False
         self.supports_rm_adapter = False
 
     # ---- construction and persistence -------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Load (or wrap) a causal LM and restore its value head when one was saved with it.
+        """Load (or wrap) an LM, optionally add or load a PEFT adapter, and restore a saved value head.
 
         Args:
-            pretrained_model_name_or_path: a hub id, a local directory, or an already built
-                ``PreTrainedModel``.
+            pretrained_model_name_or_path: a hub id, a local directory (a full model, or an adapter written
+                by ``save_pretrained`` of a PEFT policy: its base model is loaded from the path in its
+                ``adapter_config.json``), a ``PreTrainedModel`` or a ``peft.PeftModel``.
+            peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig(r=16, lora_alpha=16)``): add a fresh
+                adapter to the loaded model, freezing its base weights (needs ``peft``).
+            is_trainable: whether a loaded adapter is trained (default True; peft's own default is False).
             **kwargs: ``summary_dropout_prob``, ``v_head_initializer_range``, ``v_head_init_strategy``
-                go to the value head; the rest to ``AutoModelForCausalLM.from_pretrained``.
+                go to the value head; the rest to the transformers ``from_pretrained``.
         """
         head_kwargs = {k: kwargs.pop(k) for k in _VALUE_HEAD_KWARGS if k in kwargs}
-        for unsupported in ("peft_config", "reward_adapter", "load_in_8bit", "load_in_4bit"):
+        peft_config = kwargs.pop("peft_config", None)
+        is_trainable = kwargs.pop("is_trainable", True)
+        for unsupported in ("reward_adapter", "load_in_8bit", "load_in_4bit"):
             if kwargs.get(unsupported) is not None:
-                raise ValueError(f"AutoModelForCausalLMWithValueHead.from_pretrained: '{unsupported}' is not "
-                                 "supported yet (LoRA/quantised policies are planned); load the full model.")
+                raise ValueError(f"{cls.__name__}.from_pretrained: '{unsupported}' is not supported yet "
+                                 "(quantised policies and reward adapters are planned); load the full model.")
             kwargs.pop(unsupported, None)
-        kwargs.pop("is_trainable", None)
-        if isinstance(pretrained_model_name_or_path, PreTrainedModel):
-            return cls(pretrained_model_name_or_path, **head_kwargs)
-        path = str(pretrained_model_name_or_path)
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"Model path '{path}' is a file; pass the directory written by save_pretrained.")
-        base = cls.transformers_parent_class.from_pretrained(path, *model_args, **kwargs)
-        model = cls(base, **head_kwargs)
-        head_state = _load_value_head_state(path)
-        if head_state is not None:
-            model.v_head.load_state_dict(head_state)
+        source, path = pretrained_model_name_or_path, None
+        if isinstance(source, PreTrainedModel) or adapters.is_peft_model(source):
+            model = source
         else:
+            path = str(source)
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ValueError(f"Model path '{path}' is a file; pass the directory written by save_pretrained.")
+            if adapters.is_adapter_dir(path):
+                if peft_config is not None:
+                    raise ValueError(f"{cls.__name__}.from_pretrained: {path} already holds an adapter; drop "
+                                     "peft_config to load it, or pass its base model to start a new one.")
+                model = adapters.load_adapter(cls.transformers_parent_class, path, is_trainable, *model_args, **kwargs)
+            else:
+                model = cls.transformers_parent_class.from_pretrained(path, *model_args, **kwargs)
+        if peft_config is not None:
+            model = adapters.add_adapter(model, peft_config)
+        wrapped = cls(model, **head_kwargs)
+        head_state = _load_value_head_state(path) if path is not None else None
+        if head_state is not None:
+            wrapped.v_head.load_state_dict(head_state)
+        elif path is not None:
             logger.info("No value head weights in %s; the value head is freshly initialised "
                         "(expected unless you are resuming PPO training).", path)
-        return model
+        return wrapped
 
-    def save_pretrained(self, save_directory: str, **kwargs) -> None:
-        """Write the LM as plain transformers does, and the value head beside it (``value_head.safetensors``)."""
+    def save_pretrained(self, save_directory: str, merge_adapter: bool = False, **kwargs) -> None:
+        """Write the LM and the value head beside it (``value_head.safetensors``).
+
+        A plain model is written as transformers does. A PEFT policy writes its adapter
+        (``adapter_config.json`` + weights, loadable with ``peft.PeftModel.from_pretrained(base, dir)``
+        or this class's ``from_pretrained(dir)``); with ``merge_adapter=True`` it writes instead a plain
+        transformers model with the adapter merged into a copy of the base weights (loadable without
+        peft; the model in memory is unchanged, the copy costs a second set of weights while saving).
+        """
         from safetensors.torch import save_file
 
-        self.pretrained_model.save_pretrained(save_directory, **kwargs)
+        if merge_adapter and not self.is_peft_model:
+            raise ValueError("save_pretrained: merge_adapter=True needs a PEFT policy; this model has no adapter.")
+        lm = adapters.merged_copy(self.pretrained_model) if merge_adapter else self.pretrained_model
+        lm.save_pretrained(save_directory, **kwargs)
         state = {f"v_head.{k}": v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
         save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
 
@@ -127,12 +164,51 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
 
     # ---- model API -------------------------------------------------------------------------------
     @property
+    def transformers_model(self) -> PreTrainedModel:
+        """The transformers model: ``pretrained_model``, or the one inside its PEFT adapter (layers adapted)."""
+        return self.pretrained_model.get_base_model() if self.is_peft_model else self.pretrained_model
+
+    @property
     def config(self):
-        return self.pretrained_model.config
+        return self.transformers_model.config
 
     @property
     def device(self) -> torch.device:
-        return self.pretrained_model.device
+        return self.transformers_model.device
+
+    def generate(self, *args, **kwargs):
+        return self.pretrained_model.generate(*args, **kwargs)
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        model = self.transformers_model
+        # transformers 5 renamed it (the old name warns and goes away in v6).
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(**kwargs)
+        model.enable_input_require_grads()
+
+    def lm_head(self) -> LMHead:
+        """The output projection and the logit transforms this architecture applies after it."""
+        model = self.transformers_model
+        head, config = model.get_output_embeddings(), model.config
+        scale = float(getattr(config, "logit_scale", None) or 1.0)  # Cohere multiplies
+        if getattr(config, "logits_scaling", None):  # Granite divides
+            scale /= float(config.logits_scaling)
+        softcap = getattr(config, "final_logit_softcapping", None)
+        bias = getattr(head, "bias", None)
+        final_bias = getattr(model, "final_logits_bias", None)  # BART-style encoder-decoders add a (1, V) buffer
+        if final_bias is not None:
+            bias = final_bias[0] if bias is None else bias + final_bias[0]
+        return LMHead(head.weight, bias, scale, softcap)
+
+
+class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
+    """A causal LM plus a value head on its last hidden state (TRL's legacy class, same API).
+
+    ``forward(input_ids, past_key_values=None, attention_mask=None, return_past_key_values=False, **kw)``
+    returns ``(lm_logits, loss, values)`` with ``lm_logits`` ``(B, T, V)`` float32 and ``values`` ``(B, T)``.
+    """
+
+    transformers_parent_class = AutoModelForCausalLM
 
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False,
                 **kwargs):
@@ -154,36 +230,76 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
             return lm_logits, out.loss, values, out.past_key_values
         return lm_logits, out.loss, values
 
-    def generate(self, *args, **kwargs):
-        return self.pretrained_model.generate(*args, **kwargs)
-
-    def gradient_checkpointing_enable(self, **kwargs):
-        # transformers 5 renamed it (the old name warns and goes away in v6).
-        enable = getattr(self.pretrained_model, "activation_checkpointing_enable", None) \
-            or self.pretrained_model.gradient_checkpointing_enable
-        enable(**kwargs)
-        self.pretrained_model.enable_input_require_grads()
-
     def backbone_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Last hidden states of the transformer body, ``(B, T) -> (B, T, H)``, without the LM head."""
-        backbone = self.pretrained_model.base_model
-        if backbone is self.pretrained_model:  # no separate body: fall back to the full model
-            return self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask,
-                                         position_ids=position_ids, output_hidden_states=True).hidden_states[-1]
+        """Last hidden states of the transformer body, ``(B, T) -> (B, T, H)``, without the LM head.
+
+        With a PEFT adapter the body's adapted layers run as they are (adapter on, or off under
+        ``disable_adapter()``).
+        """
+        model = self.transformers_model
+        backbone = model.base_model
+        if backbone is model:  # no separate body: fall back to the full model
+            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         output_hidden_states=True).hidden_states[-1]
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False)
         return out[0]
 
+
+class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
+    """An encoder-decoder LM (T5, BART, ...) plus a value head on the decoder's last hidden state.
+
+    Queries go to the encoder (``input_ids``), responses to the decoder (``decoder_input_ids``, starting
+    with the model's ``decoder_start_token_id``). ``forward(input_ids, past_key_values=None,
+    attention_mask=None, return_past_key_values=False, decoder_input_ids=..., **kw)`` returns
+    ``(lm_logits (B, T_dec, V) float32, loss or None, values (B, T_dec))``.
+    """
+
+    transformers_parent_class = AutoModelForSeq2SeqLM
+    is_encoder_decoder = True
+
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False,
+                **kwargs):
+        """Legacy forward; with ``hidden_only=True``, ``(decoder hidden states (B, T_dec, H), values (B, T_dec))``."""
+        if kwargs.pop("hidden_only", False):
+            hidden = self.decoder_hidden_states(input_ids, attention_mask, kwargs["decoder_input_ids"],
+                                                kwargs.get("decoder_attention_mask"))
+            return hidden, self.v_head(hidden).squeeze(-1)
+        kwargs["output_hidden_states"] = True
+        out = self.pretrained_model(input_ids=input_ids, past_key_values=past_key_values,
+                                    attention_mask=attention_mask, **kwargs)
+        values = self.v_head(out.decoder_hidden_states[-1]).squeeze(-1)
+        lm_logits = out.logits.float()
+        if return_past_key_values:
+            return lm_logits, out.loss, values, out.past_key_values
+        return lm_logits, out.loss, values
+
+    def decoder_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                              decoder_input_ids: torch.Tensor,
+                              decoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoder ``(B, S)`` then decoder ``(B, T)`` -> the decoder's last hidden states ``(B, T, H)``."""
+        model = self.transformers_model
+        encoder_hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, S, H)
+        out = model.get_decoder()(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
+                                  encoder_hidden_states=encoder_hidden, encoder_attention_mask=attention_mask,
+                                  use_cache=False)
+        return out[0]
+
     def lm_head(self) -> LMHead:
-        """The output projection and the logit transforms this architecture applies after it."""
-        head = self.pretrained_model.get_output_embeddings()
-        config = self.pretrained_model.config
-        scale = float(getattr(config, "logit_scale", None) or 1.0)  # Cohere multiplies
-        if getattr(config, "logits_scaling", None):  # Granite divides
-            scale /= float(config.logits_scaling)
-        softcap = getattr(config, "final_logit_softcapping", None)
-        return LMHead(head.weight, getattr(head, "bias", None), scale, softcap)
+        """As the base class, plus T5's rescaling of the decoder output (folded into the logit scale:
+        the head has no bias, so ``W (s h) = s (W h)``)."""
+        head = super().lm_head()
+        scale = _decoder_output_scale(self.config)
+        return head if scale == 1.0 else dataclasses.replace(head, scale=head.scale * scale)
+
+
+def _decoder_output_scale(config) -> float:
+    """T5-family models multiply the decoder output by ``d_model ** -0.5`` before the (tied) LM head."""
+    flag = getattr(config, "scale_decoder_outputs", None)  # T5, LongT5, Pop2Piano (transformers 5)
+    if flag is None and config.model_type in ("umt5", "switch_transformers"):
+        flag = config.tie_word_embeddings
+    return float(config.d_model) ** -0.5 if flag else 1.0
 
 
 def _load_value_head_state(path: str) -> dict[str, torch.Tensor] | None:
