@@ -5,6 +5,10 @@ end cannot influence real tokens, so no attention mask and no position-id bookke
 positions start at 0 exactly as in left-padded generation with position ids from the attention mask.
 Every per-token tensor the trainer uses is response-aligned, ``(B, R)``: column ``j`` is response token
 ``j``, predicted from the hidden state at position ``query_len - 1 + j``.
+
+Encoder-decoder policies use the same layout for the decoder: ``input_ids`` holds
+``decoder_start + response + pad`` (so ``query_lens`` is 1: the start token) and the queries go to the
+encoder, right-padded with an attention mask (``encoder_input_ids``, ``encoder_attention_mask``).
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ from .logprobs import full_kl, selected_logprobs, selected_logprobs_and_entropy
 
 
 class ModelInputs(NamedTuple):
-    """A batch of ``query + response`` sequences, right-padded."""
+    """A batch of ``query + response`` sequences (``decoder_start + response`` for encoder-decoders), right-padded."""
 
-    input_ids: torch.Tensor  # (B, T)
-    query_lens: torch.Tensor  # (B,)
+    input_ids: torch.Tensor  # (B, T) the sequences the LM head scores
+    query_lens: torch.Tensor  # (B,) tokens before the response in input_ids
     response_lens: torch.Tensor  # (B,)
+    encoder_input_ids: torch.Tensor | None = None  # (B, S) encoder-decoders: the queries
+    encoder_attention_mask: torch.Tensor | None = None  # (B, S) 1 = real query token
 
     def index(self, idx: torch.Tensor) -> ModelInputs:
-        return ModelInputs(*(t[idx] for t in self))
+        return ModelInputs(*(t[idx] if t is not None else None for t in self))
 
     def response_mask(self) -> torch.Tensor:
         """``(B, R)`` bool, True at real response tokens."""
@@ -44,6 +50,24 @@ def build_model_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor
     query_lens = torch.tensor([len(q) for q in queries], device=device)
     response_lens = torch.tensor([len(r) for r in responses], device=device)
     return ModelInputs(input_ids, query_lens, response_lens)
+
+
+def build_seq2seq_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor], decoder_start_token_id: int,
+                         pad_token_id: int | None) -> ModelInputs:
+    """Queries to the encoder ``(B, S)`` with their mask; ``decoder_start + response`` to the decoder ``(B, 1 + R)``.
+
+    Both are right-padded: the encoder masks its padding, and the decoder's causal attention never lets
+    a real token see the padding after it.
+    """
+    device = queries[0].device
+    pad = pad_token_id if pad_token_id is not None else 0
+    encoder_input_ids = pad_sequence(queries, batch_first=True, padding_value=pad)
+    encoder_attention_mask = pad_sequence([torch.ones_like(q) for q in queries], batch_first=True, padding_value=0)
+    start = torch.tensor([decoder_start_token_id], dtype=responses[0].dtype, device=device)
+    decoder_ids = pad_sequence([torch.cat([start, r]) for r in responses], batch_first=True, padding_value=pad)
+    query_lens = torch.ones(len(responses), dtype=torch.long, device=device)
+    response_lens = torch.tensor([len(r) for r in responses], device=device)
+    return ModelInputs(decoder_ids, query_lens, response_lens, encoder_input_ids, encoder_attention_mask)
 
 
 def build_response_masks(response_masks: list[torch.Tensor] | None, inputs: ModelInputs) -> torch.Tensor:
@@ -68,15 +92,22 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
                    chunk_size: int | None = None) -> PolicyOutputs:
     """Log-probabilities of the response tokens, values, and optionally the entropies, in one pass.
 
-    ``model`` is an ``AutoModelForCausalLMWithValueHead`` (possibly wrapped by accelerate/DDP: it is
-    called, so wrappers see the forward). Gradients flow when called outside ``torch.no_grad``.
+    ``model`` is a value-head model, causal or encoder-decoder (possibly wrapped by accelerate/DDP: it
+    is called, so wrappers see the forward). Gradients flow when called outside ``torch.no_grad``.
     """
     seq_len = int((inputs.query_lens + inputs.response_lens).max())
     input_ids = inputs.input_ids[:, :seq_len]
     # An all-ones mask is exact here (right padding, causal attention) and lets attention use its
     # causal fast path; passing one also tells transformers we did not forget the padding.
-    hidden, values_all = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                               hidden_only=True)  # (B, T, H), (B, T)
+    if inputs.encoder_input_ids is None:
+        hidden, values_all = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                   hidden_only=True)  # (B, T, H), (B, T)
+    else:
+        enc_len = int(inputs.encoder_attention_mask.sum(1).max())
+        hidden, values_all = model(input_ids=inputs.encoder_input_ids[:, :enc_len],
+                                   attention_mask=inputs.encoder_attention_mask[:, :enc_len],
+                                   decoder_input_ids=input_ids, decoder_attention_mask=torch.ones_like(input_ids),
+                                   hidden_only=True)  # decoder: (B, T, H), (B, T)
     valid = inputs.response_mask()  # (B, R)
     offsets = torch.arange(valid.shape[1], device=valid.device)
     positions = (inputs.query_lens[:, None] - 1 + offsets[None, :]).clamp(max=seq_len - 1)  # (B, R)

@@ -11,11 +11,15 @@ log-probabilities in ``rollout``/``logprobs``. Differences from legacy TRL, all 
 * a mini-batch over ``ratio_threshold`` is skipped (no backward, no optimizer step) and counted in
   ``ppo/policy/skipped_minibatches`` (legacy zeroed its loss and still stepped Adam);
 * no full-vocabulary logits are materialised: log-probabilities and entropies are computed at the
-  response positions only, chunk by chunk.
+  response positions only, chunk by chunk;
+* encoder-decoder responses are the generated tokens *without* the decoder start token (``step``
+  prepends it) and every one of them is scored (legacy returned the start token as the response's first
+  token and left the first generated token out of the loss).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import math
@@ -36,9 +40,11 @@ from .config import PPOConfig
 from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_mean, masked_var, stats_to_np
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
-from .modeling import AutoModelForCausalLMWithValueHead, create_reference_model
+from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
+                       create_reference_model)
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
-from .rollout import (ModelInputs, build_model_inputs, build_response_masks, full_kl_per_token, policy_outputs)
+from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
+                      policy_outputs)
 from .utils import set_seed
 
 
@@ -50,20 +56,27 @@ def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
 class PPOTrainer:
     """Proximal Policy Optimisation for language models, with TRL's legacy ``PPOTrainer`` API.
 
-    Args: as the legacy class. ``model`` is an :class:`AutoModelForCausalLMWithValueHead`; without
-    ``ref_model`` a frozen copy is made, sharing its first ``num_shared_layers`` layers.
+    Args: as the legacy class. ``model`` is an :class:`AutoModelForCausalLMWithValueHead` or an
+    :class:`AutoModelForSeq2SeqLMWithValueHead`. Without ``ref_model``, the reference is the policy
+    with its adapter disabled when it is a PEFT model (``ref_model`` stays None: one copy of the base
+    weights, and only the adapter and the value head are optimised), else a frozen copy sharing its
+    first ``num_shared_layers`` layers.
     """
 
-    def __init__(self, config: PPOConfig | None = None, model: AutoModelForCausalLMWithValueHead | None = None,
+    def __init__(self, config: PPOConfig | None = None, model: PreTrainedModelWrapper | None = None,
                  ref_model: torch.nn.Module | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
                  dataset=None, optimizer: torch.optim.Optimizer | None = None, data_collator: Callable | None = None,
                  num_shared_layers: int | None = None, lr_scheduler=None, training_data_collator=None):
         config = config if config is not None else PPOConfig()
         if not isinstance(config, PPOConfig):
             raise ValueError(f"PPOTrainer: config must be a PPOConfig, got {type(config).__name__}.")
-        if not isinstance(model, AutoModelForCausalLMWithValueHead):
-            raise ValueError("PPOTrainer: model must be an AutoModelForCausalLMWithValueHead "
-                             f"(got {type(model).__name__}); wrap it with AutoModelForCausalLMWithValueHead.from_pretrained.")
+        if not isinstance(model, PreTrainedModelWrapper):
+            raise ValueError("PPOTrainer: model must be an AutoModelForCausalLMWithValueHead or an "
+                             f"AutoModelForSeq2SeqLMWithValueHead (got {type(model).__name__}); wrap it with "
+                             "AutoModelForCausalLMWithValueHead.from_pretrained.")
+        if ref_model is not None and ref_model is model:
+            raise ValueError("PPOTrainer: ref_model is the policy itself; pass ref_model=None for a frozen copy "
+                             "(or, for a PEFT policy, the adapter-disabled model).")
         if not isinstance(tokenizer, PreTrainedTokenizerBase):
             raise ValueError("PPOTrainer: tokenizer must be a transformers PreTrainedTokenizerBase.")
         self.config = config
@@ -78,7 +91,7 @@ class PPOTrainer:
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
-        config.is_encoder_decoder, config.is_peft_model = False, False
+        config.is_encoder_decoder, config.is_peft_model = model.is_encoder_decoder, model.is_peft_model
         self.is_distributed = self.accelerator.num_processes > 1
         if config.log_with is not None:
             self.accelerator.init_trackers(config.tracker_project_name, config=flatten_dict(config.to_dict()),
@@ -93,13 +106,20 @@ class PPOTrainer:
             _disable_dropout(model)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        if ref_model is None:
+        self.decoder_start_token_id = _decoder_start_token_id(model) if model.is_encoder_decoder else None
+        if ref_model is None and model.is_peft_model:
+            if num_shared_layers is not None:
+                warnings.warn("PPOTrainer: num_shared_layers is ignored for a PEFT policy (its reference is the "
+                              "adapter-disabled model, which shares every base weight).")
+        elif ref_model is None:
             ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
         elif num_shared_layers is not None:
             warnings.warn("PPOTrainer: num_shared_layers is ignored when a ref_model is passed.")
         if isinstance(ref_model, PreTrainedModel):
-            ref_model = AutoModelForCausalLMWithValueHead(ref_model)
-        ref_model.requires_grad_(False).eval()
+            ref_model = (AutoModelForSeq2SeqLMWithValueHead if model.is_encoder_decoder
+                         else AutoModelForCausalLMWithValueHead)(ref_model)
+        if ref_model is not None:
+            ref_model.requires_grad_(False).eval()
 
         # 3. data, optimiser, KL controller
         self.dataset = dataset
@@ -114,12 +134,13 @@ class PPOTrainer:
         # 4. accelerate: device placement, mixed precision, DDP
         (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
             model, optimizer, self.dataloader, lr_scheduler)
-        self.ref_model = ref_model.to(self.accelerator.device)  # frozen: never wrapped, never optimised
+        # frozen: never wrapped, never optimised; None for a PEFT policy (see ``_reference``)
+        self.ref_model = ref_model.to(self.accelerator.device) if ref_model is not None else None
         self.current_device = self.accelerator.device
         self.current_step = 0  # logging step, advanced by log_stats (legacy)
         self.step_count = 0  # completed step() calls
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
-        self._warned_negative_kl = False
+        self._warned_negative_kl = self._warned_start_token = False
         self._best_score = -math.inf
 
     # ---- data --------------------------------------------------------------------------------------
@@ -144,17 +165,45 @@ class PPOTrainer:
         """Sample responses: a 1-D query tensor gives a ``(1, L)`` tensor; a list gives a list of 1-D tensors.
 
         Lists are generated ``batch_size`` at a time, left-padded, with the KV cache; padding is
-        stripped and each response is cut after its first EOS (the EOS kept).
+        stripped and each response is cut after its first EOS (the EOS kept). An encoder-decoder gets
+        right-padded queries and returns the response alone (whatever ``return_prompt``), without the
+        decoder start token. ``generate_ref_response`` also samples from the reference (for a PEFT
+        policy without ``ref_model``: the adapter-disabled model) and returns both.
         """
-        models = [self.accelerator.unwrap_model(self.model)] + ([self.ref_model] if generate_ref_response else [])
-        outputs = []
-        for model in models:
+        def sample(model):
             model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
             with self.accelerator.autocast():
-                out = generate_batched(model.pretrained_model, self.tokenizer, query_tensor, self.current_device,
-                                       length_sampler, batch_size, return_prompt, generation_kwargs)
-            outputs.append(out)
-        return tuple(outputs) if generate_ref_response else outputs[0]
+                return generate_batched(self.accelerator.unwrap_model(model).pretrained_model, self.tokenizer,
+                                        query_tensor, self.current_device, length_sampler, batch_size, return_prompt,
+                                        generation_kwargs, self.config.is_encoder_decoder)
+
+        outputs = sample(self.model)
+        if not generate_ref_response:
+            return outputs
+        with self._reference() as ref_model:
+            return outputs, sample(ref_model)
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference policy: ``ref_model``, or the policy with its PEFT adapter disabled (same weights)."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        with self.accelerator.unwrap_model(self.model).pretrained_model.disable_adapter():
+            yield self.model
+
+    def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:
+        """``query + response`` sequences, or for an encoder-decoder the queries and ``start + response``."""
+        pad = self.tokenizer.pad_token_id
+        if not self.config.is_encoder_decoder:
+            return build_model_inputs(queries, responses, pad)
+        starts = torch.stack([r[0] for r in responses])
+        if not self._warned_start_token and bool((starts == self.decoder_start_token_id).all()):
+            self._warned_start_token = True
+            warnings.warn(f"step: every response starts with the decoder start token ({self.decoder_start_token_id}). "
+                          "ppo_core's responses are the generated tokens without it (generate strips it and step "
+                          "prepends it); strip it from responses built the legacy TRL way, or it is scored as a token.")
+        return build_seq2seq_inputs(queries, responses, self.decoder_start_token_id, pad)
 
     # ---- the PPO step --------------------------------------------------------------------------------
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list[torch.Tensor],
@@ -166,7 +215,7 @@ class PPOTrainer:
             cfg.batch_size, queries, responses, scores, response_masks)
         scores = self._scale_scores(scores)
         self._maybe_push_to_hub(scores)
-        inputs = build_model_inputs(queries, responses, self.tokenizer.pad_token_id)
+        inputs = self._model_inputs(queries, responses)
         mask = build_response_masks(response_masks, inputs)
 
         # 2. no-grad passes of policy and reference
@@ -177,7 +226,8 @@ class PPOTrainer:
         # 3. KL-shaped rewards
         t = time.perf_counter()
         if cfg.kl_penalty == "full":
-            kls = full_kl_per_token(self.model, old.hidden, self.ref_model, ref.hidden, inputs)
+            with self._reference() as ref_model:
+                kls = full_kl_per_token(self.model, old.hidden, ref_model, ref.hidden, inputs)
         else:
             kls = kl_penalty(old.logprobs, ref.logprobs, cfg.kl_penalty)
         shaped = shape_rewards(scores, kls, mask, self.kl_ctl.value)
@@ -255,12 +305,15 @@ class PPOTrainer:
         chunks = [torch.arange(s, min(s + self.config.mini_batch_size, len(inputs.query_lens)),
                                device=inputs.input_ids.device)
                   for s in range(0, len(inputs.query_lens), self.config.mini_batch_size)]
-        results = []
-        for model in (self.model, self.ref_model):
+
+        def outputs(model):
             with self.accelerator.autocast():
                 parts = [policy_outputs(model, inputs.index(idx), keep_hidden=full) for idx in chunks]
-            results.append(_concat_outputs(parts, inputs))
-        return results
+            return _concat_outputs(parts, inputs)
+
+        old = outputs(self.model)
+        with self._reference() as ref_model:
+            return old, outputs(ref_model)
 
     def _optimize(self, inputs, mask, old_logprobs, old_values, advantages, returns) -> list[dict]:
         """``ppo_epochs`` passes over shuffled mini-batches; returns the per-mini-batch stats."""
@@ -452,10 +505,14 @@ class PPOTrainer:
 
     # ---- legacy helpers kept for API compatibility ------------------------------------------------------
     def prepare_model_inputs(self, queries: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{"input_ids", "attention_mask", "query_lens", "response_lens"}``, right-padded."""
-        inputs = build_model_inputs(list(queries), list(responses), self.tokenizer.pad_token_id)
+        """``{"input_ids", "attention_mask", "query_lens", "response_lens"}``, right-padded; for an
+        encoder-decoder, the queries as ``input_ids`` and ``start + response`` as ``decoder_input_ids``."""
+        inputs = self._model_inputs(list(queries), list(responses))
         lengths = inputs.query_lens + inputs.response_lens
         attention_mask = torch.arange(inputs.input_ids.shape[1], device=lengths.device)[None] < lengths[:, None]
+        if self.config.is_encoder_decoder:
+            return {"input_ids": inputs.encoder_input_ids, "attention_mask": inputs.encoder_attention_mask,
+                    "decoder_input_ids": inputs.input_ids, "decoder_attention_mask": attention_mask.long()}
         return {"input_ids": inputs.input_ids, "attention_mask": attention_mask.long(),
                 "query_lens": inputs.query_lens, "response_lens": inputs.response_lens}
 
@@ -463,7 +520,7 @@ class PPOTrainer:
     def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
                              response_masks=None):
         """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``)."""
-        inputs = build_model_inputs(list(queries), list(responses), self.tokenizer.pad_token_id)
+        inputs = self._model_inputs(list(queries), list(responses))
         model.eval()
         with self.accelerator.autocast():
             out = policy_outputs(model, inputs, keep_hidden=return_logits)
@@ -497,6 +554,17 @@ def _raise_if_non_finite(stats: dict[str, torch.Tensor], prefix: str, suffix: st
         if not bool(torch.isfinite(value).all()):
             raise FloatingPointError(f"{prefix} ppo/{key} ({value.item() if value.numel() == 1 else value}) "
                                      f"{suffix}; the weights were not updated.")
+
+
+def _decoder_start_token_id(model: PreTrainedModelWrapper) -> int:
+    lm = model.transformers_model
+    start = getattr(lm.config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(lm.generation_config, "decoder_start_token_id", None)
+    if start is None:
+        raise ValueError(f"PPOTrainer: the encoder-decoder policy ({type(lm).__name__}) has no decoder_start_token_id "
+                         "in its config or generation_config; set model.config.decoder_start_token_id.")
+    return int(start)
 
 
 def _token_tensor(x, name: str, i: int) -> torch.Tensor:
