@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast)
+from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
+                          PreTrainedTokenizerFast, T5Config)
 
 VOCAB = 64
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -59,3 +60,47 @@ def tiny_value_model(arch: str = "gpt2", seed: int = 0, **head_kwargs):
     base = tiny_causal_lm(arch, seed=seed)
     torch.manual_seed(seed + 1)
     return AutoModelForCausalLMWithValueHead(base, **head_kwargs)
+
+
+SEQ2SEQ_ARCHS = ("t5", "t5_unscaled", "bart")
+
+
+def tiny_seq2seq_lm(arch: str = "t5", vocab_size: int = VOCAB, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A random-init encoder-decoder LM: ``t5`` (tied head, decoder output scaled by ``d_model ** -0.5``),
+    ``t5_unscaled`` (T5 v1.1 style, no rescaling) or ``bart`` (with a random ``final_logits_bias``)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, pad_token_id=PAD, eos_token_id=EOS)
+    if arch in ("t5", "t5_unscaled"):
+        extra = {"tie_word_embeddings": False} if arch == "t5_unscaled" else {}
+        config = T5Config(d_model=hidden, d_kv=8, d_ff=2 * hidden, num_layers=layers, num_heads=4,
+                          relative_attention_num_buckets=8, decoder_start_token_id=PAD, **common, **extra)
+    elif arch == "bart":
+        config = BartConfig(d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden,
+                            max_position_embeddings=64, bos_token_id=EOS, decoder_start_token_id=EOS,
+                            forced_eos_token_id=None, **common)
+    else:
+        raise ValueError(arch)
+    model = AutoModelForSeq2SeqLM.from_config(config)
+    if arch == "bart":
+        with torch.no_grad():
+            model.final_logits_bias.normal_()
+    return model
+
+
+def tiny_lora_config(r: int = 4, target_modules=("c_attn",), **overrides):
+    """A small ``peft.LoraConfig`` (no dropout) on the given modules (GPT-2's fused attention by default)."""
+    from peft import LoraConfig
+
+    overrides.setdefault("fan_in_fan_out", "c_attn" in target_modules)  # GPT-2 stores its linears transposed (Conv1D)
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(target_modules), **overrides)
+
+
+def randomize_lora(model, seed: int = 0, std: float = 0.3) -> None:
+    """Give every LoRA ``B`` matrix random values: a fresh adapter is the identity (``B = 0``), which would
+    make adapter-on and adapter-off indistinguishable."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * std)
