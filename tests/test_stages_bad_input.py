@@ -1,0 +1,205 @@
+"""Every bad input the pipeline can be given: one `error:` line naming the file, key, column or step and what to
+do, exit status 2, no traceback, and no output written (a checkpoint directory's fingerprint aside)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from ruamel.yaml import YAML
+from typer.testing import CliRunner
+
+from stages.cli import app
+from tests.conftest import TINY_PARAMS
+
+SCORERS = '''import math
+
+def wrong_count(texts):
+    return [1.0] * (len(texts) - 1)
+
+def words(texts):
+    return ["good"] * len(texts)
+
+def nan(texts):
+    return [math.nan] * len(texts)
+
+def one_number(texts):
+    return 1.0
+'''
+LONG_PROMPT = "the movie was long and the plot was slow and the cast was good but the music was loud " * 3
+
+
+def project(tiny_run: Path, tmp_path: Path, upstream_of: str | None) -> Path:
+    """An empty project, or one holding every artifact the stage `upstream_of` reads (and none it writes)."""
+    root = tmp_path / "project"
+    root.mkdir()
+    keep = {None: [], "sft": ["raw"], "tokenize": ["raw", "models/sft"],
+            "ppo": ["raw", "tokenized", "models/sft", "models/reward"]}[upstream_of]
+    for part in keep:
+        src = tiny_run / "data" / part
+        shutil.copytree(src, root / "data" / part)
+    (root / "scorers.py").write_text(SCORERS)
+    return root
+
+
+def write_params(root: Path, changes: dict[str, object]) -> Path:
+    """The tiny params with dotted keys set (a key not in the file is added: an unknown key)."""
+    yaml = YAML()
+    data = yaml.load(TINY_PARAMS.read_text())
+    for key, value in changes.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    path = root / "params.yaml"
+    with path.open("w") as fh:
+        yaml.dump(data, fh)
+    return path
+
+
+def files(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def setup_empty_jsonl(root):
+    (root / "empty.jsonl").write_text("")
+
+
+def setup_no_text_column(root):
+    (root / "texts.jsonl").write_text("\n".join(json.dumps({"body": f"review {i}"}) for i in range(5)) + "\n")
+
+
+def setup_long_prompts(root):
+    for name in ("prompts_train", "prompts_eval"):
+        pd.DataFrame({"query": [LONG_PROMPT] * 4}).to_parquet(root / "data" / "raw" / f"{name}.parquet")
+
+
+# (id, stage, upstream artifacts, params changes, extra setup, message fragment after "error: <stage>: ")
+CASES = [
+    ("unknown-key", "prepare", None, {"sft.learnin_rate": 0.1},
+     None, "params.yaml: unknown key 'sft.learnin_rate'; the keys of this section are"),
+    ("wrong-type", "sft", "sft", {"sft.batch_size": "many"},
+     None, "params.yaml: sft.batch_size must be an integer, got 'many' (str)"),
+    ("not-a-number", "reward", None, {"reward.learning_rate": "fast"},
+     None, "params.yaml: reward.learning_rate must be a number, got 'fast' (str)"),
+    ("zero-size", "sft", "sft", {"sft.batch_size": 0},
+     None, "params.yaml: sft.batch_size must be > 0, got 0"),
+    ("negative-lr", "sft", "sft", {"sft.learning_rate": -0.001},
+     None, "params.yaml: sft.learning_rate must be > 0, got -0.001"),
+    ("zero-ppo-lr", "ppo", "ppo", {"ppo.learning_rate": 0},
+     None, "params.yaml: ppo: PPOConfig.learning_rate: must be > 0, got 0.0"),
+    ("zero-ppo-size", "ppo", "ppo", {"ppo.mini_batch_size": 0},
+     None, "params.yaml: ppo: PPOConfig.mini_batch_size: must be > 0, got 0"),
+    ("batch-does-not-divide", "ppo", "ppo", {"ppo.mini_batch_size": 3},
+     None, "params.yaml: ppo: PPOConfig.batch_size (8) must be a multiple of"),
+    ("dataset-missing", "prepare", None, {"data.sft.source": "missing.jsonl"},
+     None, "missing.jsonl: file not found (data.sft.source)"),
+    ("dataset-empty", "prepare", None, {"data.sft.source": "empty.jsonl"},
+     setup_empty_jsonl, "empty.jsonl: no rows (data.sft.source in"),
+    ("column-missing", "prepare", None, {"data.sft.source": "texts.jsonl"},
+     setup_no_text_column, "texts.jsonl: column 'text' not found (data.sft.columns in"),
+    ("prompts-beyond-context-scratch", "prepare", None, {"tokenize.max_query_tokens": 45},
+     None, "params.yaml: generation.max_new_tokens must be <= model.n_positions - tokenize.max_query_tokens"),
+    ("prompts-beyond-context", "tokenize", "tokenize",
+     {"model.name_or_path": "data/models/sft", "tokenize.max_query_tokens": 100},
+     setup_long_prompts, "data/raw/prompts_train.parquet: all 4 queries are 48 tokens or longer after truncation"),
+    ("model-path-missing", "sft", "sft", {"model.name_or_path": "no/such-model"},
+     None, "model.name_or_path 'no/such-model' could not be loaded"),
+    ("reward-wrong-count", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:wrong_count"},
+     None, "step 0: scorer (callable scorers:wrong_count) returned 7 scores for 8 texts; return one number per text"),
+    ("reward-not-a-number", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:words"},
+     None, "step 0: scorer (callable scorers:words) returned 'good' (str) for text 0; return a number"),
+    ("reward-nan", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:nan"},
+     None, "step 0: scorer (callable scorers:nan) returned nan for text 0; scores must be finite numbers"),
+    ("reward-not-a-list", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:one_number"},
+     None, "step 0: scorer (callable scorers:one_number) returned float, not a list"),
+    ("scorer-not-importable", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:missing"},
+     None, "params.yaml: scorer.name 'scorers:missing' is not an importable 'module:function'"),
+    ("upstream-missing", "ppo", None, {}, None, "data/tokenized/train.parquet: not found; run the stage that writes it"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case, tiny_run, tmp_path, monkeypatch):
+    _, stage, upstream, changes, setup, fragment = case
+    root = project(tiny_run, tmp_path, upstream)
+    params = write_params(root, changes)
+    if setup:
+        setup(root)
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root))
+    before = files(root)
+    result = CliRunner().invoke(app, [stage, "--params", "params.yaml"])
+    assert result.exit_code == 2, result.output + str(result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {stage}: "), result.stderr
+    assert fragment in lines[0]
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    after = files(root)
+    new = {path for path in after if path not in before and not path.endswith("fingerprint.json")}
+    assert not new and all(after[path] == digest for path, digest in before.items()), new
+    assert params.exists()
+
+
+def test_missing_params_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["prepare", "--params", "nope.yaml"])
+    assert result.exit_code == 2
+    assert result.stderr == "error: prepare: nope.yaml: params file not found; pass --params PATH or run from the " \
+                            "project root\n"
+    assert not list(tmp_path.iterdir())
+
+
+def test_tokenizer_without_pad_token_is_handled_and_said(tiny_run, tmp_path, monkeypatch):
+    """A pretrained model whose tokenizer has no pad token: sft adds one, resizes, says so, and trains."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = project(tiny_run, tmp_path, "sft")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / "data" / "models" / "sft")
+    model = AutoModelForCausalLM.from_pretrained(tiny_run / "data" / "models" / "sft")
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(root / "base")
+    model.save_pretrained(root / "base")
+    write_params(root, {"model.name_or_path": "base"})
+    monkeypatch.chdir(root)
+    result = CliRunner().invoke(app, ["sft", "--params", "params.yaml"])
+    assert result.exit_code == 0, result.stderr
+    assert "note: sft: the tokenizer of base has no pad token; added '<pad>'" in result.stderr
+    saved = AutoTokenizer.from_pretrained(root / "data" / "models" / "sft")
+    assert saved.pad_token == "<pad>" and saved.pad_token_id != saved.eos_token_id
+
+
+def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(tiny_run, tiny_params, tmp_path):
+    """The RM's tokenizer differs from the policy's (another vocabulary): the ppo stage scores the decoded
+    text re-encoded with the RM's tokenizer, so the scores are what the RM gives those texts on its own."""
+    import dataclasses
+
+    import torch
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from stages import ppo
+    from stages.common import REWARD_MODEL
+    from stages.sft import train_tokenizer
+
+    root = project(tiny_run, tmp_path, "ppo")
+    texts = pd.read_parquet(root / "data" / "raw" / "sft.parquet")["text"].tolist()
+    rm_tokenizer = train_tokenizer(texts, 280, 64)
+    policy_vocab = json.loads((root / "data" / "models" / "sft" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert rm_tokenizer.get_vocab() != policy_vocab
+    torch.manual_seed(0)
+    rm = GPT2ForSequenceClassification(GPT2Config(vocab_size=len(rm_tokenizer), n_positions=64, n_embd=16, n_layer=1,
+                                                  n_head=2, num_labels=1, pad_token_id=rm_tokenizer.pad_token_id))
+    shutil.rmtree(root / REWARD_MODEL)
+    rm.save_pretrained(root / REWARD_MODEL)
+    rm_tokenizer.save_pretrained(root / REWARD_MODEL)
+
+    sample = ["the movie was good.", "the plot was slow and the cast was bad"]
+    expected = [float(rm.eval()(**rm_tokenizer(t, return_tensors="pt")).logits[0, 0]) for t in sample]
+    assert ppo.build_scorer(tiny_params, root)(sample) == pytest.approx(expected, abs=1e-5)
+    assert "steps" in ppo.run(dataclasses.replace(tiny_params), root)
