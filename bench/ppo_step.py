@@ -6,6 +6,8 @@ The two libraries share one API, so the code below is the same for both apart fr
     .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --steps 5 --warmup 1
     # TRL's legacy PPOTrainer, in the scratch venv (see bench/README.md)
     /work/trl-venv/bin/python bench/ppo_step.py --impl trl --shape 32k --steps 5 --warmup 1
+    # ppo_core with a LoRA policy (reference = the adapter-disabled model, no second copy of the weights)
+    .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --steps 5 --warmup 1 --lora
 
 Setting (bench/common.py): fp32 unless --bf16, batch 64, mini-batch 16, 4 PPO epochs, 24 new tokens per
 response (EOS/PAD suppressed so every impl generates exactly 64 * 24 tokens), a random-init GPT-2 saved
@@ -35,8 +37,19 @@ def import_impl(impl: str):
     return lib.PPOConfig, lib.PPOTrainer, lib.AutoModelForCausalLMWithValueHead
 
 
-def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool):
-    """The seed's construction: value-head model from a local dir, default reference, local tokenizer."""
+def lora_config(r: int, alpha: int):
+    """LoRA on GPT-2's fused attention projection (`c_attn`, peft's default for GPT-2), no dropout."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True,
+                      task_type="CAUSAL_LM")
+
+
+def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lora=None):
+    """The seed's construction: value-head model from a local dir, default reference, local tokenizer.
+
+    With `lora` (a peft LoraConfig) the policy gets a fresh adapter on the loaded model: the trainer then
+    trains the adapter and the value head only, and takes the reference from the adapter-disabled model."""
     PPOConfig, PPOTrainer, AutoModelForCausalLMWithValueHead = import_impl(impl)
     config = PPOConfig(
         batch_size=setting.batch_size,
@@ -51,10 +64,31 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool):
     with tempfile.TemporaryDirectory() as model_dir:
         common.build_model_dir(shape, model_dir, seed=setting.seed)
         model = AutoModelForCausalLMWithValueHead.from_pretrained(model_dir)
+    digest = common.weights_digest(model.pretrained_model)  # the base weights, before any adapter
+    if lora is not None:
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(model.pretrained_model, peft_config=lora)
     tokenizer = common.build_tokenizer(common.SHAPES[shape].vocab_size)
     trainer = PPOTrainer(config=config, model=model, ref_model=None, tokenizer=tokenizer)
-    digest = common.weights_digest(model.pretrained_model)
     return trainer, digest
+
+
+def memory_breakdown(trainer) -> dict:
+    """MiB of the weights the trainer holds (policy and reference together, each storage counted once:
+    a frozen copy doubles them, a LoRA reference adds nothing), of the optimizer state, and the number of
+    trainable parameters. Exact and machine-independent, unlike peak RSS."""
+    models = [trainer.model] + ([trainer.ref_model] if trainer.ref_model is not None else [])
+    storages = {}
+    for model in models:
+        for t in list(model.parameters()) + list(model.buffers()):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    optimizer_bytes = sum(v.numel() * v.element_size() for state in trainer.optimizer.state.values()
+                          for v in state.values() if torch.is_tensor(v))
+    return {
+        "weights_mb": sum(storages.values()) / 2**20,
+        "optimizer_state_mb": optimizer_bytes / 2**20,
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "has_ref_copy": trainer.ref_model is not None,
+    }
 
 
 def run_step(trainer, step: int, vocab_size: int, setting: common.Setting) -> dict:
@@ -90,22 +124,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impl", choices=["ppo_core", "trl"], default="ppo_core", help="which PPOTrainer to time")
     common.add_common_args(parser)
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (ppo_core only; needs peft)")
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (TRL's example: 16)")
+    parser.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (TRL's example: 16)")
     args = parser.parse_args()
+    if args.lora and args.impl != "ppo_core":
+        parser.error("--lora is benchmarked for --impl ppo_core only (the TRL venv has no peft)")
 
     common.set_threads(args.threads)
     setting = common.Setting()
-    trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16)
+    lora = lora_config(args.lora_r, args.lora_alpha) if args.lora else None
+    trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora)
     vocab = common.SHAPES[args.shape].vocab_size
 
     n_steps = args.warmup + args.steps
     steps, others_frac = common.run_steps(lambda step: run_step(trainer, step, vocab, setting), n_steps)
     last = steps[-max(1, len(steps) // 4) :]  # the last quarter of the run
-    result = common.summarize(args.impl, args, setting, digest, steps, others_frac)
+    impl = f"{args.impl}, LoRA r={args.lora_r}" if args.lora else args.impl
+    result = common.summarize(impl, args, setting, digest, steps, others_frac)
     result.update(
         median_step_s=common.median_after_warmup([s["step_s"] for s in steps], args.warmup),
         reward_mean_last=statistics.mean(s["reward_mean"] for s in last),
+        lora={"r": args.lora_r, "alpha": args.lora_alpha, "target_modules": ["c_attn"]} if args.lora else None,
+        memory=memory_breakdown(trainer),
     )
     common.report(result, args.json)
+    mem = result["memory"]
+    print(f"  weights held (policy + reference) {mem['weights_mb']:.1f} MiB"
+          f"{'' if mem['has_ref_copy'] else ' (no reference copy)'}, optimizer state {mem['optimizer_state_mb']:.1f} MiB, "
+          f"{mem['trainable_params']:,} trainable parameters")
 
 
 if __name__ == "__main__":
