@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +63,8 @@ def test_repro_noop_and_exp_run(repo):
     assert "Running stage" not in out and out.count("didn't change, skipping") == 6
     assert time.perf_counter() - start < 10  # about a second on an idle machine
 
+    resume_after_kill(repo)
+
     out = dvc("exp", "run", "-n", "smoke", "-S", "ppo.learning_rate=0.00002", cwd=repo)
     assert "Stage 'sft' didn't change, skipping" in out  # a PPO change reruns only ppo and evaluate
     assert "Running stage 'ppo'" in out and "Running stage 'evaluate'" in out
@@ -71,3 +74,25 @@ def test_repro_noop_and_exp_run(repo):
     metrics = smoke["data"]["metrics"]["data/eval/metrics.json"]["data"]
     assert set(metrics) == {"sft", "ppo", "win_rate"}
     assert smoke["data"]["params"]["params.yaml"]["data"]["ppo"]["learning_rate"] == 2e-05
+
+
+def resume_after_kill(repo: Path) -> None:
+    """`dvc repro` killed (the whole process group, SIGKILL) during the ppo stage, then `dvc repro` again: dvc
+    keeps the persisted checkpoint, the stage resumes from it, and the outputs equal the uninterrupted run's."""
+    ppo_outputs = ["data/models/ppo/model.safetensors", "data/ppo/stats.parquet", "data/ppo/curves.csv",
+                   "data/ppo/rollouts/step-00000.parquet", "data/ppo/rollouts/step-00001.parquet"]
+    expected = {path: (repo / path).read_bytes() for path in ppo_outputs}
+    shutil.rmtree(repo / "data" / "checkpoints" / "ppo")  # else the forced rerun resumes from the final state
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "-f", "-s", "ppo"], cwd=repo, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    state, deadline = repo / "data" / "checkpoints" / "ppo" / "state.pt", time.monotonic() + 300
+    while not state.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the ppo stage ended before its first checkpoint"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=ENV, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "Running stage 'ppo'" in rerun.stdout and "resuming from data/checkpoints/ppo/state.pt" in rerun.stderr
+    for path, content in expected.items():
+        assert (repo / path).read_bytes() == content, path
