@@ -574,3 +574,26 @@ def test_a_run_is_reproducible():
         for key in first:
             if not key.startswith("time/"):
                 np.testing.assert_array_equal(np.asarray(first[key]), np.asarray(second[key]), err_msg=key)
+
+
+def test_large_negative_kl_is_warned_about_once():
+    """Responses the reference likes far more than the policy (as filtered sampling produces) give a mean KL
+    below -1: one warning naming the likely cause, not one per step."""
+    from ppo_core import create_reference_model
+
+    model = tiny_value_model("gpt2", seed=0)
+    ref = create_reference_model(model)
+    with torch.no_grad():
+        ref.pretrained_model.lm_head.weight.mul_(20)  # a much sharper reference distribution
+    trainer = make_trainer(model=model, ref_model=ref)
+    queries = random_queries(4, seed=0)
+    responses = [ref.generate(q[None], max_new_tokens=5, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=-1)[0, len(q):] for q in queries]  # the reference's favourites
+    scores = [torch.tensor(0.0)] * 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = trainer.step(queries, responses, scores)
+        trainer.step(queries, responses, scores)
+    messages = [str(w.message) for w in caught if "KL divergence is negative" in str(w.message)]
+    assert first["objective/kl"] < -1
+    assert len(messages) == 1 and "top_k" in messages[0]
