@@ -196,6 +196,34 @@ def model_context(path: Path) -> int:
     return 1 << 30  # no fixed context (e.g. relative positions): nothing to drop
 
 
+def lora_config(spec, task_type: str):
+    """The `peft.LoraConfig` of the `model.lora` params (task_type "CAUSAL_LM" or "SEQ_CLS")."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise StageError("model.lora is set but the 'peft' package is missing; pip install -e '.[lora]' "
+                         "(or set model.lora: null)") from None
+    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules,
+                      task_type=task_type)
+
+
+def with_lora(model, spec, task_type: str):
+    """`model` with a fresh LoRA adapter (base weights frozen), or `model` itself when `spec` is None."""
+    if spec is None:
+        return model
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, lora_config(spec, task_type))
+    except ValueError as err:  # e.g. target_modules that the model does not have
+        raise StageError(f"model.lora: {' '.join(str(err).split())[:200]}") from None
+
+
+def merged(model):
+    """A LoRA-adapted model with its adapter merged in (a plain transformers model); others unchanged."""
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+
+
 def load_reward_model(path: Path):
     """Load the reward model of the reward stage (scalar head) and its tokenizer, in eval mode."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

@@ -56,6 +56,24 @@ class DataParams:
 
 
 @dataclass(frozen=True)
+class LoraParams:
+    """LoRA adapters (peft) instead of full fine-tuning, in the sft, reward and ppo stages alike. Each stage
+    trains a fresh adapter on its starting model and saves the merged model, so every artifact stays a plain
+    transformers model; ppo also saves its adapter (data/models/ppo/adapter) and takes its reference policy
+    from the same weights with the adapter disabled (one copy of the base model in memory)."""
+
+    r: int
+    """Adapter rank."""
+    alpha: float
+    """Scaling numerator: the update is (alpha / r) * B @ A."""
+    dropout: float
+    """Dropout on the adapter's input (0 keeps PPO's log-probs deterministic, as ppo.disable_dropout does)."""
+    target_modules: list[str] | None
+    """Module names to adapt, e.g. [c_attn] (GPT-2) or [q_proj, v_proj] (Llama); null: peft's default for the
+    architecture."""
+
+
+@dataclass(frozen=True)
 class ModelParams:
     name_or_path: str | None
     """A causal LM id or local path; null trains a GPT-2 config and a byte-level BPE tokenizer from scratch."""
@@ -69,6 +87,8 @@ class ModelParams:
     """From scratch only: hidden size."""
     n_positions: int
     """From scratch only: context length; query plus response must fit."""
+    lora: LoraParams | None
+    """null: full fine-tuning; otherwise LoRA adapters (needs the `lora` extra: pip install -e '.[lora]')."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +280,10 @@ def _convert(value: Any, tp: Any, key: str, path: Path) -> Any:
         hints = typing.get_type_hints(tp)
         _check_keys(value, hints, f"{key}.", path)
         return tp(**{name: _convert(value[name], hints[name], f"{key}.{name}", path) for name in hints})
+    if typing.get_origin(tp) is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise wrong("a list of strings")
+        return list(value)
     if typing.get_origin(tp) is dict or tp is dict:
         if not isinstance(value, dict):
             raise wrong("a mapping")
@@ -309,6 +333,9 @@ def _check_values(p: Params) -> None:
         (p.scorer.source in SCORER_SOURCES, "scorer.source", f"one of {SCORER_SOURCES}"),
         (p.scorer.source == "reward_model" or bool(p.scorer.name), "scorer.name", "set for this scorer.source"),
         (p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1, "evaluate.n_prompts", "null or >= 1"),
+        (p.model.lora is None or p.model.lora.r >= 1, "model.lora.r", ">= 1"),
+        (p.model.lora is None or p.model.lora.alpha > 0, "model.lora.alpha", "> 0"),
+        (p.model.lora is None or 0 <= p.model.lora.dropout < 1, "model.lora.dropout", "in [0, 1)"),
         (p.checkpoint.ppo_every >= 0, "checkpoint.ppo_every", ">= 0 (0: no checkpoints)"),
         (p.checkpoint.trainer_every >= 0, "checkpoint.trainer_every", ">= 0 (0: no checkpoints)"),
         (p.checkpoint.on_mismatch in ON_MISMATCH, "checkpoint.on_mismatch", f"one of {ON_MISMATCH}"),

@@ -22,9 +22,9 @@ from transformers import AutoTokenizer, pipeline
 
 from ppo_core import AutoModelForCausalLMWithValueHead, PPOTrainer
 from stages.common import (PPO_CHECKPOINTS, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS,
-                           REWARD_MODEL, SFT_MODEL, TOKENIZED_TRAIN, StageError, device, fresh_dir, load_reward_model,
-                           model_context, note, read_table, remove_stale_temporaries, require_dir, reward_scores,
-                           save_pretrained, seed_everything, write_csv, write_json, write_parquet)
+                           REWARD_MODEL, SFT_MODEL, TOKENIZED_TRAIN, StageError, atomic_path, device, fresh_dir,
+                           load_reward_model, lora_config, model_context, note, read_table, remove_stale_temporaries,
+                           require_dir, reward_scores, seed_everything, write_csv, write_json, write_parquet)
 from stages.params import Params, ppo_config
 from stages.resume import fingerprint, open_checkpoint_dir
 from stages.synthetic import gold_score
@@ -37,7 +37,8 @@ CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "obje
 
 # The params this stage tracks in dvc.yaml (a test keeps the two lists equal): a checkpoint is reused only
 # for the same values and the same input files.
-TRACKED = ("seed", "data.sft.source", "data.pairs.source", "data.prompts.source", "scorer", "generation", "ppo")
+TRACKED = ("seed", "data.sft.source", "data.pairs.source", "data.prompts.source", "model.lora", "scorer", "generation",
+           "ppo")
 INPUTS = (TOKENIZED_TRAIN, SFT_MODEL, REWARD_MODEL)
 
 
@@ -54,8 +55,11 @@ def run(params: Params, root: Path = Path(".")) -> str:
         raise StageError(f"{TOKENIZED_TRAIN}: a {longest}-token query plus generation.max_new_tokens="
                          f"{params.generation.max_new_tokens} exceeds the {context}-token context of {SFT_MODEL}; "
                          f"lower one of them (tokenize.max_query_tokens) in {params.path}")
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(root / SFT_MODEL)
-    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)  # reference: a frozen copy of SFT
+    lora = params.model.lora
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(
+        root / SFT_MODEL, **({"peft_config": lora_config(lora, "CAUSAL_LM")} if lora else {}))
+    # reference: a frozen copy of SFT, or with LoRA the same weights with the adapter disabled
+    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     score = build_scorer(params, root)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
@@ -98,7 +102,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
             trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / STATE), extra={"step": step + 1,
                                                                                "tables": tables.state()})
     tables.write()
-    save_pretrained(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
+    save_policy(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
     first, last = tables.curves[0], tables.curves[-1]
     write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
                root / PPO_METRICS)
@@ -108,6 +112,16 @@ def run(params: Params, root: Path = Path(".")) -> str:
 
 
 STATE = "state.pt"
+
+
+def save_policy(path: Path, policy: AutoModelForCausalLMWithValueHead, tokenizer) -> None:
+    """The policy as a plain transformers model (LoRA merged in), its value head, and with LoRA the adapter
+    alone in `adapter/` (loadable with peft on the SFT model), atomically."""
+    with atomic_path(path) as tmp:
+        policy.save_pretrained(tmp, merge_adapter=policy.is_peft_model)
+        if policy.is_peft_model:
+            policy.save_pretrained(tmp / "adapter")
+        tokenizer.save_pretrained(tmp)
 
 
 def rollout_file(step: int) -> str:

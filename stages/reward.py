@@ -13,15 +13,15 @@ from pathlib import Path
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
-from stages.common import (RAW_PAIRS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL, SFT_MODEL, device, read_table,
-                           remove_stale_temporaries, require_dir, reward_scores, save_pretrained, seed_everything,
-                           write_json)
+from stages.common import (RAW_PAIRS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL, SFT_MODEL, device, merged,
+                           read_table, remove_stale_temporaries, require_dir, reward_scores, save_pretrained,
+                           seed_everything, with_lora, write_json)
 from stages.params import Params
 from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
 
 
 # The params this stage tracks in dvc.yaml, and its inputs: a checkpoint is reused only for the same ones.
-TRACKED = ("seed", "reward")
+TRACKED = ("seed", "model.lora", "reward")
 INPUTS = (RAW_PAIRS, SFT_MODEL)
 
 
@@ -38,6 +38,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL), model_max_length=params.reward.max_length)
     model = AutoModelForSequenceClassification.from_pretrained(root / SFT_MODEL, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
+    model = with_lora(model, params.model.lora, "SEQ_CLS")  # the scalar head is trained in full (modules_to_save)
     chosen_ids = tokenizer([chosen[i] for i in train_idx], truncation=True)["input_ids"]
     rejected_ids = tokenizer([rejected[i] for i in train_idx], truncation=True)["input_ids"]
     train = [{"chosen": c, "rejected": r} for c, r in zip(chosen_ids, rejected_ids)]
@@ -61,7 +62,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
                "eval_loss": bradley_terry_loss(r_chosen, r_rejected), "eval_accuracy": sum(wins) / len(wins),
                "eval_margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval,
                "n_train": len(train), "n_eval": n_eval}
-    save_pretrained(root / REWARD_MODEL, model, tokenizer)
+    save_pretrained(root / REWARD_MODEL, merged(model), tokenizer)
     write_json(metrics, root / REWARD_METRICS)
     return (f"{len(train)} pairs, held-out pairwise accuracy {metrics['eval_accuracy']:.3f} ({n_eval} pairs) "
             f"-> {REWARD_MODEL}")

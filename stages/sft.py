@@ -13,8 +13,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, GPT2Config,
                           GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments)
 
-from stages.common import (RAW_SFT, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError, device, note, read_table,
-                           remove_stale_temporaries, save_pretrained, seed_everything, write_json)
+from stages.common import (RAW_SFT, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError, device, merged, note,
+                           read_table, remove_stale_temporaries, save_pretrained, seed_everything, with_lora,
+                           write_json)
 from stages.params import ModelParams, Params
 from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
 
@@ -30,6 +31,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     seed_everything(params.seed)
     texts = read_table(root / RAW_SFT, ["text"])["text"].tolist()
     tokenizer, model = build(params.model, texts)
+    model = with_lora(model, params.model.lora, "CAUSAL_LM")
     ids = tokenizer(texts, truncation=True, max_length=params.sft.max_length - 1)["input_ids"]
     examples = [{"input_ids": x + [tokenizer.eos_token_id]} for x in ids]
     n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
@@ -50,8 +52,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
     train_loss = trainer.evaluate(examples[n_eval:], metric_key_prefix="train")["train_loss"]
     eval_loss = trainer.evaluate()["eval_loss"]
     metrics = {"train_loss": train_loss, "eval_loss": eval_loss, "n_train": len(examples) - n_eval, "n_eval": n_eval,
-               "n_params": sum(p.numel() for p in model.parameters())}
-    save_pretrained(root / SFT_MODEL, model, tokenizer)
+               "n_params": sum(p.numel() for p in model.parameters()),
+               "n_trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    save_pretrained(root / SFT_MODEL, merged(model), tokenizer)
     write_json(metrics, root / SFT_METRICS)
     return f"{metrics['n_train']} texts, train loss {train_loss:.3f}, eval loss {eval_loss:.3f} -> {SFT_MODEL}"
 

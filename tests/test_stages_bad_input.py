@@ -121,7 +121,8 @@ CASES = [
      None, "step 0: scorer (callable scorers:one_number) returned float, not a list"),
     ("scorer-not-importable", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:missing"},
      None, "params.yaml: scorer.name 'scorers:missing' is not an importable 'module:function'"),
-    ("upstream-missing", "ppo", None, {}, None, "data/tokenized/train.parquet: not found; run the stage that writes it"),
+    ("upstream-missing", "ppo", None, {},
+     None, "data/tokenized/train.parquet: not found; run the stage that writes it"),
 ]
 
 

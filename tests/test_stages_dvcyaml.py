@@ -87,5 +87,6 @@ def test_checkpoint_fingerprint_covers_what_dvc_tracks(name):
     module = importlib.import_module(f"stages.{name}")
     assert list(module.TRACKED) == STAGES[name]["params"]
     assert {str(path) for path in module.INPUTS} == {d for d in STAGES[name]["deps"] if d.startswith("data/")}
-    persisted = [path for o in STAGES[name]["outs"] if isinstance(o, dict) for path, spec in o.items() if spec["persist"]]
+    persisted = [path for out in STAGES[name]["outs"] if isinstance(out, dict)
+                 for path, spec in out.items() if spec["persist"]]
     assert f"data/checkpoints/{name}" in persisted

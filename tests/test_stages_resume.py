@@ -18,7 +18,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from stages import ppo, resume, reward, sft
-from stages.common import (PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL,
+from stages.common import (PPO_MODEL, PPO_ROLLOUTS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL,
                            SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError)
 from stages.params import load_params
 from tests.conftest import ROOT, TINY_PARAMS, params_per_stage
