@@ -233,6 +233,22 @@ def load_reward_model(path: Path):
     return model, tokenizer
 
 
+def reward_inputs(model, tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids the reward model scores, truncated to the tokenizer's model_max_length. An encoder-decoder
+    (T5, BART) classifies from the hidden state at the EOS token, so each text gets one at its end."""
+    if not model.config.is_encoder_decoder:
+        return tokenizer(texts, truncation=True)["input_ids"]
+    ids = tokenizer(texts, truncation=True, max_length=tokenizer.model_max_length - 1, add_special_tokens=False)
+    return [x + [tokenizer.eos_token_id] for x in ids["input_ids"]]
+
+
+def is_encoder_decoder(path: Path) -> bool:
+    """Whether the model saved at `path` is an encoder-decoder (T5, BART) rather than a causal LM."""
+    from transformers import AutoConfig
+
+    return bool(AutoConfig.from_pretrained(path).is_encoder_decoder)
+
+
 def reward_scores(model, tokenizer, texts: Sequence[str], batch_size: int) -> list[float]:
     """Scalar reward of each text (the head's raw output), truncated to the tokenizer's model_max_length."""
     import torch
@@ -241,7 +257,8 @@ def reward_scores(model, tokenizer, texts: Sequence[str], batch_size: int) -> li
     scores: list[float] = []
     with torch.no_grad():
         for start in range(0, len(texts), batch_size):
-            batch = tokenizer(list(texts[start:start + batch_size]), padding=True, truncation=True, return_tensors="pt")
+            ids = reward_inputs(model, tokenizer, list(texts[start:start + batch_size]))
+            batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
             logits = model(**batch.to(model.device)).logits  # (B, 1)
             scores += logits[:, 0].float().cpu().tolist()
     return scores

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from stages.common import (EVAL_METRICS, EVAL_SAMPLES, PPO_MODEL, REWARD_MODEL, SFT_MODEL, TOKENIZED_EVAL, device,
-                           load_reward_model, read_table, require_dir, reward_scores, seed_everything, write_json,
-                           write_parquet)
+                           is_encoder_decoder, load_reward_model, read_table, require_dir, reward_scores,
+                           seed_everything, write_json, write_parquet)
 from stages.params import Params
 from stages.synthetic import gold_score
 
@@ -29,7 +29,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     prompts = read_table(root / TOKENIZED_EVAL, ["query", "input_ids"]).head(params.evaluate.n_prompts)
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
-    policies = {name: AutoModelForCausalLM.from_pretrained(require_dir(root / path)).to(device()).eval()
+    model_class = AutoModelForSeq2SeqLM if is_encoder_decoder(require_dir(root / SFT_MODEL)) else AutoModelForCausalLM
+    policies = {name: model_class.from_pretrained(require_dir(root / path)).to(device()).eval()
                 for name, path in (("sft", SFT_MODEL), ("ppo", PPO_MODEL))}
     rm, rm_tokenizer = load_reward_model(root / REWARD_MODEL)
     # min_length -1 is the seed's "no minimum"; generate() wants a non-negative value, so it is left out
@@ -80,7 +81,9 @@ def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch
         batch = tokenizer.pad({"input_ids": query_ids[start:start + batch_size]}, return_tensors="pt").to(model.device)
         generated = model.generate(**batch, **generation, pad_token_id=tokenizer.pad_token_id,
                                    eos_token_id=tokenizer.eos_token_id)  # (B, L + new)
-        for row in generated[:, batch["input_ids"].shape[1]:].tolist():
+        # a decoder-only model returns query + response; an encoder-decoder its decoder start + response
+        skip = 1 if model.config.is_encoder_decoder else batch["input_ids"].shape[1]
+        for row in generated[:, skip:].tolist():
             end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
             out.append(row[:end])
     return out
@@ -89,6 +92,8 @@ def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch
 @torch.no_grad()
 def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]], batch_size: int) -> list[float]:
     """sum_t log pi(response_t | query, response_<t) per sample, from right-padded query + response batches."""
+    if model.config.is_encoder_decoder:
+        return seq2seq_logprob_sums(model, query_ids, response_ids, batch_size)
     sums = []
     for start in range(0, len(query_ids), batch_size):
         seqs = [q + r for q, r in zip(query_ids[start:start + batch_size], response_ids[start:start + batch_size])]
@@ -103,4 +108,27 @@ def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]
         logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
         token_logprobs = logprobs.gather(-1, input_ids[:, 1:, None].to(model.device)).squeeze(-1)  # (B, T-1)
         sums += (token_logprobs.cpu() * response_mask).sum(-1).tolist()
+    return sums
+
+
+@torch.no_grad()
+def seq2seq_logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]],
+                         batch_size: int) -> list[float]:
+    """The same for an encoder-decoder: the query to the encoder, the decoder start + response to the decoder."""
+    start_id = model.config.decoder_start_token_id
+    sums = []
+    for start in range(0, len(query_ids), batch_size):
+        queries, responses = query_ids[start:start + batch_size], response_ids[start:start + batch_size]
+        enc = torch.zeros(len(queries), max(map(len, queries)), dtype=torch.long)
+        enc_mask = torch.zeros_like(enc)
+        dec = torch.zeros(len(queries), max(map(len, responses), default=0) + 1, dtype=torch.long)  # (B, R + 1)
+        dec_mask = torch.zeros_like(dec)
+        for i, (q, r) in enumerate(zip(queries, responses)):
+            enc[i, :len(q)], enc_mask[i, :len(q)] = torch.tensor(q), 1
+            dec[i, :len(r) + 1], dec_mask[i, :len(r) + 1] = torch.tensor([start_id, *r]), 1
+        logits = model(input_ids=enc.to(model.device), attention_mask=enc_mask.to(model.device),
+                       decoder_input_ids=dec[:, :-1].to(model.device),
+                       decoder_attention_mask=dec_mask[:, :-1].to(model.device)).logits  # (B, R, V)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, dec[:, 1:, None].to(model.device))
+        sums += (logprobs.squeeze(-1).cpu() * dec_mask[:, 1:]).sum(-1).tolist()
     return sums

@@ -20,11 +20,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, pipeline
 
-from ppo_core import AutoModelForCausalLMWithValueHead, PPOTrainer
+from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
 from stages.common import (PPO_CHECKPOINTS, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS,
-                           REWARD_MODEL, SFT_MODEL, TOKENIZED_TRAIN, StageError, atomic_path, device, fresh_dir,
+                           REWARD_MODEL, SFT_MODEL, TOKENIZED_TRAIN, atomic_path, device, fresh_dir, is_encoder_decoder,
                            load_reward_model, lora_config, model_context, note, read_table, remove_stale_temporaries,
-                           require_dir, reward_scores, seed_everything, write_csv, write_json, write_parquet)
+                           require_dir, reward_scores, seed_everything, StageError, write_csv, write_json,
+                           write_parquet)
 from stages.params import Params, ppo_config
 from stages.resume import fingerprint, open_checkpoint_dir
 from stages.synthetic import gold_score
@@ -50,14 +51,17 @@ def run(params: Params, root: Path = Path(".")) -> str:
         raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than ppo.batch_size={config.batch_size}; "
                          f"lower ppo.batch_size in {params.path} or give more prompts")
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
+    seq2seq, lora = is_encoder_decoder(root / SFT_MODEL), params.model.lora
     longest, context = max(map(len, prompts["input_ids"])), model_context(root / SFT_MODEL)
-    if longest + params.generation.max_new_tokens > context:
-        raise StageError(f"{TOKENIZED_TRAIN}: a {longest}-token query plus generation.max_new_tokens="
-                         f"{params.generation.max_new_tokens} exceeds the {context}-token context of {SFT_MODEL}; "
-                         f"lower one of them (tokenize.max_query_tokens) in {params.path}")
-    lora = params.model.lora
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(
-        root / SFT_MODEL, **({"peft_config": lora_config(lora, "CAUSAL_LM")} if lora else {}))
+    new_tokens = params.generation.max_new_tokens
+    # a decoder-only model holds query and response in one context; an encoder-decoder each in its own
+    if (max(longest, new_tokens) if seq2seq else longest + new_tokens) > context:
+        raise StageError(f"{TOKENIZED_TRAIN}: a {longest}-token query and generation.max_new_tokens={new_tokens} "
+                         f"do not fit the {context}-token context of {SFT_MODEL}; lower one of them "
+                         f"(tokenize.max_query_tokens) in {params.path}")
+    policy_class = AutoModelForSeq2SeqLMWithValueHead if seq2seq else AutoModelForCausalLMWithValueHead
+    adapter = {"peft_config": lora_config(lora, "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")} if lora else {}
+    model = policy_class.from_pretrained(root / SFT_MODEL, **adapter)
     # reference: a frozen copy of SFT, or with LoRA the same weights with the adapter disabled
     trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     score = build_scorer(params, root)
@@ -114,7 +118,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
 STATE = "state.pt"
 
 
-def save_policy(path: Path, policy: AutoModelForCausalLMWithValueHead, tokenizer) -> None:
+def save_policy(path: Path, policy, tokenizer) -> None:
     """The policy as a plain transformers model (LoRA merged in), its value head, and with LoRA the adapter
     alone in `adapter/` (loadable with peft on the SFT model), atomically."""
     with atomic_path(path) as tmp:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
 from stages.common import (RAW_PAIRS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL, SFT_MODEL, device, merged,
-                           read_table, remove_stale_temporaries, require_dir, reward_scores, save_pretrained,
-                           seed_everything, with_lora, write_json)
+                           read_table, remove_stale_temporaries, require_dir, reward_inputs, reward_scores,
+                           save_pretrained, seed_everything, with_lora, write_json)
 from stages.params import Params
 from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
 
@@ -39,8 +39,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     model = AutoModelForSequenceClassification.from_pretrained(root / SFT_MODEL, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     model = with_lora(model, params.model.lora, "SEQ_CLS")  # the scalar head is trained in full (modules_to_save)
-    chosen_ids = tokenizer([chosen[i] for i in train_idx], truncation=True)["input_ids"]
-    rejected_ids = tokenizer([rejected[i] for i in train_idx], truncation=True)["input_ids"]
+    chosen_ids = reward_inputs(model, tokenizer, [chosen[i] for i in train_idx])
+    rejected_ids = reward_inputs(model, tokenizer, [rejected[i] for i in train_idx])
     train = [{"chosen": c, "rejected": r} for c, r in zip(chosen_ids, rejected_ids)]
     checkpoints = root / REWARD_CHECKPOINTS
     remove_stale_temporaries(root / REWARD_MODEL.parent, root / REWARD_METRICS.parent)

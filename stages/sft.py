@@ -1,17 +1,21 @@
 """sft: supervised fine-tuning of the policy on the SFT texts (causal LM loss) with `transformers.Trainer`.
 
 Default model (`model.name_or_path: null`): a byte-level BPE tokenizer trained on the SFT texts (`tokenizers`)
-and a small GPT-2 config trained from scratch. Otherwise any causal LM id or local path. EOS ends every text
-so the policy learns to stop; the pad token is distinct from EOS, so EOS keeps its loss.
+and a small GPT-2 config trained from scratch. Otherwise any causal LM id or local path, or an encoder-decoder
+(T5, BART): each text is then split at a seeded word boundary, the start going to the encoder and the rest
+(the continuation PPO will ask for) to the decoder. EOS ends every text (or target) so the policy learns to
+stop; the pad token is distinct from EOS, so EOS keeps its loss.
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, GPT2Config,
-                          GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer,
+                          DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, GPT2Config, GPT2LMHeadModel,
+                          PreTrainedTokenizerFast, Trainer, TrainingArguments)
 
 from stages.common import (RAW_SFT, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError, device, merged, note,
                            read_table, remove_stale_temporaries, save_pretrained, seed_everything, with_lora,
@@ -31,9 +35,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
     seed_everything(params.seed)
     texts = read_table(root / RAW_SFT, ["text"])["text"].tolist()
     tokenizer, model = build(params.model, texts)
-    model = with_lora(model, params.model.lora, "CAUSAL_LM")
-    ids = tokenizer(texts, truncation=True, max_length=params.sft.max_length - 1)["input_ids"]
-    examples = [{"input_ids": x + [tokenizer.eos_token_id]} for x in ids]
+    model = with_lora(model, params.model.lora, "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM")
+    if model.config.is_encoder_decoder:
+        examples, collator = seq2seq_examples(texts, tokenizer, params), DataCollatorForSeq2Seq(tokenizer, model)
+    else:
+        ids = tokenizer(texts, truncation=True, max_length=params.sft.max_length - 1)["input_ids"]
+        examples = [{"input_ids": x + [tokenizer.eos_token_id]} for x in ids]
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
     checkpoints = root / SFT_CHECKPOINTS
     remove_stale_temporaries(root / SFT_MODEL.parent, root / SFT_METRICS.parent)
@@ -41,7 +49,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     trainer = Trainer(
         model=model,
         args=training_args(params, checkpoints),
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        data_collator=collator,
         train_dataset=examples[n_eval:],
         eval_dataset=examples[:n_eval],
         processing_class=tokenizer,
@@ -59,6 +67,20 @@ def run(params: Params, root: Path = Path(".")) -> str:
     return f"{metrics['n_train']} texts, train loss {train_loss:.3f}, eval loss {eval_loss:.3f} -> {SFT_MODEL}"
 
 
+def seq2seq_examples(texts: list[str], tokenizer, params: Params) -> list[dict[str, list[int]]]:
+    """Each text split at a seeded space: encoder input the start, labels the rest (leading space kept, so
+    start + rest is the text) plus EOS, both truncated to sft.max_length tokens."""
+    rng = random.Random(f"{params.seed}-sft-split")
+    n = params.sft.max_length
+    examples = []
+    for text in texts:
+        spaces = [i for i, c in enumerate(text) if c == " " and i > 0]
+        cut = rng.choice(spaces) if spaces else len(text)
+        source, target = tokenizer([text[:cut], text[cut:]], add_special_tokens=False)["input_ids"]
+        examples.append({"input_ids": source[:n], "labels": target[:n - 1] + [tokenizer.eos_token_id]})
+    return examples
+
+
 def training_args(params: Params, output_dir: Path) -> TrainingArguments:
     sft, every = params.sft, params.checkpoint.trainer_every
     return TrainingArguments(
@@ -72,11 +94,13 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
 
 
 def build(spec: ModelParams, texts: list[str]):
-    """The tokenizer and the untrained (or pretrained) causal LM."""
+    """The tokenizer and the untrained (or pretrained) causal or encoder-decoder LM."""
     if spec.name_or_path is not None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec.name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(spec.name_or_path)
+            model_class = (AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(spec.name_or_path).is_encoder_decoder
+                           else AutoModelForCausalLM)
+            model = model_class.from_pretrained(spec.name_or_path)
         except OSError as err:
             raise StageError(f"model.name_or_path '{spec.name_or_path}' could not be loaded "
                              f"({' '.join(str(err).split())[:160]}); give a local save_pretrained directory, or a hub "
