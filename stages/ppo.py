@@ -5,6 +5,8 @@ pipeline (the raw score of `scorer.label`, as in the seed), or a Python callable
 list of texts. Each step writes its rollouts (data/ppo/rollouts/step-NNNNN.parquet) and rewrites the stats
 table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to timings.csv so that
 every other artifact is byte-identical across runs), the curves for `dvc plots`; the metrics come at the end.
+Every `checkpoint.ppo_every` steps the whole training state goes to data/checkpoints/ppo/state.pt; a rerun
+with the same params and inputs resumes from it (see stages/resume.py) and ends with the same artifacts.
 """
 
 from __future__ import annotations
