@@ -10,7 +10,7 @@ Mask convention everywhere: ``mask`` is 1 (or True) for a valid token and 0 for 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -121,21 +121,42 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` over positions where ``mask`` is 1 (all of them, or along ``axis``)."""
+SumAcross = Callable[[torch.Tensor], torch.Tensor]  # element-wise sum over processes (ppo_core.distributed)
+
+
+def _masked_sum_and_count(values: torch.Tensor, mask: torch.Tensor, sum_across: SumAcross | None):
+    """``(sum of values where mask, number of such positions)``, over every process when ``sum_across`` is given."""
+    total, count = (values * mask).sum(), mask.sum()
+    if sum_across is not None:
+        total, count = sum_across(torch.stack([total, count]))  # one collective for both
+    return total, count
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None,
+                sum_across: SumAcross | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is 1 (all of them, or along ``axis``).
+
+    ``sum_across`` (a cross-process sum, e.g. ``ProcessGroup.sum_across``) makes it the mean over the masked
+    positions of every process: ``sum_p sum(x_p * m_p) / sum_p sum(m_p)``.
+    """
     mask = mask.to(values.dtype)
     if axis is None:
-        return (values * mask).sum() / mask.sum()
+        total, count = _masked_sum_and_count(values, mask, sum_across)
+        return total / count
+    if sum_across is not None:
+        raise ValueError("masked_mean: sum_across reduces over every position; it cannot be combined with axis.")
     return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``values`` over the masked positions (Bessel-corrected when ``unbiased``)."""
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
+               sum_across: SumAcross | None = None) -> torch.Tensor:
+    """Variance of ``values`` over the masked positions (Bessel-corrected when ``unbiased``); over every
+    process's masked positions when ``sum_across`` is given (two passes: the global mean, then the deviations)."""
     mask = mask.to(values.dtype)
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
+    mean = masked_mean(values, mask, sum_across=sum_across)
+    squares, n = _masked_sum_and_count((values - mean) ** 2, mask, sum_across)
+    variance = squares / n
     if unbiased:
-        n = mask.sum()
         if n == 0:
             raise ValueError(
                 "masked_var: the mask is empty (no valid token); this happens with mini_batch_size=1 and an "
@@ -150,15 +171,18 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return variance
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  sum_across: SumAcross | None = None) -> torch.Tensor:
     """Standardise ``values`` with the masked mean and (unbiased) variance.
 
     # x' = (x - mean) / sqrt(var + 1e-8)    (+ mean again when ``shift_mean`` is False)
 
     ``shift_mean=False`` keeps the original mean (used for reward whitening, legacy semantics).
     Masked-out positions are transformed too; callers multiply by the mask where it matters.
+    With ``sum_across``, mean and variance are those of every process's masked positions.
     """
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    mean = masked_mean(values, mask, sum_across=sum_across)
+    var = masked_var(values, mask, sum_across=sum_across)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .core import clip_by_value, masked_mean, masked_whiten
+from .core import SumAcross, clip_by_value, masked_mean, masked_whiten
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 
@@ -84,7 +84,7 @@ class Advantages(NamedTuple):
 
 
 def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
-                   whiten_rewards: bool = False) -> Advantages:
+                   whiten_rewards: bool = False, sum_across: SumAcross | None = None) -> Advantages:
     """Generalised advantage estimation (Schulman et al. 2016) with the legacy trainer's conventions.
 
     Values and rewards are zeroed at masked positions first, and ``V`` beyond the last position is 0.
@@ -98,18 +98,33 @@ def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tens
         rewards: ``(B, R)`` shaped rewards.
         mask: ``(B, R)`` 1 = valid token.
         whiten_rewards: whiten the rewards over the mask first, keeping their mean (legacy option).
+        sum_across: a cross-process sum: whiten with the mean and variance of every process's valid tokens
+            (the global batch), not of this process's alone.
     """
     mask = mask.to(values.dtype)
     values, rewards = values * mask, rewards * mask
     if whiten_rewards:
-        rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+        rewards = masked_whiten(rewards, mask, shift_mean=False, sum_across=sum_across) * mask
     next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))  # V_{t+1}, with V_R = 0
     deltas = rewards + gamma * next_values - values
     # Reverse discounted cumulative sum over time as one (B, R) x (R, R) product.
     advantages = deltas @ discount_matrix(deltas.shape[1], gamma * lam, deltas.dtype, deltas.device)
     returns = advantages + values
-    advantages = masked_whiten(advantages, mask) * mask
+    advantages = masked_whiten(advantages, mask, sum_across=sum_across) * mask
     return Advantages(advantages.detach(), returns.detach())
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, n_tokens: torch.Tensor | float | None = None) -> torch.Tensor:
+    """``E_mask[x]`` of a loss or a statistic: the sum over the valid tokens divided by ``n_tokens``.
+
+    ``n_tokens=None`` divides by the mask's own count (:func:`masked_mean`). Under N data-parallel processes
+    the trainer passes ``n / N`` (:func:`ppo_core.distributed.tokens_per_process`): the mean over processes
+    of the results, which is what DDP takes of the gradients, is then the token mean over the global
+    mini-batch, even when the processes hold different numbers of tokens.
+    """
+    if n_tokens is None:
+        return masked_mean(values, mask)
+    return (values * mask.to(values.dtype)).sum() / n_tokens
 
 
 class PolicyLoss(NamedTuple):
@@ -123,8 +138,8 @@ class PolicyLoss(NamedTuple):
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cliprange: float) -> PolicyLoss:
-    """PPO clipped surrogate objective, all inputs ``(B, R)``.
+                mask: torch.Tensor, cliprange: float, n_tokens: torch.Tensor | float | None = None) -> PolicyLoss:
+    """PPO clipped surrogate objective, all inputs ``(B, R)``; every ``E_mask`` is a :func:`token_mean`.
 
     # ratio = exp(log p_new - log p_old)
     # L     = E_mask[ max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) ]
@@ -133,12 +148,12 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    loss = token_mean(torch.max(unclipped, clipped), mask, n_tokens)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
-        approxkl = 0.5 * masked_mean(log_ratio.square(), mask)
-        policykl = masked_mean(-log_ratio, mask)
-        ratio_mean = masked_mean(ratio, mask)
+        clipfrac = token_mean((clipped > unclipped).to(logprobs.dtype), mask, n_tokens)
+        approxkl = 0.5 * token_mean(log_ratio.square(), mask, n_tokens)
+        policykl = token_mean(-log_ratio, mask, n_tokens)
+        ratio_mean = token_mean(ratio, mask, n_tokens)
     return PolicyLoss(loss, clipfrac, approxkl, policykl, ratio_mean)
 
 
@@ -148,8 +163,8 @@ class ValueLoss(NamedTuple):
 
 
 def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float) -> ValueLoss:
-    """Clipped value loss, all inputs ``(B, R)``.
+               cliprange_value: float, n_tokens: torch.Tensor | float | None = None) -> ValueLoss:
+    """Clipped value loss, all inputs ``(B, R)``; every ``E_mask`` is a :func:`token_mean`.
 
     # v_clip = clip(v, V_old - c, V_old + c)
     # L_V    = 0.5 * E_mask[ max((v - R)^2, (v_clip - R)^2) ]
@@ -157,7 +172,7 @@ def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     vpred_clipped = clip_by_value(vpreds, old_values - cliprange_value, old_values + cliprange_value)
     losses = (vpreds - returns).square()
     losses_clipped = (vpred_clipped - returns).square()
-    loss = 0.5 * masked_mean(torch.max(losses, losses_clipped), mask)
+    loss = 0.5 * token_mean(torch.max(losses, losses_clipped), mask, n_tokens)
     with torch.no_grad():
-        clipfrac = masked_mean((losses_clipped > losses).to(vpreds.dtype), mask)
+        clipfrac = token_mean((losses_clipped > losses).to(vpreds.dtype), mask, n_tokens)
     return ValueLoss(loss, clipfrac)
