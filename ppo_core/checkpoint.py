@@ -3,7 +3,8 @@
 A checkpoint holds the policy and value head, the optimizer, the lr scheduler, the KL controller, the
 running score moments, the trainer's shuffling generator and step counter, the RNG states of Python,
 NumPy and torch (CPU and CUDA), the resolved config, and a caller's ``extra`` dict (e.g. the data
-position). Restoring it and continuing gives the same run as never stopping (on CPU, bit for bit).
+position); under N processes, every process's shuffling and RNG states. Restoring it and continuing gives
+the same run as never stopping (on CPU, bit for bit).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class PPOConfig:
     exp_name: str = field(default_factory=_default_exp_name)
     """the name of this experiment (by default the script's file name)"""
     seed: int = 0
-    """seed of ``set_seed`` in the trainer and of its mini-batch shuffling"""
+    """seed of ``set_seed`` in the trainer and of its mini-batch shuffling (plus the process index under N processes)"""
     log_with: Optional[Literal["wandb", "tensorboard", "dvclive", "comet_ml", "mlflow", "aim", "clearml"]] = None
     """accelerate tracker to log to (requires the tracker's package)"""
     task_name: Optional[str] = None

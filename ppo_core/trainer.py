@@ -15,6 +15,16 @@ log-probabilities in ``rollout``/``logprobs``. Differences from legacy TRL, all 
 * encoder-decoder responses are the generated tokens *without* the decoder start token (``step``
   prepends it) and every one of them is scored (legacy returned the start token as the response's first
   token and left the first generated token out of the loss).
+
+Under N processes (``accelerate launch``), ``step`` on each process's ``batch_size`` samples gives what
+one process gives on the ``N * batch_size`` samples (``global_batch_size``), process 0's first, up to
+float rounding, whenever the mini-batches are the same (one mini-batch per epoch, or the per-process
+mini-batches of one index making up the global one): advantages and ``whiten_rewards`` are whitened
+over the global batch, the losses are token means over the global mini-batch (see ``loss``), the
+ratio-threshold skip is decided on the global mini-batch, and the stats and histograms are those of the
+global batch (legacy TRL whitened and averaged per process, and averaged per-process token means). Each
+process shuffles its own samples (seed ``seed + process_index``), samples with its own RNG seed (the
+same offset), and a bad input or a non-finite loss on any process raises on all of them.
 """
 
 from __future__ import annotations
@@ -38,11 +48,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from . import checkpoint
 from .config import PPOConfig
 from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_mean, masked_var, stats_to_np
+from .distributed import ProcessGroup, gather_ragged, mean_across, raise_if_any, tokens_per_process
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
                        create_reference_model)
-from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
+from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, token_mean, value_loss
 from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
                       policy_outputs)
 from .utils import set_seed
@@ -93,6 +104,11 @@ class PPOTrainer:
         config.global_batch_size = config.batch_size * config.world_size
         config.is_encoder_decoder, config.is_peft_model = model.is_encoder_decoder, model.is_peft_model
         self.is_distributed = self.accelerator.num_processes > 1
+        # None on one process: every cross-process path below is skipped and the numbers are the one-process ones
+        self._group = ProcessGroup.current(self.accelerator.device) if self.is_distributed else None
+        self._sum_across = self._group.sum_across if self._group is not None else None
+        if self.is_distributed:  # independent sampling noise per process (the weights are synced by DDP)
+            set_seed(config.seed + self.accelerator.process_index)
         if config.log_with is not None:
             self.accelerator.init_trackers(config.tracker_project_name, config=flatten_dict(config.to_dict()),
                                            init_kwargs=config.tracker_kwargs)
@@ -210,9 +226,8 @@ class PPOTrainer:
              response_masks: list[torch.Tensor] | None = None) -> dict[str, Any]:
         """One PPO update from ``batch_size`` (query, response, score) triples; returns the stats."""
         cfg, timing, t_start = self.config, {}, time.perf_counter()
-        # 1. check inputs, move them to the device, scale and clip the scores
-        queries, responses, scores, response_masks = self._step_safety_checker(
-            cfg.batch_size, queries, responses, scores, response_masks)
+        # 1. check inputs (a bad input on any process raises on all), move them to the device, scale and clip scores
+        queries, responses, scores, response_masks = self._checked_inputs(queries, responses, scores, response_masks)
         scores = self._scale_scores(scores)
         self._maybe_push_to_hub(scores)
         inputs = self._model_inputs(queries, responses)
@@ -235,7 +250,8 @@ class PPOTrainer:
 
         # 4. advantages and returns
         t = time.perf_counter()
-        adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+        adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
+                             sum_across=self._sum_across)  # whitened over the global batch
         timing["time/ppo/compute_advantages"] = time.perf_counter() - t
 
         # 5. PPO epochs over shuffled mini-batches
@@ -263,6 +279,17 @@ class PPOTrainer:
             gc.collect()
             _empty_device_cache()
         return convert_to_scalar(stats)
+
+    def _checked_inputs(self, queries, responses, scores, response_masks):
+        """``_step_safety_checker`` on every process, before any collective: an error on one raises on all, so
+        that no process waits in a collective for one that has stopped."""
+        checked, error = None, None
+        try:
+            checked = self._step_safety_checker(self.config.batch_size, queries, responses, scores, response_masks)
+        except Exception as exc:  # noqa: BLE001 - raised by raise_if_any, on every process
+            error = exc
+        raise_if_any(error, self._group)
+        return checked
 
     def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
         """Validate lengths, types and shapes; return device tensors (scores as one ``(B,)`` tensor)."""
@@ -342,11 +369,15 @@ class PPOTrainer:
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
                                           entropy=entropy)
-        _raise_if_non_finite(stats, f"PPO step {self.step_count + 1}: non-finite", "before the update")
-        skipped = stats["policy/ratio_mean"] > self.config.ratio_threshold
+        raise_if_any(_non_finite_error(stats, f"PPO step {self.step_count + 1}: non-finite", "before the update"),
+                     self._group)
+        # decided on the global mini-batch, so that every process skips (or backpropagates) together
+        ratio_mean = stats["policy/ratio_mean"] if self._group is None else mean_across(stats["policy/ratio_mean"],
+                                                                                        self._group)
+        skipped = ratio_mean > self.config.ratio_threshold
         stats["policy/skipped"] = skipped.float()
         if skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
-            warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({stats['policy/ratio_mean']:.2f}) exceeds "
+            warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({ratio_mean:.2f}) exceeds "
                           f"ratio_threshold ({self.config.ratio_threshold}); skipping its update.")
         else:
             self.accelerator.backward(loss_p + loss_v)
@@ -368,24 +399,35 @@ class PPOTrainer:
 
         ``logits`` (``(b, R, V)``) is accepted for API compatibility; the trainer passes the per-token
         ``entropy`` instead, computed without materialising the logits.
+
+        Under N processes, each token mean (the losses and the token statistics) divides this process's sum
+        by the global mini-batch's token count over N (:func:`~ppo_core.distributed.tokens_per_process`), not
+        by its own count. DDP averages the gradients over the processes, which then gives the gradient of the
+        token mean over the global mini-batch whatever each process's count; legacy TRL's per-process means
+        weighted the tokens of a process with fewer tokens more. The stats returned are these per-process
+        shares (the variances excepted: computed over the global mini-batch); ``gather_stats`` averages them
+        into the global values.
         """
         cfg = self.config
-        pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange)
-        vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value)
+        n_tokens = None if self._group is None else tokens_per_process(mask, self._group)
+        pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens)
+        vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens)
         if entropy is None and logits is not None:
             entropy = entropy_from_logits(logits)
         with torch.no_grad():
+            mean = lambda x: token_mean(x, mask, n_tokens)  # noqa: E731
+            var = lambda x: masked_var(x, mask, sum_across=self._sum_across)  # noqa: E731
             stats = {
                 "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
                 "loss/total": (pg.loss + cfg.vf_coef * vf.loss).detach(),
                 "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
-                "policy/advantages_mean": masked_mean(advantages, mask), "policy/ratio_mean": pg.ratio_mean,
-                "returns/mean": masked_mean(returns, mask), "returns/var": masked_var(returns, mask),
-                "val/vpred": masked_mean(vpreds, mask), "val/error": masked_mean((vpreds - returns) ** 2, mask),
-                "val/clipfrac": vf.clipfrac, "val/mean": masked_mean(values, mask), "val/var": masked_var(values, mask),
+                "policy/advantages_mean": mean(advantages), "policy/ratio_mean": pg.ratio_mean,
+                "returns/mean": mean(returns), "returns/var": var(returns),
+                "val/vpred": mean(vpreds), "val/error": mean((vpreds - returns) ** 2),
+                "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": var(values),
             }
             if entropy is not None:  # absent only when a caller passes neither logits nor entropy
-                stats["policy/entropy"] = masked_mean(entropy, mask)
+                stats["policy/entropy"] = mean(entropy)
         return pg.loss, cfg.vf_coef * vf.loss, stats
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
@@ -398,49 +440,79 @@ class PPOTrainer:
 
     # ---- statistics ----------------------------------------------------------------------------------
     def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
-        """The legacy stats dict of one step; every token statistic is masked."""
-        mask, logprobs, kls = data["masks"], data["logprobs"], data["kls"]
+        """The legacy stats dict of one step; every token statistic is masked.
+
+        Under N processes the sample and token statistics and histograms are those of the global batch (every
+        process's samples, process 0's first), and the training statistics are per-process shares that
+        ``gather_stats`` averages into the global values (see ``loss``).
+        """
+        mask, logprobs = data["masks"], data["logprobs"]
         valid = mask.bool()
-        kl_per_sample = (kls * mask).sum(-1)
+        kl_per_sample, entropy, scores, query_lens, response_lens = self._gather_samples(
+            (data["kls"] * mask).sum(-1), (-logprobs * mask).sum(-1), data["scores"],
+            torch.tensor([len(q) for q in data["queries"]], dtype=torch.float),
+            torch.tensor([len(r) for r in data["responses"]], dtype=torch.float))
+        token_logprobs, token_ref_logprobs, token_advantages = self._gather_tokens(
+            logprobs[valid], data["ref_logprobs"][valid], data["advantages"][valid])
         mean_kl = kl_per_sample.mean()
         if mean_kl.item() < -1.0 and not self._warned_negative_kl:
             self._warned_negative_kl = True
             warnings.warn(f"KL divergence is negative ({mean_kl.item():.2f}): usually generation kwargs that change "
                           "the sampling distribution (top_k, top_p, min_length, temperature...). Sample with "
                           "top_k=0, top_p=1.0, do_sample=True and no min_length/repetition penalty.")
-        query_lens = torch.tensor([len(q) for q in data["queries"]], dtype=torch.float)
-        response_lens = torch.tensor([len(r) for r in data["responses"]], dtype=torch.float)
         stats = {
             "objective/kl": mean_kl, "objective/kl_dist": kl_per_sample,
-            "objective/logprobs": logprobs[valid], "objective/ref_logprobs": data["ref_logprobs"][valid],
-            "objective/kl_coef": torch.tensor(kl_coef), "objective/entropy": (-logprobs * mask).sum(-1).mean(),
-            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask),
-            "ppo/mean_scores": data["scores"].mean(), "ppo/std_scores": data["scores"].std(),
+            "objective/logprobs": token_logprobs, "objective/ref_logprobs": token_ref_logprobs,
+            "objective/kl_coef": torch.tensor(kl_coef), "objective/entropy": entropy.mean(),
+            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask, sum_across=self._sum_across),
+            "ppo/mean_scores": scores.mean(), "ppo/std_scores": scores.std(),
             "tokens/queries_len_mean": query_lens.mean(), "tokens/queries_len_std": query_lens.std(),
             "tokens/queries_dist": query_lens,
             "tokens/responses_len_mean": response_lens.mean(), "tokens/responses_len_std": response_lens.std(),
             "tokens/responses_dist": response_lens,
-            "ppo/policy/advantages": data["advantages"][valid],
+            "ppo/policy/advantages": token_advantages,
         }
         train = data["train_stats"]
         for key in train[0]:
             if key == "policy/skipped":
                 continue
             stats[f"ppo/{key}"] = torch.stack([s[key] for s in train]).float().mean()
-        stats["ppo/policy/ratio"] = torch.stack([s["policy/ratio_mean"] for s in train]).float()
+        ratios = torch.stack([s["policy/ratio_mean"] for s in train]).float()
+        stats["ppo/policy/ratio"] = ratios if self._group is None else mean_across(ratios, self._group)
         stats["ppo/policy/skipped_minibatches"] = torch.stack([s["policy/skipped"] for s in train]).sum()
         stats["ppo/epochs"] = torch.tensor(len(train) / math.ceil(len(data["queries"]) / self.config.mini_batch_size))
+        # linear in the per-process val/error share (returns/var is global), so its mean over processes is global
         stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
         return stats
 
+    def _gather_samples(self, *per_sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(B,)`` tensors of this process -> ``(N * B,)`` of the global batch (as they are on one process)."""
+        if self._group is None:
+            return per_sample
+        stacked = torch.stack([x.to(self.current_device).float() for x in per_sample], dim=-1)  # (B, k)
+        return self._group.gather(stacked).unbind(-1)
+
+    def _gather_tokens(self, *per_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(n_p,)`` tensors (this process's valid tokens) -> ``(n,)`` of the global batch."""
+        if self._group is None:
+            return per_token
+        return gather_ragged(torch.stack([x.float() for x in per_token]), self._group).unbind(0)
+
     def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """Average 0-d tensor stats across processes (histograms stay per-process)."""
+        """Average the 0-d tensor stats over processes (in one collective); other values are kept as they are.
+
+        The 0-d stats of ``step`` are either already global (identical on every process) or per-process shares
+        whose mean over processes is the one-process value over the global batch: sample means over the
+        equal per-process batches, and token means divided by the global token count over N (see ``loss``).
+        ``record_step_stats`` gathers the histograms.
+        """
         if not self.is_distributed:
             return stats
+        keys = [key for key, value in stats.items() if isinstance(value, torch.Tensor) and value.ndim == 0]
         out = dict(stats)
-        for key, value in stats.items():
-            if isinstance(value, torch.Tensor) and value.ndim == 0:
-                out[key] = self.accelerator.reduce(value.to(self.current_device).float(), reduction="mean")
+        if keys:
+            values = torch.stack([stats[key].detach().to(self.current_device).float() for key in keys])
+            out.update(zip(keys, self.accelerator.reduce(values, reduction="mean").unbind()))
         return out
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Iterable[str] = ("query", "response")):
@@ -470,13 +542,20 @@ class PPOTrainer:
 
     # ---- checkpoints (not in legacy TRL: resume was its most requested missing feature) ----------------
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        """Write the whole training state to ``path`` atomically (main process only); see ``load_checkpoint``.
+        """Write the whole training state to ``path`` atomically; see ``load_checkpoint``. Every process calls it.
 
+        The main process writes; under N processes the file also holds every process's mini-batch shuffling
+        and RNG states (``processes``, by process index), and every process returns once the file is complete.
         ``extra`` is stored as given (plain Python values or tensors), e.g. the caller's data position.
         """
         self.accelerator.wait_for_everyone()
-        if not self.accelerator.is_main_process:
-            return
+        own = {"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()}
+        processes = self._group.gather_object(own) if self._group is not None else None
+        if self.accelerator.is_main_process:
+            self._write_checkpoint(path, extra, processes)
+        self.accelerator.wait_for_everyone()  # every process may read the file once this returns
+
+    def _write_checkpoint(self, path: str, extra: dict[str, Any] | None, processes: list[dict] | None) -> None:
         state = {
             "format_version": checkpoint.FORMAT_VERSION,
             "model": self.accelerator.unwrap_model(self.model).state_dict(),
@@ -486,21 +565,31 @@ class PPOTrainer:
             "shuffle": self._shuffle.get_state(), "current_step": self.current_step, "step_count": self.step_count,
             "rng": checkpoint.rng_state(), "config": flatten_dict(self.config.to_dict()), "extra": extra or {},
         }
+        if processes is not None:
+            state["processes"] = processes
         checkpoint.atomic_torch_save(state, path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote (model, optimizer, scheduler, KL controller, score
-        moments, shuffling, step counter, RNG states); return its ``extra`` dict."""
+        moments, shuffling, step counter, RNG states; under N processes, each its own shuffling and RNG
+        states); return its ``extra`` dict. Every process calls it; the number of processes must be the
+        checkpoint's (it defines the global batch)."""
         state = checkpoint.load(path)
+        saved = state["config"].get("world_size") or 1
+        if saved != self.accelerator.num_processes:
+            raise ValueError(f"checkpoint {path}: written by a run of {saved} process(es), this one has "
+                             f"{self.accelerator.num_processes}; the global batch (batch_size * processes) would "
+                             f"change. Launch {saved} process(es) to resume, or delete it to start fresh.")
+        own = state["processes"][self.accelerator.process_index] if "processes" in state else state
         self.accelerator.unwrap_model(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.running.load_state_dict(state["running"])
-        self._shuffle.set_state(state["shuffle"])
+        self._shuffle.set_state(own["shuffle"])
         self.current_step, self.step_count = state["current_step"], state["step_count"]
-        checkpoint.set_rng_state(state["rng"])
+        checkpoint.set_rng_state(own["rng"])
         return state["extra"]
 
     # ---- legacy helpers kept for API compatibility ------------------------------------------------------
@@ -548,12 +637,13 @@ class PPOTrainer:
             fh.write(card)
 
 
-def _raise_if_non_finite(stats: dict[str, torch.Tensor], prefix: str, suffix: str) -> None:
-    """Raise ``FloatingPointError`` naming the first non-finite statistic (legacy names, ``ppo/`` prefix)."""
+def _non_finite_error(stats: dict[str, torch.Tensor], prefix: str, suffix: str) -> FloatingPointError | None:
+    """A ``FloatingPointError`` naming the first non-finite statistic (legacy names, ``ppo/`` prefix), or None."""
     for key, value in stats.items():
         if not bool(torch.isfinite(value).all()):
-            raise FloatingPointError(f"{prefix} ppo/{key} ({value.item() if value.numel() == 1 else value}) "
-                                     f"{suffix}; the weights were not updated.")
+            return FloatingPointError(f"{prefix} ppo/{key} ({value.item() if value.numel() == 1 else value}) "
+                                      f"{suffix}; the weights were not updated.")
+    return None
 
 
 def _decoder_start_token_id(model: PreTrainedModelWrapper) -> int:
