@@ -1,0 +1,283 @@
+"""PPO under N processes: what ``step`` does over N shards equals one process over the global batch.
+
+Two kinds of test. The cross-process helpers run in one process, with threads standing in for the
+processes (``ThreadGroup``): exact enough for float64 comparisons at 1e-12. ``step`` itself runs in two
+real processes (``accelerate launch``, gloo on CPU, ``tests/distributed_step.py``) and is compared with
+one process over the same 8 samples: float32, three steps, so the stated tolerance is
+``rtol = atol = 1e-5`` (measured worst: about a sixth of it); the two processes agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ppo_core.core import masked_mean, masked_var, masked_whiten
+from ppo_core.distributed import gather_ragged, mean_across, raise_if_any, tokens_per_process
+from ppo_core.ppo_math import gae_advantages, policy_loss, value_loss
+from tests import distributed_step
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "distributed_step.py"
+RTOL = ATOL = 1e-5  # two processes vs one, float32 (see the module docstring)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the helpers, with threads as processes
+# ---------------------------------------------------------------------------------------------------
+class ThreadGroup:
+    """``ProcessGroup``'s methods for ``n`` threads of one process: each collective waits for all of them."""
+
+    def __init__(self, index: int, shared: dict):
+        self.process_index, self.num_processes, self._shared = index, shared["n"], shared
+
+    def _exchange(self, value) -> list:
+        slots, barrier = self._shared["slots"], self._shared["barrier"]
+        slots[self.process_index] = value
+        barrier.wait()
+        values = list(slots)
+        barrier.wait()  # nobody overwrites a slot before everyone has read them all
+        return values
+
+    def sum_across(self, x):
+        return torch.stack(self._exchange(x.detach().clone())).sum(0)
+
+    def gather(self, x):
+        return torch.cat(self._exchange(x.detach().clone()))
+
+    def gather_object(self, obj):
+        return self._exchange(obj)
+
+
+def in_threads(fn, n: int = 2) -> list:
+    """``[fn(group_0), ..., fn(group_{n-1})]``, run concurrently; an exception is returned in place of a result."""
+    shared = {"n": n, "slots": [None] * n, "barrier": threading.Barrier(n, timeout=30)}
+    results: list = [None] * n
+
+    def run(i):
+        try:
+            results[i] = fn(ThreadGroup(i, shared))
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def sharded_batch(seed: int = 0):
+    """A float64 ``(5, 6)`` batch and mask, and its shards ``[:3]`` / ``[3:]`` each cut to its own longest row.
+
+    Shard 0 holds 14 valid tokens, shard 1 holds 4 (shifted by +2): per-shard means weight tokens differently
+    than the batch mean.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([6, 4, 4, 3, 1])
+    mask = (torch.arange(6)[None] < lengths[:, None]).double()
+    values = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    values[3:] += 2.0  # the shards' own statistics differ from the batch's
+    values = values * mask
+    shards = [(values[:3, :6], mask[:3, :6]), (values[3:, :3], mask[3:, :3])]
+    return values, mask, shards
+
+
+def test_masked_statistics_over_shards_equal_those_of_the_batch():
+    values, mask, shards = sharded_batch()
+    got = in_threads(lambda g: (masked_mean(*shards[g.process_index], sum_across=g.sum_across),
+                                masked_var(*shards[g.process_index], sum_across=g.sum_across),
+                                masked_whiten(*shards[g.process_index], sum_across=g.sum_across)))
+    mean, var, white = masked_mean(values, mask), masked_var(values, mask), masked_whiten(values, mask)
+    for shard_mean, shard_var, _ in got:
+        torch.testing.assert_close(shard_mean, mean, rtol=0, atol=1e-12)
+        torch.testing.assert_close(shard_var, var, rtol=0, atol=1e-12)
+    whitened = [got[0][2] * shards[0][1], got[1][2] * shards[1][1]]
+    torch.testing.assert_close(whitened[0], (white * mask)[:3, :6], rtol=0, atol=1e-12)
+    torch.testing.assert_close(whitened[1], (white * mask)[3:, :3], rtol=0, atol=1e-12)
+    # the per-shard statistics differ: the test would catch a helper that ignored sum_across
+    assert abs(masked_mean(*shards[1]) - mean) > 1 and abs(masked_var(*shards[0]) - var) > 0.1
+
+
+def test_identity_sum_across_is_bit_for_bit_the_one_process_path():
+    values, mask, _ = sharded_batch(seed=1)
+    values, mask = values.float(), mask.float()
+    same = lambda x: x  # noqa: E731
+    assert torch.equal(masked_mean(values, mask, sum_across=same), masked_mean(values, mask))
+    assert torch.equal(masked_var(values, mask, sum_across=same), masked_var(values, mask))
+    assert torch.equal(masked_whiten(values, mask, sum_across=same), masked_whiten(values, mask))
+    with pytest.raises(ValueError, match="axis"):
+        masked_mean(values, mask, axis=1, sum_across=same)
+
+
+@pytest.mark.parametrize("whiten_rewards", [False, True])
+def test_gae_over_shards_whitens_with_the_global_batch(whiten_rewards):
+    rewards, mask, shards = sharded_batch(seed=2)
+    values = torch.randn(5, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    value_shards = [values[:3, :6], values[3:, :3]]
+    got = in_threads(lambda g: gae_advantages(value_shards[g.process_index], shards[g.process_index][0],
+                                              shards[g.process_index][1], 0.9, 0.8, whiten_rewards, g.sum_across))
+    full = gae_advantages(values, rewards, mask, 0.9, 0.8, whiten_rewards)
+    for got_shard, rows, width in ((got[0], slice(0, 3), 6), (got[1], slice(3, 5), 3)):
+        torch.testing.assert_close(got_shard.advantages, full.advantages[rows, :width], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got_shard.returns * shards[rows.start // 3][1],
+                                   (full.returns * mask)[rows, :width], rtol=0, atol=1e-12)
+
+
+def test_losses_over_shards_average_to_the_global_token_mean_and_its_gradient():
+    """DDP averages the per-process gradients: with ``n_tokens = n / N`` that average is the global one."""
+    old, mask, shards = sharded_batch(seed=4)
+    advantages = torch.randn(5, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    new = (old + 0.3 * torch.randn(5, 6, generator=torch.Generator().manual_seed(6), dtype=torch.float64))
+    cut = [(slice(0, 3), 6), (slice(3, 5), 3)]
+
+    def shard_loss(g):
+        rows, width = cut[g.process_index]
+        logprobs = new[rows, :width].clone().requires_grad_()
+        m = shards[g.process_index][1]
+        n_tokens = tokens_per_process(m, g)
+        pg = policy_loss(logprobs, old[rows, :width], advantages[rows, :width], m, 0.2, n_tokens)
+        vf = value_loss(logprobs, old[rows, :width], advantages[rows, :width], m, 0.2, n_tokens)
+        (pg.loss + vf.loss).backward()
+        return pg, vf, logprobs.grad
+
+    got = in_threads(shard_loss)
+    logprobs = new.clone().requires_grad_()
+    pg, vf = policy_loss(logprobs, old, advantages, mask, 0.2), value_loss(logprobs, old, advantages, mask, 0.2)
+    (pg.loss + vf.loss).backward()
+    for field in ("loss", "clipfrac", "approxkl", "policykl", "ratio_mean"):
+        mean_over_shards = (getattr(got[0][0], field) + getattr(got[1][0], field)) / 2
+        torch.testing.assert_close(mean_over_shards, getattr(pg, field), rtol=0, atol=1e-12, msg=field)
+    torch.testing.assert_close((got[0][1].loss + got[1][1].loss) / 2, vf.loss, rtol=0, atol=1e-12)
+    grads = [g[2] / 2 for g in got]  # DDP: the mean over the 2 processes
+    torch.testing.assert_close(grads[0], logprobs.grad[:3, :6], rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads[1], logprobs.grad[3:, :3], rtol=0, atol=1e-12)
+    # per-process means (legacy) would not: 14 vs 4 tokens
+    local = [policy_loss(new[r, :w], old[r, :w], advantages[r, :w], s[1], 0.2).loss for (r, w), s in zip(cut, shards)]
+    assert abs((local[0] + local[1]) / 2 - pg.loss) > 1e-3
+
+
+def test_gather_ragged_and_mean_across():
+    parts = [torch.arange(6.0).reshape(2, 3), torch.arange(10.0, 12.0).reshape(2, 1)]
+    got = in_threads(lambda g: (gather_ragged(parts[g.process_index], g), mean_across(parts[g.process_index][:, :1], g)))
+    expected = torch.tensor([[0.0, 1, 2, 10], [3, 4, 5, 11]])
+    for ragged, mean in got:
+        assert torch.equal(ragged, expected)
+        assert torch.equal(mean, torch.tensor([[5.0], [7.0]]))
+
+
+def test_an_error_on_one_process_raises_on_all_with_its_message():
+    errors = [None, ValueError("step: scores[0] is nan")]
+    got = in_threads(lambda g: raise_if_any(errors[g.process_index], g))
+    for result in got:
+        assert isinstance(result, ValueError) and str(result) == "process 1 of 2: step: scores[0] is nan"
+    assert in_threads(lambda g: raise_if_any(None, g)) == [None, None]
+    error = FloatingPointError("x")
+    with pytest.raises(FloatingPointError) as info:  # one process: the error itself
+        raise_if_any(error, None)
+    assert info.value is error
+
+
+# ---------------------------------------------------------------------------------------------------
+# step() in two processes
+# ---------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, out_dir: Path, timeout: float = 120) -> tuple[int, str, float]:
+    """Run ``distributed_step.py`` in 2 CPU processes; ``(exit code, output, seconds)``. A hang fails the test."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), str(SCRIPT), str(out_dir), scenario]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: a timeout kills the workers too
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{scenario}: 2 processes still running after {timeout} s (a hang):\n{output[-3000:]}")
+    return proc.returncode, output, time.monotonic() - start
+
+
+def load_ranks(out_dir: Path) -> list[dict]:
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def assert_stats_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        assert np.array_equal(np.asarray(value), np.asarray(b[key])), key
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One launch of the ``global+shuffled`` scenario: its directory and the two processes' results."""
+    out_dir = tmp_path_factory.mktemp("two_processes")
+    code, output, _ = launch("global+shuffled", out_dir)
+    assert code == 0, output[-3000:]
+    return out_dir, load_ranks(out_dir)
+
+
+def test_two_processes_equal_one_process_over_the_global_batch(two_process_run):
+    _, ranks = two_process_run
+    one = distributed_step.run_global(1)
+    for name, expected in one.items():
+        # the two processes hold the same weights and report the same stats, bit for bit
+        for key, param in ranks[0][name]["params"].items():
+            assert torch.equal(param, ranks[1][name]["params"][key]), (name, key)
+        for a, b in zip(ranks[0][name]["stats"], ranks[1][name]["stats"]):
+            assert_stats_equal(a, b)
+        # ... and equal one process over the same 8 samples
+        got = ranks[0][name]
+        for step, (a, b) in enumerate(zip(got["stats"], expected["stats"])):
+            assert a.keys() == b.keys()
+            for key in a:
+                np.testing.assert_allclose(np.asarray(a[key], dtype=np.float64), np.asarray(b[key], dtype=np.float64),
+                                           rtol=RTOL, atol=ATOL, err_msg=f"{name}, step {step}: {key}")
+        for key, param in expected["params"].items():
+            torch.testing.assert_close(got["params"][key], param, rtol=RTOL, atol=ATOL, msg=f"{name}: {key}")
+    # the scenarios did what they are named for
+    assert sum(s["ppo/policy/skipped_minibatches"] for s in one["skip"]["stats"]) > 0
+    assert min(s["ppo/epochs"] for s in one["early_stop"]["stats"]) < 4
+
+
+def test_two_processes_shuffle_their_own_samples_and_resume_from_one_checkpoint(two_process_run):
+    out_dir, results = two_process_run
+    ranks = [r["shuffled"] for r in results]
+    assert [r["shuffle_seed"] for r in ranks] == [0, 1]  # config.seed + process_index
+    assert len(torch.load(out_dir / "ckpt.pt", weights_only=True)["processes"]) == 2
+    for rank in ranks:  # every process resumed its own state: same weights and stats as never stopping
+        for key, param in rank["params"].items():
+            assert torch.equal(param, rank["resumed_params"][key]), key
+        assert_stats_equal(rank["stats"], rank["resumed_stats"])
+    for key, param in ranks[0]["params"].items():
+        assert torch.equal(param, ranks[1]["params"][key]), key
+
+
+def test_a_bad_input_on_one_process_stops_both_with_its_message(tmp_path):
+    timeout = 120
+    code, output, seconds = launch("bad_input", tmp_path, timeout=timeout)
+    assert code != 0
+    # both processes raise the failing process's error (process 0 does not wait for it in a collective)
+    assert output.count("ValueError: process 1 of 2: step: scores[0] is nan") >= 2, output[-3000:]
+    assert seconds < timeout / 2, f"took {seconds:.0f} s"
+    assert not (tmp_path / "rank0.pt").exists() and not (tmp_path / "rank1.pt").exists()
