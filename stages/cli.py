@@ -8,6 +8,7 @@ with status 2; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -36,7 +37,8 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
             raise
         typer.echo(f"error: {stage}: {err}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s]")
+    if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, the main process reports
+        typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s]")
 
 
 @app.command()

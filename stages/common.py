@@ -65,6 +65,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def process_state():
+    """accelerate's state of this process: one of several under `accelerate launch`, else the only one.
+    On a machine without a GPU (or with ACCELERATE_USE_CPU=1) the processes talk over gloo on the CPU."""
+    import torch
+    from accelerate import PartialState
+
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+    return PartialState(cpu=use_cpu or not torch.cuda.is_available())
+
+
 def device() -> str:
     """"cuda" when a GPU is visible, else "cpu"."""
     import torch

@@ -19,15 +19,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, pipeline
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
 from stages.common import (PPO_CHECKPOINTS, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS,
                            REWARD_MODEL, SFT_MODEL, TOKENIZED_TRAIN, atomic_path, device, fresh_dir, is_encoder_decoder,
-                           load_reward_model, lora_config, model_context, note, read_table, remove_stale_temporaries,
-                           require_dir, reward_scores, seed_everything, StageError, write_csv, write_json,
-                           write_parquet)
+                           load_reward_model, lora_config, model_context, note, process_state, read_table,
+                           remove_stale_temporaries, require_dir, reward_scores, seed_everything, StageError, write_csv,
+                           write_json, write_parquet)
 from stages.params import Params, ppo_config
 from stages.resume import fingerprint, open_checkpoint_dir
 from stages.synthetic import gold_score
@@ -49,9 +50,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
     seed_everything(params.seed)
     config = ppo_config(params)
     prompts = read_table(root / TOKENIZED_TRAIN, ["query", "input_ids"])
-    if len(prompts) < config.batch_size:
-        raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than ppo.batch_size={config.batch_size}; "
-                         f"lower ppo.batch_size in {params.path} or give more prompts")
+    world = process_state().num_processes  # under `accelerate launch`: ppo.batch_size is per process, as in the seed
+    if len(prompts) < config.batch_size * world:
+        raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than ppo.batch_size={config.batch_size} "
+                         f"x {world} processes; lower ppo.batch_size in {params.path} or give more prompts")
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     seq2seq, lora = is_encoder_decoder(root / SFT_MODEL), params.model.lora
     longest, context = max(map(len, prompts["input_ids"])), model_context(root / SFT_MODEL)
@@ -69,13 +71,15 @@ def run(params: Params, root: Path = Path(".")) -> str:
     score = build_scorer(params, root)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
-    batches = query_batches(len(prompts), config.batch_size, params.seed)
+    rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
+    batches = query_batches(len(prompts), config.global_batch_size, params.seed)  # global batches
     start, tables = resume(trainer, params, root)
     for _ in range(start):  # the data position: the batches the checkpointed steps consumed
         next(batches)
     total = config.total_ppo_epochs
-    for step in tqdm(range(start, total), desc="ppo", unit="step", initial=start, total=total):
-        idx = next(batches)
+    progress = tqdm(range(start, total), desc="ppo", unit="step", initial=start, total=total, disable=not main or None)
+    for step in progress:
+        idx = next(batches)[rank * config.batch_size:(rank + 1) * config.batch_size]  # this process's share
         query_tensors = [torch.tensor(prompts["input_ids"][i]) for i in idx]
         queries = [prompts["query"][i] for i in idx]
         # 1. rollout
@@ -90,28 +94,32 @@ def run(params: Params, root: Path = Path(".")) -> str:
         except FloatingPointError as err:  # raised before the update: the last checkpoint is intact
             raise StageError(f"{err}; the checkpoint in {root / PPO_CHECKPOINTS} (if any) is intact and a rerun "
                              "resumes from it") from None
-        # 4. record
+        # 4. record: every process's rollouts, in process order (as step() gathers its per-sample stats)
         gold = [gold_score(t) for t in texts] if params.data.is_synthetic else None
-        rollouts = {
+        rollouts = gather_columns({
             "step": [step] * len(idx), "query": queries, "response": responses, "score": scores,
-            "kl": np.asarray(stats["objective/kl_dist"], dtype=float).tolist(),
+            "kl": [0.0] * len(idx),  # filled below from the gathered stats
             "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_tensors],
             "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_tensors],
             "response_ids": [r.tolist() for r in response_tensors],
-        } | ({"gold": gold} if gold else {})
-        write_parquet(rollouts, root / PPO_ROLLOUTS / rollout_file(step))
-        tables.append(step, stats, scores, gold)
-        tables.write()
+        } | ({"gold": gold} if gold else {}), trainer.accelerator)
+        rollouts["kl"] = np.asarray(stats["objective/kl_dist"], dtype=float).tolist()
+        tables.append(step, stats, rollouts["score"], rollouts.get("gold"))
+        if main:  # only the main process writes artifacts
+            write_parquet(rollouts, root / PPO_ROLLOUTS / rollout_file(step))
+            tables.write()
         # 5. checkpoint: after the step's artifacts, so a resumed run never redoes a step it has written
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
             trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / STATE), extra={"step": step + 1,
                                                                                "tables": tables.state()})
-    tables.write()
-    save_policy(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
     first, last = tables.curves[0], tables.curves[-1]
-    write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
-               root / PPO_METRICS)
+    if main:
+        tables.write()
+        save_policy(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
+        write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
+                   root / PPO_METRICS)
+    trainer.accelerator.wait_for_everyone()
     resumed = f", resumed at step {start}" if start else ""
     return (f"{len(tables.curves)} steps{resumed}, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, "
             f"kl {last['kl']:.2f} -> {PPO_MODEL}")
@@ -136,15 +144,21 @@ def rollout_file(step: int) -> str:
 
 def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTables]:
     """Restore the last checkpoint of a run with the same params and inputs, if there is one: the trainer's
-    whole state, the per-step tables and the rollout files of the steps it covers (later ones are removed).
-    Returns (the first step to run, the tables); (0, empty tables) for a fresh run."""
+    whole state (every process), the per-step tables and the rollout files of the steps it covers (later ones
+    are removed). Returns (the first step to run, the tables); (0, empty tables) for a fresh run."""
+    accelerator = trainer.accelerator
     directory, rollouts = root / PPO_CHECKPOINTS, root / PPO_ROLLOUTS
-    remove_stale_temporaries(directory, rollouts, rollouts.parent, root / PPO_MODEL.parent)
     expected = fingerprint(params, TRACKED, INPUTS if params.scorer.source == "reward_model" else INPUTS[:2], root)
-    tables = StepTables(root)
-    if open_checkpoint_dir(directory, expected, params, "ppo") and (directory / STATE).exists():
-        extra = trainer.load_checkpoint(str(directory / STATE))
-        start = extra["step"]
+    if accelerator.is_main_process:  # the main process owns the files; the others wait for its decision
+        remove_stale_temporaries(directory, rollouts, rollouts.parent, root / PPO_MODEL.parent)
+        if not open_checkpoint_dir(directory, expected, params, "ppo") or not (directory / STATE).exists():
+            fresh_dir(rollouts)
+    accelerator.wait_for_everyone()
+    if not (directory / STATE).exists():
+        return 0, StepTables(root)
+    extra = trainer.load_checkpoint(str(directory / STATE))
+    start = extra["step"]
+    if accelerator.is_main_process:
         missing = [rollout_file(s) for s in range(start) if not (rollouts / rollout_file(s)).exists()]
         if missing:
             raise StageError(f"{rollouts}: {missing[0]} of the steps checkpointed in {directory} is missing; "
@@ -153,9 +167,15 @@ def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTa
             if path.name >= rollout_file(start):
                 path.unlink()  # written after the checkpoint: the resumed run writes it again
         note(f"ppo: resuming from {directory / STATE} at step {start}")
-        return start, StepTables.from_state(root, extra["tables"])
-    fresh_dir(rollouts)
-    return 0, tables
+    return start, StepTables.from_state(root, extra["tables"])
+
+
+def gather_columns(columns: dict[str, list], accelerator) -> dict[str, list]:
+    """Each process's equal-length columns, concatenated in process order; the columns themselves on one."""
+    if accelerator.num_processes == 1:
+        return columns
+    parts = gather_object([columns])  # one dict per process
+    return {key: [value for part in parts for value in part[key]] for key in columns}
 
 
 class StepTables:

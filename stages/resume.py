@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.common import StageError, fresh_dir, note, write_json
+from stages.common import fresh_dir, note, process_state, StageError, write_json
 from stages.params import Params
 
 FINGERPRINT = "fingerprint.json"
@@ -129,18 +129,25 @@ def trainer_callback():
     return MarkComplete()
 
 
-def last_trainer_checkpoint(directory: Path) -> Path | None:
-    """The newest complete `checkpoint-N` in `directory` (incomplete ones are deleted), or None."""
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """The `checkpoint-N` directories transformers finished writing, oldest first."""
     found = sorted(Path(directory).glob("checkpoint-*"), key=lambda p: int(p.name.rpartition("-")[2]))
-    complete = [p for p in found if (p / COMPLETE).exists()]
-    for partial in set(found) - set(complete):
-        shutil.rmtree(partial)
-    return complete[-1] if complete else None
+    return [p for p in found if (p / COMPLETE).exists()]
 
 
 def open_trainer_checkpoints(directory: Path, expected: dict[str, Any], params: Params, stage: str) -> str | None:
-    """For `trainer.train(resume_from_checkpoint=...)`: the checkpoint to resume from, or None (fresh run)."""
-    last = last_trainer_checkpoint(directory) if open_checkpoint_dir(directory, expected, params, stage) else None
-    if last is not None:
-        note(f"{stage}: resuming from {last}")
-    return str(last) if last is not None else None
+    """For `trainer.train(resume_from_checkpoint=...)`: the checkpoint to resume from, or None (fresh run).
+
+    Under several processes the main one checks the fingerprint and deletes partial checkpoints; all agree.
+    """
+
+    state = process_state()
+    if state.is_main_process and open_checkpoint_dir(directory, expected, params, stage):
+        complete = complete_checkpoints(directory)
+        for partial in set(Path(directory).glob("checkpoint-*")) - set(complete):
+            shutil.rmtree(partial)
+        if complete:
+            note(f"{stage}: resuming from {complete[-1]}")
+    state.wait_for_everyone()
+    complete = complete_checkpoints(directory)
+    return str(complete[-1]) if complete else None

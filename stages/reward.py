@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
 from stages.common import (RAW_PAIRS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL, SFT_MODEL, device, merged,
-                           read_table, remove_stale_temporaries, require_dir, reward_inputs, reward_scores,
-                           save_pretrained, seed_everything, with_lora, write_json)
+                           process_state, read_table, remove_stale_temporaries, require_dir, reward_inputs,
+                           reward_scores, save_pretrained, seed_everything, with_lora, write_json)
 from stages.params import Params
 from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
 
@@ -43,7 +43,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     rejected_ids = reward_inputs(model, tokenizer, [rejected[i] for i in train_idx])
     train = [{"chosen": c, "rejected": r} for c, r in zip(chosen_ids, rejected_ids)]
     checkpoints = root / REWARD_CHECKPOINTS
-    remove_stale_temporaries(root / REWARD_MODEL.parent, root / REWARD_METRICS.parent)
+    if process_state().is_main_process:
+        remove_stale_temporaries(root / REWARD_MODEL.parent, root / REWARD_METRICS.parent)
     resume_from = open_trainer_checkpoints(checkpoints, fingerprint(params, TRACKED, INPUTS, root), params, "reward")
     trainer = PairwiseTrainer(model=model, args=training_args(params, checkpoints), train_dataset=train,
                               data_collator=PairCollator(tokenizer), processing_class=tokenizer,
@@ -62,8 +63,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
                "eval_loss": bradley_terry_loss(r_chosen, r_rejected), "eval_accuracy": sum(wins) / len(wins),
                "eval_margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval,
                "n_train": len(train), "n_eval": n_eval}
-    save_pretrained(root / REWARD_MODEL, merged(model), tokenizer)
-    write_json(metrics, root / REWARD_METRICS)
+    if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes
+        save_pretrained(root / REWARD_MODEL, merged(model), tokenizer)
+        write_json(metrics, root / REWARD_METRICS)
+    trainer.accelerator.wait_for_everyone()
     return (f"{len(train)} pairs, held-out pairwise accuracy {metrics['eval_accuracy']:.3f} ({n_eval} pairs) "
             f"-> {REWARD_MODEL}")
 

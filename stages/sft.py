@@ -17,9 +17,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqL
                           DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, GPT2Config, GPT2LMHeadModel,
                           PreTrainedTokenizerFast, Trainer, TrainingArguments)
 
-from stages.common import (RAW_SFT, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError, device, merged, note,
-                           read_table, remove_stale_temporaries, save_pretrained, seed_everything, with_lora,
-                           write_json)
+from stages.common import (RAW_SFT, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, device, merged, note, process_state,
+                           read_table, remove_stale_temporaries, save_pretrained, seed_everything, StageError,
+                           with_lora, write_json)
 from stages.params import ModelParams, Params
 from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
 
@@ -44,7 +44,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
         collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
     checkpoints = root / SFT_CHECKPOINTS
-    remove_stale_temporaries(root / SFT_MODEL.parent, root / SFT_METRICS.parent)
+    if process_state().is_main_process:
+        remove_stale_temporaries(root / SFT_MODEL.parent, root / SFT_METRICS.parent)
     resume_from = open_trainer_checkpoints(checkpoints, fingerprint(params, TRACKED, INPUTS, root), params, "sft")
     trainer = Trainer(
         model=model,
@@ -62,8 +63,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
     metrics = {"train_loss": train_loss, "eval_loss": eval_loss, "n_train": len(examples) - n_eval, "n_eval": n_eval,
                "n_params": sum(p.numel() for p in model.parameters()),
                "n_trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    save_pretrained(root / SFT_MODEL, merged(model), tokenizer)
-    write_json(metrics, root / SFT_METRICS)
+    if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes
+        save_pretrained(root / SFT_MODEL, merged(model), tokenizer)
+        write_json(metrics, root / SFT_METRICS)
+    trainer.accelerator.wait_for_everyone()
     return f"{metrics['n_train']} texts, train loss {train_loss:.3f}, eval loss {eval_loss:.3f} -> {SFT_MODEL}"
 
 

@@ -201,6 +201,7 @@ def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(tiny_run, t
     rm_tokenizer.save_pretrained(root / REWARD_MODEL)
 
     sample = ["the movie was good.", "the plot was slow and the cast was bad"]
-    expected = [float(rm.eval()(**rm_tokenizer(t, return_tensors="pt")).logits[0, 0]) for t in sample]
+    with torch.no_grad():
+        expected = [float(rm.eval()(**rm_tokenizer(t, return_tensors="pt")).logits[0, 0]) for t in sample]
     assert ppo.build_scorer(tiny_params, root)(sample) == pytest.approx(expected, abs=1e-5)
     assert "steps" in ppo.run(dataclasses.replace(tiny_params), root)
