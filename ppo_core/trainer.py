@@ -99,6 +99,7 @@ class PPOTrainer:
                                        gradient_accumulation_steps=config.gradient_accumulation_steps,
                                        project_config=ProjectConfiguration(**config.project_kwargs),
                                        **config.accelerator_kwargs)
+        _refuse_zero3(self.accelerator)
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
@@ -698,6 +699,16 @@ def _reset_single_process_accelerate_state() -> None:
     if AcceleratorState._shared_state and PartialState().num_processes == 1:
         AcceleratorState._reset_state()
         GradientState._reset_state()
+
+
+def _refuse_zero3(accelerator: Accelerator) -> None:
+    """DeepSpeed ZeRO-3 keeps each weight partitioned outside its module's forward; the fused log-prob path
+    reads the LM-head weight after the forward, so it would see an empty shard. Refuse it clearly."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+        raise ValueError("PPOTrainer: DeepSpeed ZeRO-3 is not supported yet (the fused log-prob path reads the "
+                         "LM-head weight outside the model's forward, where ZeRO-3 keeps it partitioned); use ZeRO-2 "
+                         "(configs/zero2.yaml: optimizer state and gradients sharded) or multi-GPU DDP.")
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:

@@ -597,3 +597,26 @@ def test_large_negative_kl_is_warned_about_once():
     messages = [str(w.message) for w in caught if "KL divergence is negative" in str(w.message)]
     assert first["objective/kl"] < -1
     assert len(messages) == 1 and "top_k" in messages[0]
+
+
+def test_deepspeed_zero3_is_refused_with_a_clear_error():
+    """ZeRO-3 partitions the LM-head weight that the fused log-prob path reads: refused, naming what works."""
+    from types import SimpleNamespace
+
+    from ppo_core.trainer import _refuse_zero3
+
+    _refuse_zero3(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)))  # no DeepSpeed: fine
+    _refuse_zero3(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2))))
+    with pytest.raises(ValueError, match="ZeRO-3 is not supported yet.*configs/zero2.yaml"):
+        _refuse_zero3(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))))
+
+
+def test_reference_model_holds_no_optimizer_state():
+    """The frozen reference is never handed to the optimizer: no gradients, no Adam moments for it."""
+    trainer = make_trainer()
+    trainer.step(*make_batch())
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    ref_params = list(trainer.ref_model.parameters())
+    assert ref_params and not optimized & {id(p) for p in ref_params}
+    assert all(not p.requires_grad and p.grad is None for p in ref_params)
+    assert all(id(p) not in {id(q) for q in ref_params} for p in trainer.optimizer.state)
