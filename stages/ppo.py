@@ -156,7 +156,10 @@ def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTa
     accelerator.wait_for_everyone()
     if not (directory / STATE).exists():
         return 0, StepTables(root)
-    extra = trainer.load_checkpoint(str(directory / STATE))
+    try:
+        extra = trainer.load_checkpoint(str(directory / STATE))
+    except ValueError as err:  # unreadable, or written by another number of processes
+        raise StageError(str(err)) from None
     start = extra["step"]
     if accelerator.is_main_process:
         missing = [rollout_file(s) for s in range(start) if not (rollouts / rollout_file(s)).exists()]
