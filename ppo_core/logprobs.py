@@ -79,8 +79,7 @@ class _LinearLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, chunk, with_entropy):
         n, vocab = hidden.shape[0], weight.shape[0]
-        needs_grad = any(ctx.needs_input_grad[:3])
-        if needs_grad and softcap is None and n * vocab <= _SAVE_PROBS_ELEMENTS:
+        if softcap is None and n * vocab <= _SAVE_PROBS_ELEMENTS:
             logprobs, entropy, lse, probs = _forward_keeping_probs(hidden, weight, bias, targets, scale, with_entropy)
         else:
             logprobs, entropy, lse = _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_entropy)
@@ -103,23 +102,33 @@ class _LinearLogProb(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-def _forward_keeping_probs(hidden, weight, bias, targets, scale, with_entropy):
-    """All ``N`` rows at once, turning the ``(N, V)`` logits into the probabilities the backward needs.
+def _row_log_softmax(z, targets, with_entropy):
+    """Row statistics of a ``(C, V)`` logits block, which is overwritten with ``z - max``.
 
     # m = max_v z ;  e = exp(z - m) ;  s = sum_v e ;  log p(y) = (z_y - m) - log s
-    # p = e / s ;  H = log s - sum_v p_v (z_v - m)
+    # lse = m + log s ;  H = log s - sum_v e_v (z_v - m) / s
+    Returns ``(log p(targets), entropy or zeros, lse, e, s)``. Every path (no-grad, kept probabilities,
+    recomputed chunks) goes through this one formula, so they agree bit for bit on the same logits: a
+    policy and its identical reference give a KL of exactly 0, and the first PPO ratio is exactly 1.
     """
+    m = z.amax(dim=-1, keepdim=True)
+    z.sub_(m)
+    e = torch.exp(z)
+    s = e.sum(-1)
+    log_s = s.log()
+    logprobs = z.gather(1, targets[:, None]).squeeze(1) - log_s
+    entropy = log_s - torch.linalg.vecdot(e, z) / s if with_entropy else torch.zeros_like(logprobs)
+    return logprobs, entropy, m.squeeze(1) + log_s, e, s
+
+
+def _forward_keeping_probs(hidden, weight, bias, targets, scale, with_entropy):
+    """All ``N`` rows at once, turning the ``(N, V)`` logits into the probabilities the backward needs."""
     z = _project(hidden, weight, bias)  # (N, V)
     if scale != 1.0:
         z.mul_(scale)
-    z.sub_(z.amax(dim=-1, keepdim=True))
-    e = torch.exp(z)
-    log_s = e.sum(-1).log()
-    logprobs = z.gather(1, targets[:, None]).squeeze(1) - log_s
-    entropy = log_s - torch.linalg.vecdot(e, z) / log_s.exp() if with_entropy else torch.zeros_like(logprobs)
+    logprobs, entropy, lse, e, s = _row_log_softmax(z, targets, with_entropy)
     del z
-    probs = e.div_(log_s.exp()[:, None])
-    return logprobs, entropy, log_s, probs  # the saved "lse" is unused when probs are kept
+    return logprobs, entropy, lse, e.div_(s[:, None])
 
 
 def _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_entropy):
@@ -130,10 +139,7 @@ def _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_
     for start in range(0, n, chunk):
         sl = slice(start, start + chunk)
         logits = _transform(_project(hidden[sl], weight, bias), scale, softcap)  # (C, V)
-        lse[sl] = torch.logsumexp(logits, dim=-1)
-        logprobs[sl] = logits.gather(1, targets[sl, None]).squeeze(1) - lse[sl]
-        if with_entropy:  # H = logsumexp(z) - sum_v p_v z_v
-            entropy[sl] = lse[sl] - torch.linalg.vecdot(torch.exp(logits - lse[sl, None]), logits)
+        logprobs[sl], entropy[sl], lse[sl], _, _ = _row_log_softmax(logits, targets[sl], with_entropy)
     return logprobs, entropy, lse
 
 
@@ -187,11 +193,19 @@ def _grads_from_logit_grad(grad_z, hidden, weight, needs):
     return grad_h, grad_w, grad_b
 
 
+def _apply(hidden, head: LMHead, targets, chunk_size, with_entropy):
+    chunk = _chunk_size(head.weight.shape[0], chunk_size)
+    args = (hidden, head.weight, head.bias, targets, head.scale, head.softcap, chunk, with_entropy)
+    differentiable = any(t is not None and t.requires_grad for t in (hidden, head.weight, head.bias))
+    if not (torch.is_grad_enabled() and differentiable):  # no backward will come: bounded chunks, nothing kept
+        return _forward_chunked(*args)[:2]
+    return _LinearLogProb.apply(*args)
+
+
 def selected_logprobs(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor,
                       chunk_size: int | None = None) -> torch.Tensor:
     """``log p(targets)`` for selected positions, ``(N, H)``, ``(N,)`` -> ``(N,)`` float32, with grad."""
-    chunk = _chunk_size(head.weight.shape[0], chunk_size)
-    return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, head.scale, head.softcap, chunk, False)[0]
+    return _apply(hidden, head, targets, chunk_size, with_entropy=False)[0]
 
 
 def selected_logprobs_and_entropy(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor,
@@ -200,8 +214,7 @@ def selected_logprobs_and_entropy(hidden: torch.Tensor, head: LMHead, targets: t
 
     Only the log-probabilities carry gradients; the entropy is a statistic.
     """
-    chunk = _chunk_size(head.weight.shape[0], chunk_size)
-    return _LinearLogProb.apply(hidden, head.weight, head.bias, targets, head.scale, head.softcap, chunk, True)
+    return _apply(hidden, head, targets, chunk_size, with_entropy=True)
 
 
 @torch.no_grad()

@@ -335,6 +335,24 @@ def test_selected_logprobs_passes_gradcheck(backward_path):
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_selected_logprobs_are_bit_identical_with_and_without_grad(with_entropy, backward_path):
+    """The rollout's no-grad pass (trainable or frozen weights) and the loss pass give the very same numbers:
+    a policy and its identical reference have a KL of exactly 0, and the first PPO ratio is exactly 1.
+    (Only for the same rows in one chunk: a matmul's rounding depends on how many rows it is given.)"""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(13, 16, generator=gen)
+    weight = torch.randn(300, 16, generator=gen)
+    targets = torch.randint(0, 300, (13,), generator=gen)
+    fn = selected_logprobs_and_entropy if with_entropy else lambda *a, **k: (selected_logprobs(*a, **k),)
+    frozen = fn(hidden, LMHead(weight), targets)
+    with torch.no_grad():
+        no_grad = fn(hidden, LMHead(weight.clone().requires_grad_()), targets)
+    with_grad = fn(hidden.clone().requires_grad_(), LMHead(weight.clone().requires_grad_()), targets)
+    for a, b, c in zip(frozen, no_grad, with_grad):
+        assert torch.equal(a, b) and torch.equal(a, c.detach())
+
+
 def naive_entropy(logits):
     # H = -sum_v p_v log p_v
     logp = torch.log_softmax(logits, dim=-1)
