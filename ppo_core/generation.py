@@ -7,9 +7,54 @@ tokens after its start token.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
+
+_torch_multinomial = torch.multinomial  # the original, restored after every sampling call
+
+
+def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``probs`` ``(B, V)`` (non-negative, finite, positive row sums) -> ``(B, 1)``.
+
+    Inverse-CDF sampling, one uniform draw per row:
+    # c_i = sum_{j<=i} p_j ;  u ~ U[0, 1) * c_V ;  index = min{ i : c_i > u }
+    The same distribution as ``torch.multinomial(probs, 1)``, whose CPU kernel draws one exponential per
+    vocabulary entry: 48 ms for 64 x 32k on two cores, against 1.5 ms here. A zero-probability entry
+    leaves ``c`` flat and is never chosen (``right=True``, and ``u`` is kept strictly below ``c_V``).
+    """
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rounding must not reach c_V
+    return torch.searchsorted(cdf, u, right=True)
+
+
+def _multinomial(input, num_samples, replacement=False, *, generator=None, out=None):  # noqa: A002 - torch's names
+    """``torch.multinomial`` with :func:`sample_categorical` for what ``generate`` asks on the CPU (one
+    sample per row of a 2-D float tensor, default generator); everything else, and any invalid row (so
+    that its error is torch's own), goes to torch."""
+    if (num_samples == 1 and generator is None and out is None and input.ndim == 2 and input.device.type == "cpu"
+            and input.is_floating_point() and input.shape[-1] > 0):
+        total = input.sum(-1)
+        if bool((torch.isfinite(total) & (total > 0)).all()):
+            return sample_categorical(input)
+    return _torch_multinomial(input, num_samples, replacement, generator=generator, out=out)
+
+
+@contextlib.contextmanager
+def fast_cpu_sampling():
+    """Within the block, ``transformers``' sampling step (``torch.multinomial(probs, num_samples=1)``) draws
+    through :func:`sample_categorical` on the CPU. GPUs keep torch's kernel, which is fast there."""
+    if torch.multinomial is not _torch_multinomial:  # already inside such a block (or patched by someone else)
+        yield
+        return
+    torch.multinomial = _multinomial
+    try:
+        yield
+    finally:
+        torch.multinomial = _torch_multinomial
 
 
 def _pad(queries: list[torch.Tensor], pad_token_id: int, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +118,8 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         if length_sampler is not None:
             kwargs["max_new_tokens"] = length_sampler()
         query = query_tensor.to(device)
-        out = model.generate(input_ids=query[None], attention_mask=torch.ones_like(query[None]), **kwargs)
+        with fast_cpu_sampling():
+            out = model.generate(input_ids=query[None], attention_mask=torch.ones_like(query[None]), **kwargs)
         if is_encoder_decoder:
             return out[:, 1:]  # drop the decoder start token
         return out if return_prompt else out[:, len(query):]
@@ -85,7 +131,8 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         if length_sampler is not None:
             kwargs["max_new_tokens"] = length_sampler()
         input_ids, attention_mask = _pad(queries, kwargs["pad_token_id"], left=not is_encoder_decoder)
-        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        with fast_cpu_sampling():
+            generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         # decoder-only: (b, L + new) with the prompt; encoder-decoder: (b, 1 + new) after the start token
         new_tokens = generated[:, 1:] if is_encoder_decoder else generated[:, input_ids.shape[1]:]
         for query, response in zip(queries, new_tokens):

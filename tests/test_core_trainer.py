@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from ppo_core import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer
-from ppo_core.generation import cut_after_eos
+from ppo_core import generation
+from ppo_core.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
 from ppo_core.rollout import build_model_inputs, policy_outputs
 from tests.tiny import ARCHS, EOS, PAD, VOCAB, random_queries, tiny_causal_lm, tiny_tokenizer, tiny_value_model
 
@@ -98,6 +99,45 @@ def test_cut_after_eos():
     assert cut_after_eos(torch.tensor([4, 5, 6]), {EOS}).tolist() == [4, 5, 6]
     assert cut_after_eos(torch.tensor([4, 9, EOS]), {EOS, 9}).tolist() == [4, 9]
     assert cut_after_eos(x, set()).tolist() == x.tolist()
+
+
+def test_sample_categorical_draws_from_the_given_distribution():
+    """200k draws from one unnormalised row: every frequency within 5 standard errors of its probability,
+    and the zero-probability entries (first, middle, last) never drawn."""
+    torch.manual_seed(0)
+    weights = torch.tensor([0.0, 1.0, 0.0, 5.0, 0.5, 0.0, 2.5, 1e-3, 0.0])
+    p = weights / weights.sum()
+    n = 200_000
+    draws = sample_categorical(weights.expand(n, -1))
+    assert draws.shape == (n, 1) and draws.dtype == torch.long
+    freq = torch.bincount(draws[:, 0], minlength=len(p)).double() / n
+    stderr = (p.double() * (1 - p.double()) / n).sqrt()
+    assert ((freq - p.double()).abs() <= 5 * stderr + 1e-12).all(), (freq, p)
+    assert (freq[p == 0] == 0).all()
+
+
+def test_sample_categorical_handles_a_single_entry_and_one_hot_rows():
+    torch.manual_seed(1)
+    one_hot = torch.zeros(50, 7)
+    one_hot[torch.arange(50), torch.arange(50) % 7] = 1.0
+    assert torch.equal(sample_categorical(one_hot)[:, 0], torch.arange(50) % 7)
+    assert sample_categorical(torch.ones(3, 1)).tolist() == [[0], [0], [0]]
+
+
+def test_fast_cpu_sampling_patches_only_inside_the_block_and_keeps_torch_errors():
+    original = torch.multinomial
+    with pytest.raises(RuntimeError, match="boom"), fast_cpu_sampling():
+        assert torch.multinomial is not original
+        with fast_cpu_sampling():  # nested: still patched, restored by the outer block only
+            pass
+        assert torch.multinomial is not original
+        with pytest.raises(RuntimeError, match="inf|nan"):  # an invalid row gets torch's own error
+            torch.multinomial(torch.tensor([[0.5, float("nan")]]), 1)
+        with pytest.raises(RuntimeError, match="sum of probabilities"):
+            torch.multinomial(torch.zeros(1, 3), 1)
+        assert torch.multinomial(torch.tensor([[0.0, 1.0, 0.0]]), 2, replacement=True).tolist() == [[1, 1]]  # torch's
+        raise RuntimeError("boom")
+    assert torch.multinomial is original is generation._torch_multinomial
 
 
 @pytest.mark.parametrize("pad_token_id", [PAD, EOS])  # a distinct pad token, and the seed's pad = eos
@@ -389,16 +429,24 @@ def test_ratio_threshold_skips_every_minibatch_and_leaves_the_model_unchanged():
     assert_all_finite(stats)
 
 
-def test_early_stopping_stops_after_the_first_epoch():
-    def run(early_stopping):
-        trainer = make_trainer(batch_size=8, mini_batch_size=2, ppo_epochs=4, learning_rate=1e-2,
-                               early_stopping=early_stopping, target_kl=1e-6)
-        queries = random_queries(8, seed=4)
-        responses = trainer.generate(queries, return_prompt=False, max_new_tokens=6, do_sample=True, top_k=0)
-        return trainer.step(queries, responses, [torch.tensor(float(len(r))) for r in responses])
+@pytest.mark.parametrize("last_policykl,expected_epochs", [(2e-6, 1), (1e-6, 4)])  # threshold: 1.5 * target_kl
+def test_early_stopping_checks_the_last_minibatch_policykl_of_each_epoch(last_policykl, expected_epochs):
+    """Legacy semantics: after each epoch, stop when the last mini-batch's ``policy/policykl`` exceeds
+    ``1.5 * target_kl``. The estimate is noisy (it can be negative), so the test sets it."""
+    trainer = make_trainer(batch_size=8, mini_batch_size=2, ppo_epochs=4, early_stopping=True, target_kl=1e-6)
+    train_minibatch, calls = trainer.train_minibatch, []
 
-    assert run(early_stopping=True)["ppo/epochs"] == 1
-    assert run(early_stopping=False)["ppo/epochs"] == 4
+    def with_policykl(*args, **kwargs):
+        stats = train_minibatch(*args, **kwargs)
+        calls.append(1)
+        stats["policy/policykl"] = torch.tensor(last_policykl if len(calls) % 4 == 0 else 1.0)
+        return stats
+
+    trainer.train_minibatch = with_policykl
+    stats = trainer.step(*make_batch(8))
+    assert stats["ppo/epochs"] == expected_epochs and len(calls) == 4 * expected_epochs
+    trainer.config.early_stopping = False
+    assert trainer.step(*make_batch(8))["ppo/epochs"] == 4
 
 
 @pytest.mark.parametrize("accumulation,expected_updates", [(1, 4), (2, 2)])
