@@ -56,7 +56,7 @@ from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMW
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, token_mean, value_loss
 from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
                       policy_outputs)
-from .utils import set_seed
+from .utils import keep_freed_memory_for_reuse, set_seed
 
 
 def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -154,6 +154,8 @@ class PPOTrainer:
         # frozen: never wrapped, never optimised; None for a PEFT policy (see ``_reference``)
         self.ref_model = ref_model.to(self.accelerator.device) if ref_model is not None else None
         self.current_device = self.accelerator.device
+        if self.current_device.type == "cpu":  # (N, V) blocks reused, not page-faulted in at every mini-batch
+            keep_freed_memory_for_reuse()
         self.current_step = 0  # logging step, advanced by log_stats (legacy)
         self.step_count = 0  # completed step() calls
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)

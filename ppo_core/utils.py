@@ -1,11 +1,17 @@
-"""Small utilities of the legacy API: seeding."""
+"""Small utilities: seeding (legacy API) and the CPU allocator setting the trainer applies."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import random
 
 import numpy as np
 import torch
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+_KEEP_BYTES = 1 << 30
 
 
 def set_seed(seed: int) -> None:
@@ -15,3 +21,24 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Let glibc's malloc reuse large freed blocks instead of unmapping them; True if it was applied.
+
+    glibc serves every allocation above its mmap threshold (32 MiB at most by default) with a fresh
+    ``mmap`` and unmaps it on free, so a ``(N, V)`` logits block of a 32k vocabulary (48 MiB at N = 384)
+    is faulted in again, page by page, each time a PPO mini-batch allocates it: 1.7 s of a 6.7 s step on
+    two cores. Raising the mmap and trim thresholds to 1 GiB keeps such blocks in the heap for the next
+    use (what PyTorch's CPU tuning guide gets from jemalloc or tcmalloc). The process keeps its peak heap
+    (+90 MiB of RSS on the 32k benchmark). No-op off glibc, or with ``PPO_CORE_TUNE_MALLOC=0``.
+    """
+    if os.environ.get("PPO_CORE_TUNE_MALLOC", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl without mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
