@@ -160,6 +160,7 @@ class PPOTrainer:
         self.step_count = 0  # completed step() calls
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
         self._warned_negative_kl = self._warned_start_token = False
+        self._minibatches_done = 0  # of the current step, for error messages
         self._best_score = -math.inf
 
     # ---- data --------------------------------------------------------------------------------------
@@ -355,6 +356,7 @@ class PPOTrainer:
                 idx = order[start:start + cfg.mini_batch_size]
                 mb_inputs = inputs.index(idx)
                 width = int(mb_inputs.response_lens.max())  # trim response-aligned tensors to this mini-batch
+                self._minibatches_done = len(all_stats)  # for error messages
                 with self.accelerator.accumulate(self.model):
                     self.model.train()
                     with self.accelerator.autocast():
@@ -365,6 +367,7 @@ class PPOTrainer:
                 all_stats.append(stats)
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
+        self._minibatches_done = 0
         return all_stats
 
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns,
@@ -372,8 +375,7 @@ class PPOTrainer:
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
                                           entropy=entropy)
-        raise_if_any(_non_finite_error(stats, f"PPO step {self.step_count + 1}: non-finite", "before the update"),
-                     self._group)
+        raise_if_any(self._non_finite_error(stats), self._group)
         # decided on the global mini-batch, so that every process skips (or backpropagates) together
         ratio_mean = stats["policy/ratio_mean"] if self._group is None else mean_across(stats["policy/ratio_mean"],
                                                                                         self._group)
@@ -390,12 +392,30 @@ class PPOTrainer:
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or math.inf)
             if norm is not None and not torch.isfinite(torch.as_tensor(norm)):
                 self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"PPO step {self.step_count + 1}: non-finite gradient norm ({float(norm)}); "
-                                         "the weights were not updated. Lower learning_rate, set max_grad_norm, "
-                                         "or check the scores.")
+                raise FloatingPointError(f"{self._where()}: non-finite gradient norm ({float(norm)}) before the "
+                                         f"update; {self._applied()}. Lower learning_rate, set max_grad_norm, or "
+                                         "check the scores.")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
+
+    def _where(self) -> str:
+        return f"PPO step {self.step_count + 1}, mini-batch {self._minibatches_done + 1}"
+
+    def _applied(self) -> str:
+        """What the weights hold when a mini-batch of this step fails before its update."""
+        done = self._minibatches_done
+        return "the weights were not updated" if done == 0 else \
+            f"the weights hold this step's first {done} mini-batch update{'s' if done > 1 else ''}, not this one"
+
+    def _non_finite_error(self, stats: dict[str, torch.Tensor]) -> FloatingPointError | None:
+        """A ``FloatingPointError`` naming the first non-finite statistic (legacy names, ``ppo/`` prefix), or None."""
+        for key, value in stats.items():
+            if not bool(torch.isfinite(value).all()):
+                return FloatingPointError(f"{self._where()}: non-finite ppo/{key} "
+                                          f"({value.item() if value.numel() == 1 else value}) before the update; "
+                                          f"{self._applied()}.")
+        return None
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
         """Clipped policy loss and ``vf_coef`` times the clipped value loss, with legacy stats.
@@ -640,13 +660,6 @@ class PPOTrainer:
             fh.write(card)
 
 
-def _non_finite_error(stats: dict[str, torch.Tensor], prefix: str, suffix: str) -> FloatingPointError | None:
-    """A ``FloatingPointError`` naming the first non-finite statistic (legacy names, ``ppo/`` prefix), or None."""
-    for key, value in stats.items():
-        if not bool(torch.isfinite(value).all()):
-            return FloatingPointError(f"{prefix} ppo/{key} ({value.item() if value.numel() == 1 else value}) "
-                                      f"{suffix}; the weights were not updated.")
-    return None
 
 
 def _decoder_start_token_id(model: PreTrainedModelWrapper) -> int:

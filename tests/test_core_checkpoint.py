@@ -60,7 +60,29 @@ def test_non_finite_loss_stops_the_step_before_any_update():
     with torch.no_grad():
         trainer.model.v_head.summary.bias.fill_(float("inf"))  # values inf -> value loss non-finite
     before = {k: v.clone() for k, v in trainer.model.pretrained_model.state_dict().items()}
-    with pytest.raises(FloatingPointError, match=r"PPO step 1: non-finite ppo/(loss|returns|val)/"):
+    with pytest.raises(FloatingPointError, match=r"PPO step 1, mini-batch 1: non-finite ppo/(loss|returns|val)/"):
         trainer.step(queries, responses, [torch.tensor(1.0)] * 8)
     for name, value in trainer.model.pretrained_model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+def test_non_finite_gradient_stops_the_step_naming_the_mini_batch():
+    """A finite loss with an infinite gradient: the step stops before that mini-batch's update, and the message
+    says which mini-batch and what the weights hold (here: the first mini-batch's update, not the second's)."""
+    trainer = make_trainer()  # batch 8, mini-batch 4: two mini-batches per epoch
+    queries = random_queries(8, seed=0)
+    responses = trainer.generate(queries, batch_size=8, return_prompt=False, max_new_tokens=4)
+    weight = trainer.model.v_head.summary.weight
+    calls = []
+
+    def blow_up_second(grad):
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 2 else grad
+
+    weight.register_hook(blow_up_second)
+    before = weight.detach().clone()
+    with pytest.raises(FloatingPointError, match=r"PPO step 1, mini-batch 2: non-finite gradient norm \(inf\) before "
+                                                 r"the update; the weights hold this step's first 1 mini-batch update, "
+                                                 r"not this one"):
+        trainer.step(queries, responses, [torch.tensor(1.0)] * 8)
+    assert torch.isfinite(weight).all() and not torch.equal(weight.detach(), before)  # mini-batch 1's update only
