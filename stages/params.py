@@ -6,7 +6,8 @@ numeric strings ("2e-05"): `dvc exp run -S` writes small floats that way. The fi
 (ruamel.yaml), so `2e-05` is a float and `yes` is a string.
 
 The `ppo` section is ppo_core's `PPOConfig`, field for field; `ppo_config()` builds it, and PPOConfig itself
-checks the names and types (its defaults fill keys left out).
+checks the names and types (its defaults fill keys left out). Every stage's load checks it, so a typo there
+stops `dvc repro` at its first stage.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,6 +240,9 @@ def load_params(path: str | Path) -> Params:
     values = {name: _convert(raw[name], tp, name, path) for name, tp in SECTIONS.items()}
     params = Params(path=path, **values)
     _check_values(params)
+    with warnings.catch_warnings():  # deprecation warnings come again when the ppo stage builds its config
+        warnings.simplefilter("ignore")
+        ppo_config(params)  # every stage checks the ppo section: a typo there fails at once, not after sft
     return params
 
 

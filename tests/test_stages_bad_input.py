@@ -1,11 +1,12 @@
 """Every bad input the pipeline can be given: one `error:` line naming the file, key, column or step and what to
-do, exit status 2, no traceback, and no output written (a checkpoint directory's fingerprint aside)."""
+do, exit status 2, no traceback, and no output written (the resumable state in data/checkpoints aside)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -29,6 +30,12 @@ def nan(texts):
 
 def one_number(texts):
     return 1.0
+
+CALLS = []
+
+def nan_at_step_2(texts):
+    CALLS.append(1)
+    return [math.nan if len(CALLS) == 2 else 1.0] * len(texts)
 '''
 LONG_PROMPT = "the movie was long and the plot was slow and the cast was good but the music was loud " * 3
 
@@ -92,6 +99,8 @@ CASES = [
      None, "params.yaml: sft.batch_size must be > 0, got 0"),
     ("negative-lr", "sft", "sft", {"sft.learning_rate": -0.001},
      None, "params.yaml: sft.learning_rate must be > 0, got -0.001"),
+    ("ppo-typo-stops-the-first-stage", "prepare", None, {"ppo.learnin_rate": 1e-5},
+     None, "params.yaml: ppo: PPOConfig: unknown key 'learnin_rate'; did you mean 'learning_rate'?"),
     ("zero-ppo-lr", "ppo", "ppo", {"ppo.learning_rate": 0},
      None, "params.yaml: ppo: PPOConfig.learning_rate: must be > 0, got 0.0"),
     ("zero-ppo-size", "ppo", "ppo", {"ppo.mini_batch_size": 0},
@@ -112,13 +121,15 @@ CASES = [
     ("model-path-missing", "sft", "sft", {"model.name_or_path": "no/such-model"},
      None, "model.name_or_path 'no/such-model' could not be loaded"),
     ("reward-wrong-count", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:wrong_count"},
-     None, "step 0: scorer (callable scorers:wrong_count) returned 7 scores for 8 texts; return one number per text"),
+     None, "PPO step 1: scorer (callable scorers:wrong_count) returned 7 scores for 8 texts; return one number per text"),
     ("reward-not-a-number", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:words"},
-     None, "step 0: scorer (callable scorers:words) returned 'good' (str) for text 0; return a number"),
+     None, "PPO step 1: scorer (callable scorers:words) returned 'good' (str) for text 0; return a number"),
     ("reward-nan", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:nan"},
-     None, "step 0: scorer (callable scorers:nan) returned nan for text 0; scores must be finite numbers"),
+     None, "PPO step 1: scorer (callable scorers:nan) returned nan for text 0; scores must be finite numbers"),
+    ("reward-nan-at-step-2", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:nan_at_step_2"},
+     None, "PPO step 2: scorer (callable scorers:nan_at_step_2) returned nan for text 0; scores must be finite"),
     ("reward-not-a-list", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:one_number"},
-     None, "step 0: scorer (callable scorers:one_number) returned float, not a list"),
+     None, "PPO step 1: scorer (callable scorers:one_number) returned float, not a list"),
     ("scorer-not-importable", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:missing"},
      None, "params.yaml: scorer.name 'scorers:missing' is not an importable 'module:function'"),
     ("upstream-missing", "ppo", None, {},
@@ -135,6 +146,7 @@ def test_bad_input(case, tiny_run, tmp_path, monkeypatch):
         setup(root)
     monkeypatch.chdir(root)
     monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, "scorers", raising=False)  # this project's scorers.py, with fresh state
     before = files(root)
     result = CliRunner().invoke(app, [stage, "--params", "params.yaml"])
     assert result.exit_code == 2, result.output + str(result.exception)
@@ -143,7 +155,7 @@ def test_bad_input(case, tiny_run, tmp_path, monkeypatch):
     assert fragment in lines[0]
     assert result.stdout == "" and "Traceback" not in result.stderr
     after = files(root)
-    new = {path for path in after if path not in before and not path.endswith("fingerprint.json")}
+    new = {path for path in after if path not in before and not path.startswith("data/checkpoints/")}
     assert not new and all(after[path] == digest for path, digest in before.items()), new
     assert params.exists()
 
