@@ -2,11 +2,13 @@
 
 The reward source is `scorer.source`: the trained reward model (default), a transformers text-classification
 pipeline (the raw score of `scorer.label`, as in the seed), or a Python callable `module:function` taking the
-list of texts. Each step writes its rollouts (data/ppo/rollouts/step-NNNNN.parquet) and rewrites the stats
-table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to timings.csv so that
-every other artifact is byte-identical across runs), the curves for `dvc plots`; the metrics come at the end.
-Every `checkpoint.ppo_every` steps the whole training state goes to data/checkpoints/ppo/state.pt; a rerun
-with the same params and inputs resumes from it (see stages/resume.py) and ends with the same artifacts.
+list of texts. The run works in data/checkpoints/ppo: each step writes its rollouts there (rollouts/step-NNNNN.parquet)
+and rewrites the stats table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to
+timings.csv so that every other artifact is byte-identical across runs) and the curves for `dvc plots`, so a run in
+progress (or one that failed) can be inspected; every `checkpoint.ppo_every` steps the whole training state goes to
+state.pt beside them. Only a finished run publishes its artifacts (data/ppo/*, data/models/ppo): a failed one leaves
+none. A rerun with the same params, inputs and code resumes from the checkpoint (see stages/resume.py) and ends
+with the same artifacts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import random
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,17 +36,24 @@ from stages.params import Params, ppo_config
 from stages.resume import fingerprint, open_checkpoint_dir
 from stages.synthetic import gold_score
 
+# The run in progress, inside the checkpoint directory: published to data/ppo only when the run has finished.
+WORK_ROLLOUTS = PPO_CHECKPOINTS / "rollouts"
+WORK_TABLES = {PPO_STATS: PPO_CHECKPOINTS / PPO_STATS.name, PPO_TIMINGS: PPO_CHECKPOINTS / PPO_TIMINGS.name,
+               PPO_CURVES: PPO_CHECKPOINTS / PPO_CURVES.name}
+
 # curves.csv column -> step() stats key (plus reward_mean and gold_mean, computed from the raw scores)
 CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "objective/entropy",
           "loss_value": "ppo/loss/value", "loss_policy": "ppo/loss/policy", "clipfrac": "ppo/policy/clipfrac",
           "approxkl": "ppo/policy/approxkl", "response_len": "tokens/responses_len_mean"}
 
 
-# The params this stage tracks in dvc.yaml (a test keeps the two lists equal): a checkpoint is reused only
-# for the same values and the same input files.
+# The params, inputs and code this stage tracks in dvc.yaml (a test keeps the lists equal): a checkpoint is
+# reused only for the same ones.
 TRACKED = ("seed", "data.sft.source", "data.pairs.source", "data.prompts.source", "model.lora", "scorer", "generation",
            "ppo")
 INPUTS = (TOKENIZED_TRAIN, SFT_MODEL, REWARD_MODEL)
+CODE = ("stages/ppo.py", "stages/resume.py", "stages/synthetic.py", "stages/common.py", "stages/params.py",
+        "ppo_core")
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -105,17 +115,19 @@ def run(params: Params, root: Path = Path(".")) -> str:
         } | ({"gold": gold} if gold else {}), trainer.accelerator)
         rollouts["kl"] = np.asarray(stats["objective/kl_dist"], dtype=float).tolist()
         tables.append(step, stats, rollouts["score"], rollouts.get("gold"))
-        if main:  # only the main process writes artifacts
-            write_parquet(rollouts, root / PPO_ROLLOUTS / rollout_file(step))
-            tables.write()
+        if main:  # only the main process writes
+            write_parquet(rollouts, root / WORK_ROLLOUTS / rollout_file(step))
+            tables.write({final: root / work for final, work in WORK_TABLES.items()})
         # 5. checkpoint: after the step's artifacts, so a resumed run never redoes a step it has written
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
             trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / STATE), extra={"step": step + 1,
                                                                                "tables": tables.state()})
     first, last = tables.curves[0], tables.curves[-1]
-    if main:
-        tables.write()
+    if main:  # the run has finished: publish its artifacts
+        with atomic_path(root / PPO_ROLLOUTS) as tmp:
+            shutil.copytree(root / WORK_ROLLOUTS, tmp)
+        tables.write({final: root / final for final in WORK_TABLES})
         save_policy(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
         write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
                    root / PPO_METRICS)
@@ -143,19 +155,22 @@ def rollout_file(step: int) -> str:
 
 
 def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTables]:
-    """Restore the last checkpoint of a run with the same params and inputs, if there is one: the trainer's
+    """Restore the last checkpoint of a run with the same params, inputs and code, if there is one: the trainer's
     whole state (every process), the per-step tables and the rollout files of the steps it covers (later ones
     are removed). Returns (the first step to run, the tables); (0, empty tables) for a fresh run."""
     accelerator = trainer.accelerator
-    directory, rollouts = root / PPO_CHECKPOINTS, root / PPO_ROLLOUTS
-    expected = fingerprint(params, TRACKED, INPUTS if params.scorer.source == "reward_model" else INPUTS[:2], root)
+    directory, rollouts = root / PPO_CHECKPOINTS, root / WORK_ROLLOUTS
+    expected = fingerprint(params, TRACKED, INPUTS if params.scorer.source == "reward_model" else INPUTS[:2], root,
+                           CODE)
     if accelerator.is_main_process:  # the main process owns the files; the others wait for its decision
-        remove_stale_temporaries(directory, rollouts, rollouts.parent, root / PPO_MODEL.parent)
+        remove_stale_temporaries(directory, rollouts, root / PPO_ROLLOUTS.parent, root / PPO_MODEL.parent)
         if not open_checkpoint_dir(directory, expected, params, "ppo") or not (directory / STATE).exists():
             fresh_dir(rollouts)
+            for work in WORK_TABLES.values():
+                (root / work).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
     if not (directory / STATE).exists():
-        return 0, StepTables(root)
+        return 0, StepTables()
     try:
         extra = trainer.load_checkpoint(str(directory / STATE))
     except ValueError as err:  # unreadable, or written by another number of processes
@@ -170,7 +185,7 @@ def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTa
             if path.name >= rollout_file(start):
                 path.unlink()  # written after the checkpoint: the resumed run writes it again
         note(f"ppo: resuming from {directory / STATE} at step {start}")
-    return start, StepTables.from_state(root, extra["tables"])
+    return start, StepTables.from_state(extra["tables"])
 
 
 def gather_columns(columns: dict[str, list], accelerator) -> dict[str, list]:
@@ -182,11 +197,10 @@ def gather_columns(columns: dict[str, list], accelerator) -> dict[str, list]:
 
 
 class StepTables:
-    """The per-step tables, rewritten (atomically) after each step by `write` so that a failed run can be inspected:
-    stats.parquet (every step() stat but the wall-clock `time/*` ones), timings.csv (those), curves.csv."""
+    """The per-step tables: stats.parquet (every step() stat but the wall-clock `time/*` ones), timings.csv (those),
+    curves.csv. Rewritten (atomically) in the checkpoint directory after each step, and published at the end."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self):
         self.stats: list[dict] = []
         self.timings: list[dict] = []
         self.curves: list[dict] = []
@@ -199,18 +213,19 @@ class StepTables:
                            | ({"gold_mean": float(np.mean(gold))} if gold else {})
                            | {name: float(stats[key]) for name, key in CURVES.items()})
 
-    def write(self) -> None:
-        write_parquet({key: [row[key] for row in self.stats] for key in self.stats[0]}, self.root / PPO_STATS)
-        write_csv(self.timings, self.root / PPO_TIMINGS)
-        write_csv(self.curves, self.root / PPO_CURVES)
+    def write(self, paths: dict[Path, Path]) -> None:
+        """Write each table to `paths[its final path]` (the final path itself, or the working copy)."""
+        write_parquet({key: [row[key] for row in self.stats] for key in self.stats[0]}, paths[PPO_STATS])
+        write_csv(self.timings, paths[PPO_TIMINGS])
+        write_csv(self.curves, paths[PPO_CURVES])
 
     def state(self) -> dict[str, list[dict]]:
         """The rows so far, for a checkpoint (plain Python values)."""
         return {"stats": self.stats, "timings": self.timings, "curves": self.curves}
 
     @classmethod
-    def from_state(cls, root: Path, state: dict[str, list[dict]]) -> StepTables:
-        tables = cls(root)
+    def from_state(cls, state: dict[str, list[dict]]) -> StepTables:
+        tables = cls()
         tables.stats, tables.timings, tables.curves = state["stats"], state["timings"], state["curves"]
         return tables
 
@@ -226,8 +241,9 @@ def query_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
 
 
 def checked_scores(scores, n: int, params: Params, step: int) -> list[float]:
-    """The scorer's output as n finite floats, or a StageError naming the step, the text and the value."""
-    where = f"step {step}: scorer ({params.scorer.source}{f' {params.scorer.name}' if params.scorer.name else ''})"
+    """The scorer's output as n finite floats, or a StageError naming the step (counted from 1, as `step()`'s
+    errors count them), the text and the value."""
+    where = f"PPO step {step + 1}: scorer ({params.scorer.source}{f' {params.scorer.name}' if params.scorer.name else ''})"
     try:
         scores = list(scores)
     except TypeError:

@@ -2,8 +2,11 @@
 
 Each training stage keeps its resumable state in `data/checkpoints/<stage>` (a DVC output with `persist:
 true`, so `dvc repro` does not delete it before rerunning the stage). Beside the state lies `fingerprint.json`:
-the params the stage tracks in dvc.yaml and a digest of each input file. A rerun whose fingerprint matches
-resumes; one that does not either starts fresh (and says so) or stops, as `checkpoint.on_mismatch` decides.
+the params the stage tracks in dvc.yaml, a digest of each input file, a digest of each code dependency dvc.yaml
+lists for it, and the versions of the libraries that compute it. A rerun whose fingerprint matches resumes; one
+that does not either starts fresh (and says so) or stops, as `checkpoint.on_mismatch` decides. (Without the code
+in it, `dvc repro` after a code change would rerun the stage, find the finished run's checkpoint, and publish
+the old results again.)
 """
 
 from __future__ import annotations
@@ -22,17 +25,39 @@ from stages.params import Params
 FINGERPRINT = "fingerprint.json"
 
 
-def fingerprint(params: Params, keys: Iterable[str], inputs: Iterable[Path], root: Path) -> dict[str, Any]:
-    """What a stage's state depends on: the values of its params `keys` (dotted, as dvc.yaml lists them)
-    and the SHA-256 of each input file or directory (paths relative to `root`)."""
+# The repository (or site-packages) directory that holds the `stages` and `ppo_core` packages.
+CODE_ROOT = Path(__file__).resolve().parents[1]
+LIBRARIES = ("torch", "transformers", "accelerate", "peft")
+
+
+def fingerprint(params: Params, keys: Iterable[str], inputs: Iterable[Path], root: Path,
+                code: Iterable[str] = ()) -> dict[str, Any]:
+    """What a stage's state depends on: the values of its params `keys` (dotted, as dvc.yaml lists them),
+    the SHA-256 of each input file or directory (paths relative to `root`), of the Python sources of each
+    `code` path (relative to the repository, as dvc.yaml lists them) and the versions of `LIBRARIES`."""
     return {"params": {key: _plain(_lookup(params, key)) for key in keys},
-            "inputs": {str(path): digest(root / path) for path in inputs}}
+            "inputs": {str(path): digest(root / path) for path in inputs},
+            "code": {str(path): digest(CODE_ROOT / path, "*.py") for path in code},
+            "versions": library_versions()}
 
 
-def digest(path: Path) -> str:
-    """SHA-256 of a file, or of a directory's files (relative names and contents, in sorted order)."""
+def library_versions() -> dict[str, str | None]:
+    """Installed versions of the libraries whose numerics a checkpoint depends on (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def digest(path: Path, pattern: str = "*") -> str:
+    """SHA-256 of a file, or of a directory's files matching `pattern` (relative names and contents, sorted)."""
     path = Path(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files = sorted(p for p in path.rglob(pattern) if p.is_file()) if path.is_dir() else [path]
     h = hashlib.sha256()
     for file in files:
         h.update(str(file.relative_to(path) if path.is_dir() else file.name).encode() + b"\0")
@@ -68,15 +93,17 @@ def first_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     for key in sorted(a.keys() | b.keys()):
         if a.get(key) != b.get(key):
             kind, _, name = key.partition(":")
-            if kind == "inputs":
-                return f"inputs ({name} changed)"
+            if kind in ("inputs", "code"):
+                return f"{kind} ({name} changed)"
+            if kind == "versions":
+                return f"library versions ({name} {a.get(key)} -> {b.get(key)})"
             return f"params ({name}: {a.get(key, '<absent>')} -> {b.get(key, '<absent>')})"
     return "contents"
 
 
 def _flatten(fp: dict[str, Any]) -> dict[str, Any]:
     out = {}
-    for kind in ("params", "inputs"):
+    for kind in ("params", "inputs", "code", "versions"):
         for key, value in (fp.get(kind) or {}).items():
             if isinstance(value, dict):
                 out.update({f"{kind}:{key}.{k}": v for k, v in _flatten_dict(value).items()})
@@ -117,7 +144,9 @@ def trainer_callback():
     """A Trainer callback that marks a checkpoint directory complete once transformers has written all of it.
 
     transformers writes `checkpoint-N/` file by file, in place: a kill during the save leaves a partial
-    directory. Only marked ones are resumed from (a kill between the save and the mark loses one interval).
+    directory. Only marked ones are resumed from (a kill between the save and the mark loses one interval: the
+    stages keep two checkpoints, `save_total_limit=2`, because transformers deletes the older ones before the
+    mark is written).
     """
     from transformers import TrainerCallback
 

@@ -20,9 +20,10 @@ from stages.params import Params
 from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
 
 
-# The params this stage tracks in dvc.yaml, and its inputs: a checkpoint is reused only for the same ones.
+# The params, inputs and code this stage tracks in dvc.yaml: a checkpoint is reused only for the same ones.
 TRACKED = ("seed", "model.lora", "reward")
 INPUTS = (RAW_PAIRS, SFT_MODEL)
+CODE = ("stages/reward.py", "stages/resume.py", "stages/common.py", "stages/params.py")
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -45,7 +46,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     checkpoints = root / REWARD_CHECKPOINTS
     if process_state().is_main_process:
         remove_stale_temporaries(root / REWARD_MODEL.parent, root / REWARD_METRICS.parent)
-    resume_from = open_trainer_checkpoints(checkpoints, fingerprint(params, TRACKED, INPUTS, root), params, "reward")
+    expected = fingerprint(params, TRACKED, INPUTS, root, CODE)
+    resume_from = open_trainer_checkpoints(checkpoints, expected, params, "reward")
     trainer = PairwiseTrainer(model=model, args=training_args(params, checkpoints), train_dataset=train,
                               data_collator=PairCollator(tokenizer), processing_class=tokenizer,
                               callbacks=[trainer_callback()])
@@ -82,7 +84,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
     rm, every = params.reward, params.checkpoint.trainer_every
     return TrainingArguments(
         output_dir=str(output_dir), save_strategy="steps" if every else "no", save_steps=every or 500,
-        save_total_limit=1, learning_rate=rm.learning_rate, num_train_epochs=rm.num_train_epochs,
+        save_total_limit=2, learning_rate=rm.learning_rate, num_train_epochs=rm.num_train_epochs,
         per_device_train_batch_size=rm.batch_size, warmup_steps=rm.warmup_ratio, lr_scheduler_type="cosine",
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         remove_unused_columns=False, logging_strategy="no", report_to="none",

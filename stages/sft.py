@@ -26,9 +26,10 @@ from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callbac
 EOS, PAD = "<|endoftext|>", "<pad>"
 
 
-# The params this stage tracks in dvc.yaml, and its inputs: a checkpoint is reused only for the same ones.
+# The params, inputs and code this stage tracks in dvc.yaml: a checkpoint is reused only for the same ones.
 TRACKED = ("seed", "model", "sft")
 INPUTS = (RAW_SFT,)
+CODE = ("stages/sft.py", "stages/resume.py", "stages/common.py", "stages/params.py")
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -46,7 +47,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     checkpoints = root / SFT_CHECKPOINTS
     if process_state().is_main_process:
         remove_stale_temporaries(root / SFT_MODEL.parent, root / SFT_METRICS.parent)
-    resume_from = open_trainer_checkpoints(checkpoints, fingerprint(params, TRACKED, INPUTS, root), params, "sft")
+    expected = fingerprint(params, TRACKED, INPUTS, root, CODE)
+    resume_from = open_trainer_checkpoints(checkpoints, expected, params, "sft")
     trainer = Trainer(
         model=model,
         args=training_args(params, checkpoints),
@@ -88,7 +90,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
     sft, every = params.sft, params.checkpoint.trainer_every
     return TrainingArguments(
         output_dir=str(output_dir), save_strategy="steps" if every else "no", save_steps=every or 500,
-        save_total_limit=1, learning_rate=sft.learning_rate, num_train_epochs=sft.num_train_epochs,
+        save_total_limit=2, learning_rate=sft.learning_rate, num_train_epochs=sft.num_train_epochs,
         per_device_train_batch_size=sft.batch_size, per_device_eval_batch_size=sft.batch_size,
         warmup_steps=sft.warmup_ratio, lr_scheduler_type="cosine", weight_decay=sft.weight_decay,
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,

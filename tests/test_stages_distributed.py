@@ -88,5 +88,5 @@ def test_a_scorer_failing_on_one_process_ends_both(tiny_run, tmp_path):
     start = time.monotonic()
     code, output = launch_stage("ppo", params, root, timeout=180)
     assert code != 0 and time.monotonic() - start < 120
-    assert "error: ppo: step 0: scorer (callable rank_scorer:score) returned nan for text 0" in output
+    assert "error: ppo: PPO step 1: scorer (callable rank_scorer:score) returned nan for text 0" in output
     assert not (root / PPO_MODEL).exists()

@@ -81,12 +81,13 @@ def test_tracked_params_exist():
 
 @pytest.mark.parametrize("name", ["sft", "reward", "ppo"])
 def test_checkpoint_fingerprint_covers_what_dvc_tracks(name):
-    """A checkpoint is reused only for the params and input files the stage's dvc.yaml entry tracks."""
+    """A checkpoint is reused only for the params, input files and code the stage's dvc.yaml entry tracks."""
     import importlib
 
     module = importlib.import_module(f"stages.{name}")
     assert list(module.TRACKED) == STAGES[name]["params"]
     assert {str(path) for path in module.INPUTS} == {d for d in STAGES[name]["deps"] if d.startswith("data/")}
+    assert set(module.CODE) == {d for d in STAGES[name]["deps"] if not d.startswith("data/")}
     persisted = [path for out in STAGES[name]["outs"] if isinstance(out, dict)
                  for path, spec in out.items() if spec["persist"]]
     assert f"data/checkpoints/{name}" in persisted

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -71,16 +72,24 @@ def upstream_of_ppo(tiny_run: Path, root: Path) -> Path:
     return root
 
 
-def test_two_full_pipeline_runs_are_byte_identical(tiny_run, tiny_params, tmp_path):
+def test_two_full_pipeline_runs_are_byte_identical(tiny_run, tmp_path):
     """Every Parquet file, model weight, tokenizer and metrics file; only wall-clock timings and the
-    checkpoints (which hold the timings and the trainer's own state) are left out."""
-    import importlib
+    checkpoints (which hold the timings and the trainer's own state) are left out. The second run is another
+    process with another hash seed, so nothing may depend on set or dict iteration order or process state."""
+    import torch
 
-    for name, params in params_per_stage(tiny_params).items():
-        importlib.import_module(f"stages.{name}").run(params, tmp_path)
+    stages = " ".join(DVC_STAGES)
+    script = (f"import importlib, torch; from pathlib import Path; from stages.params import load_params\n"
+              f"torch.set_num_threads({torch.get_num_threads()})  # CPU kernels may round by thread count\n"
+              f"params = load_params({str(TINY_PARAMS)!r})\n"
+              f"for name in {stages!r}.split():\n"
+              f"    importlib.import_module('stages.' + name).run(params, Path('.'))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1", "PYTHONHASHSEED": "12345"}
+    second = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-2000:]
     exclude = ("data/ppo/timings.csv", "data/checkpoints/")
-    first, second = digests(tiny_run, exclude), digests(tmp_path, exclude)
-    assert first == second
+    first, other = digests(tiny_run, exclude), digests(tmp_path, exclude)
+    assert first == other
     assert sum(name.endswith(".parquet") for name in first) >= 8 and sum(
         name.endswith(".safetensors") for name in first) >= 3
 
@@ -97,7 +106,7 @@ def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts(tiny_run, t
 
     proc = run_stage("ppo", params, killed)
     deadline = time.monotonic() + 300
-    while not (killed / PPO_ROLLOUTS / ppo.rollout_file(after)).exists():
+    while not (killed / ppo.WORK_ROLLOUTS / ppo.rollout_file(after)).exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
         time.sleep(0.01)
     time.sleep(delay)
@@ -198,6 +207,33 @@ def test_rerun_with_the_same_params_resumes_from_the_final_checkpoint(tiny_run, 
     assert digests(root, exclude) == digests(tiny_run, exclude)
 
 
+def test_a_code_change_starts_fresh_instead_of_resuming(tiny_run, tiny_params, tmp_path, monkeypatch, capfd):
+    """dvc reruns a stage whose code changed; the finished run's checkpoint must then not be resumed (it would
+    publish the old results again): the fingerprint holds a digest of each code dependency dvc.yaml lists."""
+    code = tmp_path / "code"  # a copy of the code the checkpoint was written with, to edit
+    for package in ("stages", "ppo_core"):
+        shutil.copytree(ROOT / package, code / package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(resume, "CODE_ROOT", code)
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root)
+    remove_outputs_as_dvc_does(root, "ppo")
+    capfd.readouterr()
+    ppo.run(tiny_params, root)
+    assert "resuming from" in capfd.readouterr().err  # the same code: the final checkpoint is reused
+
+    remove_outputs_as_dvc_does(root, "ppo")
+    with open(code / "ppo_core" / "ppo_math.py", "a") as fh:
+        fh.write("\n# an edit\n")
+    (code / "ppo_core" / "__pycache__").mkdir(exist_ok=True)
+    ppo.run(tiny_params, root)
+    err = capfd.readouterr().err
+    assert "data/checkpoints/ppo was written with other code (ppo_core changed); starting fresh" in err
+    assert "resuming" not in err
+    written = json.loads((root / "data/checkpoints/ppo/fingerprint.json").read_text())
+    (code / "ppo_core" / "__pycache__" / "x.cpython.pyc").write_bytes(b"compiled")  # not code: no change
+    assert resume.fingerprint(tiny_params, (), (), root, ppo.CODE)["code"] == written["code"]
+
+
 def test_a_non_finite_loss_stops_the_stage_and_the_checkpoint_resumes(tiny_run, tiny_params, tmp_path, capfd,
                                                                         monkeypatch):
     """A scorer that blows up at step 1 makes the value loss infinite: one-line error naming the step and the
@@ -213,15 +249,17 @@ def test_a_non_finite_loss_stops_the_stage_and_the_checkpoint_resumes(tiny_run, 
     with pytest.raises(StageError) as err:
         ppo.run(params, root)
     message = str(err.value)
-    assert "\n" not in message and message.startswith("PPO step 2: non-finite") and "ppo/" in message
+    assert "\n" not in message and message.startswith("PPO step 2, mini-batch 1: non-finite") and "ppo/" in message
     assert "data/checkpoints/ppo (if any) is intact" in message
-    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [ppo.rollout_file(0)]
+    assert sorted(p.name for p in (root / ppo.WORK_ROLLOUTS).iterdir()) == [ppo.rollout_file(0)]
+    assert not (root / "data" / "ppo").exists() and not (root / PPO_MODEL).exists()  # a failed run publishes nothing
 
     monkeypatch.setenv("FIXED", "1")
     capfd.readouterr()
     summary = ppo.run(params, root)
     assert "resumed at step 1" in summary
     assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [ppo.rollout_file(0), ppo.rollout_file(1)]
+    assert (root / PPO_MODEL / "model.safetensors").exists()
 
 
 def test_params_file_path_does_not_change_the_fingerprint(tiny_params, tmp_path):
