@@ -11,7 +11,6 @@ Notation: ``N`` selected positions, ``H`` hidden size, ``V`` vocabulary, ``C`` c
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -87,18 +86,13 @@ class _LinearLogProb(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, probs)
         ctx.scale, ctx.softcap, ctx.chunk = scale, softcap, chunk
         ctx.mark_non_differentiable(entropy)
-        # A recomputing backward must use the precision the forward used (autocast or not).
-        device_type = hidden.device.type
-        ctx.amp = (device_type, torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else None
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_out, _grad_entropy):
         hidden, weight, bias, targets, lse, probs = ctx.saved_tensors
-        amp = torch.autocast(ctx.amp[0], dtype=ctx.amp[1]) if ctx.amp else contextlib.nullcontext()
-        with amp:
-            grads = _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out.to(lse.dtype),
-                                             ctx.scale, ctx.softcap, ctx.chunk, ctx.needs_input_grad[:3])
+        grads = _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out.to(lse.dtype),
+                                         ctx.scale, ctx.softcap, ctx.chunk, ctx.needs_input_grad[:3])
         return (*grads, None, None, None, None, None)
 
 
@@ -182,24 +176,47 @@ def _logit_grad(probs, targets, grad_out, scale):
 
 
 def _grads_from_logit_grad(grad_z, hidden, weight, needs):
-    """``(grad_h, grad_W, grad_b)`` from the gradient w.r.t. the logits, ``(N, V)``.
+    """``(grad_h, grad_W, grad_b)`` from the gradient w.r.t. the logits, ``(N, V)`` float32.
 
-    ``torch.mm`` runs in the autocast dtype when the forward did.
+    The matmuls run in the dtype of ``hidden`` and ``weight`` (one dtype, see `_apply`): ``grad_z`` is cast
+    to it once for both.
     """
     need_h, need_w, need_b = needs
-    grad_h = torch.mm(grad_z.to(weight.dtype), weight).to(hidden.dtype) if need_h else None
-    grad_w = torch.mm(grad_z.T.to(hidden.dtype), hidden).to(weight.dtype) if need_w else None
+    low = grad_z.to(weight.dtype) if need_h or need_w else None
+    grad_h = torch.mm(low, weight) if need_h else None
+    grad_w = torch.mm(low.T, hidden) if need_w else None
     grad_b = grad_z.sum(0).to(weight.dtype) if need_b else None
     return grad_h, grad_w, grad_b
 
 
 def _apply(hidden, head: LMHead, targets, chunk_size, with_entropy):
     chunk = _chunk_size(head.weight.shape[0], chunk_size)
-    args = (hidden, head.weight, head.bias, targets, head.scale, head.softcap, chunk, with_entropy)
-    differentiable = any(t is not None and t.requires_grad for t in (hidden, head.weight, head.bias))
+    weight, bias = head.weight, head.bias
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Cast to the autocast dtype once, here (differentiably), and run the head with autocast off: under
+        # autocast every matmul of every chunk would cast the (V, H) weight again, and the backward would
+        # cast each (C, V) logit gradient once per matmul.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight, bias = (_autocast_input(t, dtype) for t in (hidden, weight, bias))
+        with torch.autocast(device_type, enabled=False):
+            return _apply(hidden, LMHead(weight, bias, head.scale, head.softcap), targets, chunk, with_entropy)
+    if bias is not None and bias.dtype != weight.dtype:
+        bias = bias.to(weight.dtype)
+    if hidden.dtype != weight.dtype:  # e.g. a float32 value-head trunk over a half LM head: match the head
+        hidden = hidden.to(weight.dtype)
+    args = (hidden, weight, bias, targets, head.scale, head.softcap, chunk, with_entropy)
+    differentiable = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not (torch.is_grad_enabled() and differentiable):  # no backward will come: bounded chunks, nothing kept
         return _forward_chunked(*args)[:2]
     return _LinearLogProb.apply(*args)
+
+
+def _autocast_input(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """What autocast would make of a matmul input: floating point (but float64) cast to ``dtype``."""
+    if t is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype)
 
 
 def selected_logprobs(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor,

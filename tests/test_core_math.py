@@ -325,6 +325,33 @@ def test_selected_logprobs_values_and_grads_match_log_softmax(dtype, atol, scale
         torch.testing.assert_close(g, w, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_selected_logprobs_under_autocast_match_autograd_under_autocast(with_bias, backward_path):
+    """Under bf16 autocast the head casts its inputs once and runs in bf16 with float32 softmax, exactly what
+    autocast does to a plain ``linear`` + float32 ``log_softmax``: the same values, and float32 gradients for
+    the float32 leaves that agree to bf16 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    n, hidden_size, vocab = 12, 16, 50
+    hidden = torch.randn(n, hidden_size, generator=gen).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=gen).requires_grad_()
+    bias = torch.randn(vocab, generator=gen).requires_grad_() if with_bias else None
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    upstream = torch.randn(n, generator=gen)
+    leaves = [hidden, weight] + ([bias] if with_bias else [])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = selected_logprobs(hidden, LMHead(weight, bias), targets, chunk_size=5)
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        assert logits.dtype == torch.bfloat16  # the reference really runs in bf16
+        want = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    got_grads = torch.autograd.grad((got * upstream).sum(), leaves)
+    want_grads = torch.autograd.grad((want * upstream).sum(), leaves)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+
+
 def test_selected_logprobs_passes_gradcheck(backward_path):
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(5, 4, generator=gen, dtype=f64, requires_grad=True)
