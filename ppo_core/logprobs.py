@@ -70,28 +70,29 @@ class _LinearLogProb(torch.autograd.Function):
 
     # d logp_n / d z_n = onehot(y_n) - softmax(z_n)
     # grad_h = g * (onehot - p) @ W ;  grad_W = ((onehot - p) * g)^T @ h ;  grad_b = sum over rows
-    When the ``(N, V)`` probabilities fit in ``_SAVE_PROBS_ELEMENTS`` they are kept for the backward
-    (three matmuls in all, like plain autograd); otherwise each chunk's logits are recomputed there
-    (one more matmul, but memory stays at one ``(C, V)`` block).
+    When the ``(N, V)`` probabilities fit in ``_SAVE_PROBS_ELEMENTS`` they are kept for the backward,
+    unnormalised with their row sums (three matmuls in all, like plain autograd); otherwise each chunk's
+    logits are recomputed there (one more matmul, but memory stays at one ``(C, V)`` block).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, chunk, with_entropy):
         n, vocab = hidden.shape[0], weight.shape[0]
         if softcap is None and n * vocab <= _SAVE_PROBS_ELEMENTS:
-            logprobs, entropy, lse, probs = _forward_keeping_probs(hidden, weight, bias, targets, scale, with_entropy)
+            logprobs, entropy, lse, exps, sums = _forward_keeping_exps(hidden, weight, bias, targets, scale,
+                                                                       with_entropy)
         else:
             logprobs, entropy, lse = _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_entropy)
-            probs = None
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, probs)
+            exps = sums = None
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, exps, sums)
         ctx.scale, ctx.softcap, ctx.chunk = scale, softcap, chunk
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_out, _grad_entropy):
-        hidden, weight, bias, targets, lse, probs = ctx.saved_tensors
-        grads = _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out.to(lse.dtype),
+        hidden, weight, bias, targets, lse, exps, sums = ctx.saved_tensors
+        grads = _linear_logprob_backward(hidden, weight, bias, targets, lse, exps, sums, grad_out.to(lse.dtype),
                                          ctx.scale, ctx.softcap, ctx.chunk, ctx.needs_input_grad[:3])
         return (*grads, None, None, None, None, None)
 
@@ -101,9 +102,10 @@ def _row_log_softmax(z, targets, with_entropy):
 
     # m = max_v z ;  e = exp(z - m) ;  s = sum_v e ;  log p(y) = (z_y - m) - log s
     # lse = m + log s ;  H = log s - sum_v e_v (z_v - m) / s
-    Returns ``(log p(targets), entropy or zeros, lse, e, s)``. Every path (no-grad, kept probabilities,
-    recomputed chunks) goes through this one formula, so they agree bit for bit on the same logits: a
-    policy and its identical reference give a KL of exactly 0, and the first PPO ratio is exactly 1.
+    Returns ``(log p(targets), entropy or zeros, lse, e, s)``; with the entropy, ``z`` ends up holding
+    ``e * (z - m)``. Every path (no-grad, kept probabilities, recomputed chunks) goes through this one
+    formula, so they agree bit for bit on the same logits: a policy and its identical reference give a
+    KL of exactly 0, and the first PPO ratio is exactly 1.
     """
     m = z.amax(dim=-1, keepdim=True)
     z.sub_(m)
@@ -111,18 +113,20 @@ def _row_log_softmax(z, targets, with_entropy):
     s = e.sum(-1)
     log_s = s.log()
     logprobs = z.gather(1, targets[:, None]).squeeze(1) - log_s
-    entropy = log_s - torch.linalg.vecdot(e, z) / s if with_entropy else torch.zeros_like(logprobs)
+    # in place, as z is not needed any more: vecdot(e, z) would allocate a (C, V) product first
+    entropy = log_s - z.mul_(e).sum(-1) / s if with_entropy else torch.zeros_like(logprobs)
     return logprobs, entropy, m.squeeze(1) + log_s, e, s
 
 
-def _forward_keeping_probs(hidden, weight, bias, targets, scale, with_entropy):
-    """All ``N`` rows at once, turning the ``(N, V)`` logits into the probabilities the backward needs."""
+def _forward_keeping_exps(hidden, weight, bias, targets, scale, with_entropy):
+    """All ``N`` rows at once, keeping what the backward needs: ``e = exp(z - m)`` ``(N, V)`` and its row
+    sums ``s`` ``(N,)`` (the probabilities are ``e / s``; the division is folded into the backward)."""
     z = _project(hidden, weight, bias)  # (N, V)
     if scale != 1.0:
         z.mul_(scale)
     logprobs, entropy, lse, e, s = _row_log_softmax(z, targets, with_entropy)
     del z
-    return logprobs, entropy, lse, e.div_(s[:, None])
+    return logprobs, entropy, lse, e, s
 
 
 def _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_entropy):
@@ -137,10 +141,10 @@ def _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_
     return logprobs, entropy, lse
 
 
-def _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out, scale, softcap, chunk, needs):
+def _linear_logprob_backward(hidden, weight, bias, targets, lse, exps, sums, grad_out, scale, softcap, chunk, needs):
     need_h, need_w, need_b = needs
-    if probs is not None:  # one shot over all rows; the saved probabilities become the gradient in place
-        return _grads_from_logit_grad(_logit_grad(probs, targets, grad_out, scale), hidden, weight, needs)
+    if exps is not None:  # one shot over all rows; the saved exponentials become the gradient in place
+        return _grads_from_logit_grad(_logit_grad(exps, targets, grad_out, scale, sums), hidden, weight, needs)
     acc = lse.dtype
     grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -168,9 +172,11 @@ def _linear_logprob_backward(hidden, weight, bias, targets, lse, probs, grad_out
             grad_b.to(weight.dtype) if need_b else None)
 
 
-def _logit_grad(probs, targets, grad_out, scale):
-    """``g * (onehot(y) - p) * scale``, written into ``probs`` (which is consumed)."""
-    grad_z = probs.mul_(-grad_out[:, None])
+def _logit_grad(exps, targets, grad_out, scale, sums=None):
+    """``g * (onehot(y) - e / s) * scale``, written into ``exps`` ``(C, V)`` (which is consumed); without
+    ``sums`` ``(C,)`` the rows of ``exps`` are already probabilities."""
+    coef = grad_out if sums is None else grad_out / sums
+    grad_z = exps.mul_(-coef[:, None])
     grad_z[torch.arange(len(targets), device=targets.device), targets] += grad_out
     return grad_z.mul_(scale) if scale != 1.0 else grad_z
 
