@@ -47,6 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import checkpoint
 from .config import PPOConfig
+from .cpu_attention import float32_attention_on_cpu
 from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_mean, masked_var, stats_to_np
 from .distributed import ProcessGroup, gather_ragged, mean_across, raise_if_any, tokens_per_process
 from .generation import generate_batched
@@ -204,6 +205,14 @@ class PPOTrainer:
             return outputs, sample(ref_model)
 
     @contextlib.contextmanager
+    def _forward_precision(self):
+        """The scoring passes' precision: accelerate's autocast, and float32 attention for bf16 on the CPU
+        (faster there, see ``cpu_attention``). Rollout and loss passes both use it, so that the first ratio of
+        a step stays exactly 1; sampling keeps plain autocast (forward only, where bf16 attention is faster)."""
+        with self.accelerator.autocast(), float32_attention_on_cpu(self.current_device.type == "cpu"):
+            yield
+
+    @contextlib.contextmanager
     def _reference(self):
         """The reference policy: ``ref_model``, or the policy with its PEFT adapter disabled (same weights)."""
         if self.ref_model is not None:
@@ -338,7 +347,7 @@ class PPOTrainer:
                   for s in range(0, len(inputs.query_lens), self.config.mini_batch_size)]
 
         def outputs(model):
-            with self.accelerator.autocast():
+            with self._forward_precision():
                 parts = [policy_outputs(model, inputs.index(idx), keep_hidden=full) for idx in chunks]
             return _concat_outputs(parts, inputs)
 
@@ -359,7 +368,7 @@ class PPOTrainer:
                 self._minibatches_done = len(all_stats)  # for error messages
                 with self.accelerator.accumulate(self.model):
                     self.model.train()
-                    with self.accelerator.autocast():
+                    with self._forward_precision():
                         out = policy_outputs(self.model, mb_inputs, with_entropy=True)
                     stats = self.train_minibatch(
                         old_logprobs[idx, :width], old_values[idx, :width], out.logprobs, None, out.values,
@@ -634,7 +643,7 @@ class PPOTrainer:
         """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``)."""
         inputs = self._model_inputs(list(queries), list(responses))
         model.eval()
-        with self.accelerator.autocast():
+        with self._forward_precision():
             out = policy_outputs(model, inputs, keep_hidden=return_logits)
         logits = None
         if return_logits:

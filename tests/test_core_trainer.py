@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from ppo_core import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer
-from ppo_core import generation
+from ppo_core import cpu_attention, generation
+from ppo_core.cpu_attention import float32_attention_on_cpu
 from ppo_core.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
 from ppo_core.rollout import build_model_inputs, policy_outputs
 from tests.tiny import ARCHS, EOS, PAD, VOCAB, random_queries, tiny_causal_lm, tiny_tokenizer, tiny_value_model
@@ -138,6 +139,44 @@ def test_fast_cpu_sampling_patches_only_inside_the_block_and_keeps_torch_errors(
         assert torch.multinomial(torch.tensor([[0.0, 1.0, 0.0]]), 2, replacement=True).tolist() == [[1, 1]]  # torch's
         raise RuntimeError("boom")
     assert torch.multinomial is original is generation._torch_multinomial
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "float"])
+def test_float32_attention_on_cpu_is_float32_attention_of_the_bf16_inputs(mask):
+    """Inside the block a bf16 CPU attention is torch's float32 attention of the same (upcast) inputs, values
+    and gradients, returned in bf16; float32 inputs get torch's kernel as they are."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen).bfloat16().requires_grad_() for _ in range(3))
+    causal = torch.ones(5, 5).tril().bool()
+    kwargs = {"causal": dict(is_causal=True), "bool": dict(attn_mask=causal),
+              "float": dict(attn_mask=torch.zeros(5, 5).masked_fill(~causal, -math.inf).bfloat16())}[mask]
+    with float32_attention_on_cpu():
+        got = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        plain = F.scaled_dot_product_attention(q.detach().float(), k.detach().float(), v.detach().float(), is_causal=True)
+    float_kwargs = {key: (m.float() if m.is_floating_point() else m) if key == "attn_mask" else m
+                    for key, m in kwargs.items()}
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, **float_kwargs)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want.bfloat16(), atol=0, rtol=0)
+    torch.testing.assert_close(plain, want.detach(), atol=0, rtol=0)  # float32 goes to torch untouched
+    got.float().sum().backward()
+    want.sum().backward()
+    for mine, ref in zip((q, k, v), leaves):
+        torch.testing.assert_close(mine.grad, ref.grad.bfloat16(), atol=0, rtol=0)
+
+
+def test_float32_attention_on_cpu_patches_only_inside_the_block():
+    original = F.scaled_dot_product_attention
+    with pytest.raises(RuntimeError, match="boom"), float32_attention_on_cpu():
+        assert F.scaled_dot_product_attention is not original
+        with float32_attention_on_cpu():  # nested: still patched, restored by the outer block only
+            pass
+        assert F.scaled_dot_product_attention is not original
+        raise RuntimeError("boom")
+    assert F.scaled_dot_product_attention is original is cpu_attention._torch_sdpa
+    with float32_attention_on_cpu(enabled=False):
+        assert F.scaled_dot_product_attention is original
 
 
 @pytest.mark.parametrize("pad_token_id", [PAD, EOS])  # a distinct pad token, and the seed's pad = eos
