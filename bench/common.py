@@ -299,8 +299,34 @@ def add_common_args(parser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after warmup)")
     parser.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the median")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (match OMP_NUM_THREADS)")
-    parser.add_argument("--bf16", action="store_true", help="cast the model to bfloat16 (default fp32)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision: autocast over float32 weights (default fp32)")
     parser.add_argument("--json", default=None, help="also write the result as JSON to this path")
+    parser.add_argument("--serve", action="store_true", help="worker mode for compare.py (steps on request, see serve)")
+
+
+# Lines a worker writes for compare.py start with this; anything else on its stdout goes to its log.
+PROTOCOL = "@@bench "
+
+
+def serve(step_fn, describe) -> None:
+    """Worker mode (``--serve``) of floor.py and ppo_step.py, for compare.py's interleaved runs.
+
+    Says ``{"ready": true}`` once built, then for each ``step N`` line on stdin runs ``step_fn(N)`` and
+    answers with its per-step dict (plus ``others_cpu_frac``, the CPU share other processes took during
+    that step); on ``done`` answers with ``describe()`` (machine, memory, digest) and returns. The worker
+    is idle between steps, so the contenders of one round never compete for the cores.
+    """
+    answer = lambda obj: print(PROTOCOL + json.dumps(obj), flush=True)  # noqa: E731
+    answer({"ready": True})
+    for line in sys.stdin:
+        words = line.split()
+        if words[:1] == ["step"]:
+            with OthersLoad() as load:
+                result = step_fn(int(words[1]))
+            answer(dict(result, others_cpu_frac=load.frac))
+        elif words[:1] == ["done"]:
+            answer(describe())
+            return
 
 
 def run_steps(step_fn, n: int) -> tuple:
@@ -310,30 +336,42 @@ def run_steps(step_fn, n: int) -> tuple:
     return steps, load.frac
 
 
-def summarize(impl: str, args, setting: Setting, digest: str, steps: list, others_frac: float | None) -> dict:
-    """The result every script reports: run description, medians over the measured steps, memory.
-
-    Each per-step dict must hold `total_s`, `cpu_s`, `gen_s` and `gen_tokens`; the caller adds its own
-    medians (e.g. forward/train split, reward)."""
-    med = lambda values: median_after_warmup(list(values), args.warmup)  # noqa: E731
+def describe(impl: str, args, setting: Setting, digest: str) -> dict:
+    """What a run is (impl, shape, dtype, setting, weights, machine) and its peak memory so far."""
     return {
         "impl": impl,
         "shape": args.shape,
         "shape_config": asdict(SHAPES[args.shape]),
         "setting": asdict(setting),
         "dtype": "bfloat16" if args.bf16 else "float32",
-        "steps": args.steps,
-        "warmup": args.warmup,
         "weights_digest": digest,
         "machine": machine_info(),
-        "median_s_per_step": med(s["total_s"] for s in steps),
-        "median_cpu_s_per_step": med(s["cpu_s"] for s in steps),
-        "median_gen_s": med(s["gen_s"] for s in steps),
-        "gen_tokens_per_s": med(s["gen_tokens"] / s["gen_s"] for s in steps),
-        "response_tokens_per_step": sorted({s["gen_tokens"] for s in steps}),
-        "others_cpu_frac": others_frac,
         "peak_rss_mb": peak_rss_mb(),
         "peak_gpu_mb": peak_gpu_mb(),
+    }
+
+
+def medians(steps: list) -> dict:
+    """Medians over measured per-step dicts, each holding `total_s`, `cpu_s`, `gen_s` and `gen_tokens`."""
+    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+    return {
+        "median_s_per_step": med("total_s"),
+        "median_cpu_s_per_step": med("cpu_s"),
+        "median_gen_s": med("gen_s"),
+        "gen_tokens_per_s": statistics.median(s["gen_tokens"] / s["gen_s"] for s in steps),
+        "response_tokens_per_step": sorted({s["gen_tokens"] for s in steps}),
+    }
+
+
+def summarize(impl: str, args, setting: Setting, digest: str, steps: list, others_frac: float | None) -> dict:
+    """The result a standalone run reports: `describe` plus the medians of the steps after warmup, and
+    every step's dict under `per_step`. The caller adds its own medians (e.g. forward/train split)."""
+    return {
+        **describe(impl, args, setting, digest),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        **medians(steps[args.warmup:] or steps),
+        "others_cpu_frac": others_frac,
         "per_step": steps,
     }
 

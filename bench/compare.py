@@ -1,24 +1,36 @@
-"""Run floor, TRL 0.11.4 and ppo_core side by side and print one markdown table.
+"""Run floor, TRL 0.11.4 and ppo_core side by side, interleaved step by step, and print one markdown table.
 
-Each measurement runs in its own subprocess with the right interpreter:
+Each contender is a worker subprocess with the right interpreter (`--serve`: build once, then one step per
+request):
   floor                  this interpreter (the project venv)          bench/floor.py
   floor (TRL venv)       $TRL_PYTHON (default /work/trl-venv/bin/python) bench/floor.py
   trl                    $TRL_PYTHON                                    bench/ppo_step.py --impl trl
   ppo_core               this interpreter                               bench/ppo_step.py --impl ppo_core
+  ppo_core, bf16 mixed   this interpreter                               bench/ppo_step.py --impl ppo_core --bf16
 The two floors matter because the venvs carry different transformers versions (5.x vs 4.46): each trainer's
 "ratio to floor" is taken against the floor of its own venv, so it measures the trainer, not transformers.
 Without a TRL venv the TRL rows are skipped with a note.
 
-    .venv/bin/python bench/compare.py                      # tiny and 32k, 5 measured steps after 1 warmup
-    .venv/bin/python bench/compare.py --shapes tiny --steps 10 --warmup 2
+Why interleaved: on a shared virtual machine the speed of the cores drifts by 10-20% over minutes, so runs
+made one after another compare machines as much as code. Here round r sends step r (the same queries) to
+every worker in turn, one at a time, in an order that rotates each round; every ratio is taken within a
+round and the table gives the median over rounds, with its interquartile range. A round during which other
+processes took more than --max-others of the CPU is redone (up to --retries times).
 
-JSON results and logs go to bench/results/ (git-ignored); the table also goes to bench/results/latest.md.
+    .venv/bin/python bench/compare.py                      # tiny and 32k, 8 measured rounds after 2 warmup
+    .venv/bin/python bench/compare.py --shapes tiny --steps 20
+    .venv/bin/python bench/compare.py --impls floor ppo_core ppo_core_bf16 --shapes 32k
+
+Logs go to bench/results/ (git-ignored), with the whole result as JSON; the table also goes to
+bench/results/latest.md.
 """
 
 import argparse
 import datetime
 import json
 import os
+import select
+import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +43,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 TRL_PYTHON = os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python")
-IMPLS = ["floor", "floor_trl", "trl", "ppo_core"]
+IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16"]
+BF16 = "ppo_core, bf16 mixed"
 
 
 @dataclass(frozen=True)
@@ -61,19 +74,21 @@ def planned_runs(impls: list) -> tuple:
         runs.append(Run("trl", TRL_PYTHON, ("bench/ppo_step.py", "--impl", "trl"), "floor (TRL venv)"))
     if "ppo_core" in impls:
         runs.append(Run("ppo_core", sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core"), "floor"))
+    if "ppo_core_bf16" in impls:  # mixed precision through accelerate, against the fp32 floor
+        runs.append(Run(BF16, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--bf16"), "floor"))
     return runs, notes
 
 
 def wait_for_idle(max_others: float, max_wait_s: float) -> None:
-    """Sample other processes' CPU share over 2 s windows until it is <= max_others or max_wait_s passes:
+    """Sample other processes' CPU share over 1 s windows until it is <= max_others or max_wait_s passes:
     a busy 2-core machine can double a step's time, so we'd rather wait than measure the neighbours."""
     t0 = time.monotonic()
     while True:
         with common.OthersLoad() as load:
-            time.sleep(2.0)
+            time.sleep(1.0)
         waited = time.monotonic() - t0
         if load.frac is None or load.frac <= max_others:
-            if waited > 3:
+            if waited > 2:
                 print(f"    (waited {waited:.0f} s for an idle machine)", flush=True)
             return
         if waited >= max_wait_s:
@@ -81,88 +96,189 @@ def wait_for_idle(max_others: float, max_wait_s: float) -> None:
             return
 
 
-def run_one(run: Run, shape: str, args) -> dict:
-    """Run one measurement in a subprocess; returns its JSON result, or {'error': ...}.
-    A run during which other processes took more than --max-others of the CPU is redone, up to --retries
-    times: with 2 OpenMP threads on 2 cores, one busy neighbour can make a step 10x slower."""
-    stem = f"{shape}-{run.label.replace(' ', '_').replace('(', '').replace(')', '')}"
-    json_path, log_path = RESULTS / f"{stem}.json", RESULTS / f"{stem}.log"
-    cmd = [run.python, *run.argv, "--shape", shape, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads), "--json", str(json_path)] + (["--bf16"] if args.bf16 else [])
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    for attempt in range(args.retries + 1):
-        if args.max_others < 1:
-            wait_for_idle(args.max_others, args.max_wait)
-        print(f"  {shape:5s} {run.label:17s} ... ", end="", flush=True)
-        json_path.unlink(missing_ok=True)
-        t0 = time.monotonic()
+class WorkerError(RuntimeError):
+    pass
+
+
+class Worker:
+    """A `--serve` subprocess: one contender of one shape, asked for one step at a time."""
+
+    def __init__(self, run: Run, shape: str, args):
+        self.run, self.timeout = run, args.timeout
+        stem = f"{shape}-{run.label.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}"
+        self.log_path = RESULTS / f"{stem}.log"
+        cmd = [run.python, *run.argv, "--shape", shape, "--threads", str(args.threads), "--serve"]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
+
+    def ask(self, command: str) -> dict:
+        """Send one command line and return the worker's answer; raise WorkerError if it dies or stalls."""
+        if command:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerError(f"no answer to {command or 'start'!r} within {self.timeout} s")
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                tail = self.log_path.read_text().strip().splitlines()[-1:] or [""]
+                raise WorkerError(f"exit code {self.proc.returncode}: {tail[0][:200]}")
+            if line.startswith(common.PROTOCOL):
+                return json.loads(line[len(common.PROTOCOL):])
+            self.log.write(line)  # the worker's own prints
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def measure_shape(shape: str, runs: list, args) -> dict:
+    """Interleaved rounds over every contender of one shape; returns {label: result or {'error': ...}}."""
+    workers, results = {}, {}
+    for run in runs:  # built one after another, so that builds do not slow each other down
+        print(f"  {shape:5s} starting {run.label} ...", flush=True)
+        worker = Worker(run, shape, args)
         try:
-            with open(log_path, "w") as log:
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=args.timeout)
-            ok = proc.returncode == 0 and json_path.exists()
-        except subprocess.TimeoutExpired:
-            ok, proc = False, None
-        if not ok:
-            why = f"timed out after {args.timeout} s" if proc is None else f"exit code {proc.returncode}"
-            tail = log_path.read_text().strip().splitlines()[-1:] or [""]
-            print(f"FAILED ({why}; see {log_path.relative_to(ROOT)})")
-            return {"error": f"{why}: {tail[0][:200]}"}
-        result = json.loads(json_path.read_text())
-        others = result["others_cpu_frac"] or 0.0
-        print(f"{result['median_s_per_step']:.3f} s/step ({time.monotonic() - t0:.0f} s, others' CPU {others:.0%})")
-        if others <= args.max_others:
-            break
-    return result
+            worker.ask("")
+            workers[run.label] = worker
+        except WorkerError as exc:
+            print(f"    FAILED: {exc} (see {worker.log_path.relative_to(ROOT)})")
+            results[run.label] = {"error": str(exc)}
+            worker.close()
+    labels = list(workers)
+    rounds, redone, r = [], 0, 0
+    try:
+        while len(rounds) < args.warmup + args.steps and labels:
+            if args.max_others < 1:
+                wait_for_idle(args.max_others, args.max_wait)
+            order = labels[r % len(labels):] + labels[:r % len(labels)]
+            this_round = {}
+            for label in order:
+                try:
+                    this_round[label] = workers[label].ask(f"step {r}")
+                except WorkerError as exc:
+                    print(f"    {label} FAILED in round {r}: {exc}")
+                    results[label] = {"error": str(exc)}
+                    labels.remove(label)
+            r += 1
+            busiest = max((s.get("others_cpu_frac") or 0.0 for s in this_round.values()), default=0.0)
+            if busiest > args.max_others and redone < args.retries:
+                redone += 1
+                print(f"    round {r - 1} redone: other processes took {busiest:.0%} of the CPU", flush=True)
+                continue
+            rounds.append(this_round)
+            kind = "warmup" if len(rounds) <= args.warmup else "round"
+            print(f"  {shape:5s} {kind} {r - 1}: " + ", ".join(f"{k} {v['total_s']:.3f} s"
+                                                            for k, v in this_round.items()), flush=True)
+        measured = rounds[args.warmup:]
+        for label in labels:
+            steps = [rnd[label] for rnd in measured if label in rnd]
+            results[label] = {
+                **workers[label].ask("done"),
+                "steps": len(steps),
+                "warmup": args.warmup,
+                **common.medians(steps),
+                "others_cpu_frac": statistics.mean(s.get("others_cpu_frac") or 0.0 for s in steps),
+                "per_step": steps,
+            }
+    finally:
+        for worker in workers.values():
+            worker.close()
+    results["_rounds"] = measured
+    return results
 
 
-def fmt(x, spec: str) -> str:
-    return "" if x is None else format(x, spec)
+def round_ratios(rounds: list, num: str, den: str) -> list:
+    """Per measured round: s/step of `num` divided by that of `den` (rounds where both ran)."""
+    return [rnd[num]["total_s"] / rnd[den]["total_s"] for rnd in rounds if num in rnd and den in rnd]
 
 
-def ratio(num: dict, den: dict | None) -> float | None:
-    if not den or "error" in den or "error" in num:
+def ratio_stats(rounds: list, num: str, den: str | None) -> tuple | None:
+    """(median, first quartile, third quartile) of the per-round ratios, or None."""
+    values = round_ratios(rounds, num, den) if den else []
+    if not values:
         return None
-    return num["median_s_per_step"] / den["median_s_per_step"]
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return statistics.median(values), q1, q3
+
+
+def fmt_ratio(stats: tuple | None, invert: bool = False) -> str:
+    """`m (q1-q3)`; inverted (1/x) for "N x fewer seconds"."""
+    if stats is None:
+        return ""
+    m, q1, q3 = (1 / stats[0], 1 / stats[2], 1 / stats[1]) if invert else stats
+    return f"{m:.2f} ({q1:.2f}-{q3:.2f})"
 
 
 def table(results: dict, runs: list) -> str:
-    """Markdown table: one row per (shape, run); ratios against the same venv's floor and against TRL."""
+    """Markdown table: one row per (shape, run); ratios (median over rounds, interquartile range) against the
+    same venv's floor and against TRL."""
     lines = [
         "| shape | impl | transformers | median s/step | CPU s/step | ratio to floor | ratio to TRL "
         "| gen tokens/s | peak RSS MiB | others' CPU |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for shape, by_label in results.items():
+        rounds = by_label["_rounds"]
         for run in runs:
-            r = by_label[run.label]
+            r = by_label.get(run.label)
+            if r is None:
+                continue
             if "error" in r:
                 lines.append(f"| {shape} | {run.label} | | failed: {r['error']} | | | | | | |")
                 continue
             memory = f"{r['peak_rss_mb']:.0f}" + (f" (GPU {r['peak_gpu_mb']:.0f})" if r["peak_gpu_mb"] else "")
-            to_floor = ratio(r, by_label.get(run.floor)) if run.floor else None
-            to_trl = ratio(r, by_label.get("trl")) if run.floor else None
+            to_floor = ratio_stats(rounds, run.label, run.floor) if run.floor else None
+            to_trl = ratio_stats(rounds, run.label, "trl") if run.floor else None
             lines.append(
                 f"| {shape} | {run.label} | {r['machine']['transformers']} | {r['median_s_per_step']:.3f} "
-                f"| {r['median_cpu_s_per_step']:.2f} | {fmt(to_floor, '.2f')} | {fmt(to_trl, '.2f')} "
-                f"| {r['gen_tokens_per_s']:.0f} | {memory} | {fmt(r['others_cpu_frac'], '.0%')} |"
+                f"| {r['median_cpu_s_per_step']:.2f} | {fmt_ratio(to_floor)} | {fmt_ratio(to_trl)} "
+                f"| {r['gen_tokens_per_s']:.0f} | {memory} | {r['others_cpu_frac']:.0%} |"
             )
+    return "\n".join(lines)
+
+
+def summary(results: dict) -> str:
+    """The ratios the ppo_core issue sets targets for, one line per shape (median over rounds, IQR)."""
+    lines = []
+    for shape, by in results.items():
+        rounds, parts = by["_rounds"], []
+        if "error" in by.get("ppo_core", {"error": ""}):
+            continue
+        if (trl := ratio_stats(rounds, "ppo_core", "trl")) is not None:
+            parts.append(f"{fmt_ratio(trl, invert=True)}x fewer s/step than TRL")
+        if (floor := ratio_stats(rounds, "ppo_core", "floor")) is not None:
+            parts.append(f"{fmt_ratio(floor)}x the floor")
+        if (bf16 := ratio_stats(rounds, BF16, "ppo_core")) is not None:
+            parts.append(f"bf16 mixed precision {fmt_ratio(bf16, invert=True)}x faster than fp32")
+        lines.append(f"- {shape}: ppo_core " + ", ".join(parts))
     return "\n".join(lines)
 
 
 def header(args, results: dict) -> str:
     """Where and how the numbers were taken."""
-    any_result = next((r for by in results.values() for r in by.values() if "error" not in r), None)
+    any_result = next((r for by in results.values() for k, r in by.items() if k != "_rounds" and "error" not in r),
+                      None)
     m = any_result["machine"] if any_result else common.machine_info()
     s = common.Setting()
     device = m["gpu"] or f"CPU: {m['cpu']}, {m['cpu_count']} cores"
     return (
         f"Taken {datetime.datetime.now().isoformat(timespec='minutes')} on {device}; torch {m['torch']}, "
-        f"{args.threads} torch threads, {'bf16' if args.bf16 else 'fp32'}.\n"
+        f"{args.threads} torch threads.\n"
         f"Setting: batch {s.batch_size}, mini-batch {s.mini_batch_size}, {s.ppo_epochs} PPO epochs, "
         f"{s.max_new_tokens} new tokens, queries of {s.query_len_min}-{s.query_len_max} tokens; "
-        f"median of {args.steps} steps after {args.warmup} warmup.\n"
+        f"{args.steps} interleaved rounds after {args.warmup} warmup; ratios are medians of per-round "
+        "ratios (interquartile range in brackets).\n"
         f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`\n"
     )
 
@@ -172,31 +288,31 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["tiny", "32k"], choices=sorted(common.SHAPES))
     parser.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS,
                         help="rows to run (floor_trl: the floor in the TRL venv)")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=1, help="warmup steps per run")
+    parser.add_argument("--steps", type=int, default=8, help="measured rounds (one step of every contender each)")
+    parser.add_argument("--warmup", type=int, default=2, help="rounds run first and left out")
     parser.add_argument("--threads", type=int, default=2, help="torch threads and OMP_NUM_THREADS for every run")
-    parser.add_argument("--bf16", action="store_true", help="bfloat16 instead of fp32")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds before one run is abandoned")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds a worker may take to build or for one step")
     parser.add_argument("--max-others", type=float, default=0.15,
-                        help="before each run, wait while others use more than this share of the CPU (1: never wait)")
+                        help="before each round, wait while others use more than this share of the CPU (1: never)")
     parser.add_argument("--max-wait", type=float, default=300, help="give up waiting for an idle machine after this")
-    parser.add_argument("--retries", type=int, default=2, help="redo a run that other processes disturbed, this often")
+    parser.add_argument("--retries", type=int, default=4, help="redo rounds that other processes disturbed, this often")
     args = parser.parse_args()
 
     RESULTS.mkdir(exist_ok=True)
     runs, notes = planned_runs(args.impls)
     for note in notes:
         print(f"NOTE: {note}")
-    results = {shape: {run.label: run_one(run, shape, args) for run in runs} for shape in args.shapes}
+    results = {shape: measure_shape(shape, runs, args) for shape in args.shapes}
 
-    report = header(args, results) + "\n" + table(results, runs) + "\n"
+    report = header(args, results) + "\n" + table(results, runs) + "\n\n" + summary(results) + "\n"
     report += "".join(f"\nNote: {n}\n" for n in notes)
-    busy = [f"{s}/{l}" for s, by in results.items() for l, r in by.items()
-            if (r.get("others_cpu_frac") or 0) > args.max_others]
+    busy = [f"{s}/{lbl}" for s, by in results.items() for lbl, r in by.items()
+            if lbl != "_rounds" and (r.get("others_cpu_frac") or 0) > args.max_others]
     if busy:
         report += (f"\nNote: other processes took over {args.max_others:.0%} of the CPU during {', '.join(busy)}; "
                    "those timings are inflated.\n")
     (RESULTS / "latest.md").write_text(report)
+    (RESULTS / "latest.json").write_text(json.dumps(results, indent=1))
     print("\n" + report + f"\n(written to {(RESULTS / 'latest.md').relative_to(ROOT)})")
 
 

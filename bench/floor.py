@@ -9,6 +9,7 @@ No value head, no KL, no advantages, no per-token bookkeeping: a trainer's "rati
 everything it does on top of this.
 
     python bench/floor.py --shape 32k --steps 5 --warmup 1 --json /tmp/floor.json
+    python bench/floor.py --shape 32k --serve     # a worker of compare.py: steps on request
 """
 
 import argparse
@@ -85,6 +86,9 @@ def main() -> None:
         queries = common.make_queries(step, vocab, setting)
         return floor_step(policy, ref, optimizer, queries, setting, dev)
 
+    if args.serve:
+        common.serve(step_fn, lambda: common.describe("floor", args, setting, common.weights_digest(ref)))
+        return
     steps, others_frac = common.run_steps(step_fn, args.warmup + args.steps)
     result = common.summarize("floor", args, setting, common.weights_digest(ref), steps, others_frac)
     result.update(

@@ -8,6 +8,8 @@ The two libraries share one API, so the code below is the same for both apart fr
     /work/trl-venv/bin/python bench/ppo_step.py --impl trl --shape 32k --steps 5 --warmup 1
     # ppo_core with a LoRA policy (reference = the adapter-disabled model, no second copy of the weights)
     .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --steps 5 --warmup 1 --lora
+    # a worker of compare.py's interleaved runs: builds the trainer, then runs steps on request
+    .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --serve
 
 Setting (bench/common.py): fp32 unless --bf16, batch 64, mini-batch 16, 4 PPO epochs, 24 new tokens per
 response (EOS/PAD suppressed so every impl generates exactly 64 * 24 tokens), a random-init GPT-2 saved
@@ -137,10 +139,14 @@ def main() -> None:
     trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora)
     vocab = common.SHAPES[args.shape].vocab_size
 
+    impl = f"{args.impl}, LoRA r={args.lora_r}" if args.lora else args.impl
+    if args.serve:
+        common.serve(lambda step: run_step(trainer, step, vocab, setting),
+                     lambda: dict(common.describe(impl, args, setting, digest), memory=memory_breakdown(trainer)))
+        return
     n_steps = args.warmup + args.steps
     steps, others_frac = common.run_steps(lambda step: run_step(trainer, step, vocab, setting), n_steps)
     last = steps[-max(1, len(steps) // 4) :]  # the last quarter of the run
-    impl = f"{args.impl}, LoRA r={args.lora_r}" if args.lora else args.impl
     result = common.summarize(impl, args, setting, digest, steps, others_frac)
     result.update(
         median_step_s=common.median_after_warmup([s["step_s"] for s in steps], args.warmup),
