@@ -7,6 +7,7 @@ request):
   trl                    $TRL_PYTHON                                    bench/ppo_step.py --impl trl
   ppo_core               this interpreter                               bench/ppo_step.py --impl ppo_core
   ppo_core, bf16 mixed   this interpreter                               bench/ppo_step.py --impl ppo_core --bf16
+  ppo_core, LoRA r=16    this interpreter (with peft)                   bench/ppo_step.py --impl ppo_core --lora
 The two floors matter because the venvs carry different transformers versions (5.x vs 4.46): each trainer's
 "ratio to floor" is taken against the floor of its own venv, so it measures the trainer, not transformers.
 Without a TRL venv the TRL rows are skipped with a note.
@@ -20,6 +21,7 @@ processes took more than --max-others of the CPU is redone (up to --retries time
     .venv/bin/python bench/compare.py                      # tiny and 32k, 8 measured rounds after 2 warmup
     .venv/bin/python bench/compare.py --shapes tiny --steps 20
     .venv/bin/python bench/compare.py --impls floor ppo_core ppo_core_bf16 --shapes 32k
+    .venv/bin/python bench/compare.py --impls ppo_core ppo_core_lora --shapes base --steps 5 --warmup 1
 
 Logs go to bench/results/ (git-ignored), with the whole result as JSON; the table also goes to
 bench/results/latest.md.
@@ -43,8 +45,10 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 TRL_PYTHON = os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python")
-IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16"]
+IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora"]
+DEFAULT_IMPLS = IMPLS[:-1]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
 BF16 = "ppo_core, bf16 mixed"
+LORA = "ppo_core, LoRA r=16"
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,8 @@ def planned_runs(impls: list) -> tuple:
         runs.append(Run("ppo_core", sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core"), "floor"))
     if "ppo_core_bf16" in impls:  # mixed precision through accelerate, against the fp32 floor
         runs.append(Run(BF16, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--bf16"), "floor"))
+    if "ppo_core_lora" in impls:  # adapter + value head trained, adapter-disabled reference (no weight copy)
+        runs.append(Run(LORA, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--lora"), "floor"))
     return runs, notes
 
 
@@ -261,6 +267,12 @@ def summary(results: dict) -> str:
             parts.append(f"{fmt_ratio(floor)}x the floor")
         if (bf16 := ratio_stats(rounds, BF16, "ppo_core")) is not None:
             parts.append(f"bf16 mixed precision {fmt_ratio(bf16, invert=True)}x faster than fp32")
+        if (lora := ratio_stats(rounds, LORA, "ppo_core")) is not None:
+            full, low = by["ppo_core"]["memory"], by[LORA]["memory"]
+            parts.append(f"LoRA {fmt_ratio(lora, invert=True)}x faster than full PPO, holding "
+                         f"{low['weights_mb']:.1f} vs {full['weights_mb']:.1f} MiB of weights (policy + reference) "
+                         f"and {low['optimizer_state_mb']:.1f} vs {full['optimizer_state_mb']:.1f} MiB of optimizer "
+                         f"state, peak RSS {by[LORA]['peak_rss_mb']:.0f} vs {by['ppo_core']['peak_rss_mb']:.0f} MiB")
         lines.append(f"- {shape}: ppo_core " + ", ".join(parts))
     return "\n".join(lines)
 
@@ -286,7 +298,7 @@ def header(args, results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["tiny", "32k"], choices=sorted(common.SHAPES))
-    parser.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS,
+    parser.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=IMPLS,
                         help="rows to run (floor_trl: the floor in the TRL venv)")
     parser.add_argument("--steps", type=int, default=8, help="measured rounds (one step of every contender each)")
     parser.add_argument("--warmup", type=int, default=2, help="rounds run first and left out")
