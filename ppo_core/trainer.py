@@ -58,6 +58,7 @@ from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, to
 from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
                       policy_outputs)
 from .utils import keep_freed_memory_for_reuse, set_seed
+from .zero import gathered
 
 
 def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -648,9 +649,11 @@ class PPOTrainer:
         logits = None
         if return_logits:
             valid = inputs.response_mask()
-            head = self.accelerator.unwrap_model(model).lm_head()
-            logits = torch.zeros(*valid.shape, head.weight.shape[0], device=valid.device)
-            logits[valid] = head.logits(out.hidden)
+            unwrapped = self.accelerator.unwrap_model(model)
+            with gathered(unwrapped.lm_head_parameters()):  # under ZeRO-3: read outside any forward
+                head = unwrapped.lm_head()
+                logits = torch.zeros(*valid.shape, head.weight.shape[0], device=valid.device)
+                logits[valid] = head.logits(out.hidden)
         return out.logprobs, logits, out.values, build_response_masks(response_masks, inputs)
 
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
