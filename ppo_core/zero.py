@@ -106,7 +106,7 @@ def fill_config(ds_config: dict, mini_batch_size: int, gradient_accumulation_ste
 def register_lm_head(model: torch.nn.Module) -> None:
     """Register the LM-head parameters of a value-head ``model`` as external parameters of ``model``, so that
     ZeRO-3 gathers them for its whole forward and backward (the scoring path reads them outside the head
-    module's own forward). Call it before the model becomes a DeepSpeed engine; a no-op for others."""
+    module's own forward). Call it before the model becomes a ZeRO-3 engine."""
     import deepspeed
 
     for param in model.lm_head_parameters():
@@ -143,7 +143,7 @@ def gathered_for_generation(model) -> Iterator[None]:
 
     with deepspeed.zero.GatheredParameters(list(model.module.parameters())):
         # The hooks would release the gathered weights after each module's forward, and gather them again at
-        # the next token. A parameter left marked in use (by an interrupted pass) would not be released at all.
+        # the next token. A parameter still marked in use by a module would not be released on the way out.
         for param in iter_params(offload.module, recurse=True):
             param.ds_active_sub_modules.clear()
         for hook in offload.forward_hooks + offload.backward_hooks:
