@@ -3,9 +3,12 @@
 ``AutoModelForCausalLMWithValueHead`` wraps any ``transformers.AutoModelForCausalLM`` (GPT-2, Llama,
 Qwen2, GPT-NeoX, OPT, ...), ``AutoModelForSeq2SeqLMWithValueHead`` any encoder-decoder
 ``AutoModelForSeq2SeqLM`` (T5, BART, ...); either may hold a PEFT adapter (``ppo_core.adapters``).
-Besides the legacy ``forward`` (full logits), they expose the two pieces the trainer's fast path needs:
-the last hidden states (``forward(..., hidden_only=True)``) and the LM head (``lm_head()``), so
-log-probabilities can be computed at response positions only (see ``ppo_core.logprobs``).
+Besides the legacy ``forward`` (full logits), their ``forward(..., score_positions=, score_targets=)`` returns
+the trainer's per-token outputs (:class:`TokenScores`: log-probabilities, entropies, values) computed at the
+response positions only, from the last hidden states and the LM head (``lm_head()``, see ``ppo_core.logprobs``).
+That path runs inside ``forward`` so that a wrapper sees the LM head used there: DDP, and DeepSpeed ZeRO-3,
+which gathers a sharded weight only for the forward and backward of a module that owns it or has it
+registered (``lm_head_parameters()``, see ``ppo_core.zero``).
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import dataclasses
 import json
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from . import adapters
-from .logprobs import LMHead
+from .logprobs import LMHead, selected_logprobs, selected_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,15 @@ class ValueHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = self.dropout(hidden_states)
         return self.summary(out.to(self.summary.weight.dtype))
+
+
+class TokenScores(NamedTuple):
+    """What ``forward(..., score_positions=..., score_targets=...)`` returns. ``N`` scored tokens."""
+
+    logprobs: torch.Tensor  # (N,) log p(target) at each scored position (float32; differentiable)
+    entropy: torch.Tensor | None  # (N,) entropy of the next-token distribution there, with score_entropy (no grad)
+    values: torch.Tensor  # (B, T) the value head at every position
+    hidden: torch.Tensor | None  # (N, H) the (detached) hidden states at the scored positions, with score_hidden
 
 
 def _hidden_size(config) -> int:
@@ -200,6 +213,28 @@ class PreTrainedModelWrapper(nn.Module):
             bias = final_bias[0] if bias is None else bias + final_bias[0]
         return LMHead(head.weight, bias, scale, softcap)
 
+    def lm_head_parameters(self) -> list[nn.Parameter]:
+        """The parameters ``lm_head()`` reads (its weight, and its bias if a parameter): what ZeRO-3 must gather
+        for the scoring forward, which uses them outside the head module's own forward (``final_logits_bias``
+        is a buffer, never sharded)."""
+        head = self.transformers_model.get_output_embeddings()
+        return [p for p in (head.weight, getattr(head, "bias", None)) if isinstance(p, nn.Parameter)]
+
+    def _token_scores(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                      with_entropy: bool, keep_hidden: bool, chunk_size: int | None) -> TokenScores:
+        """``hidden (B, T, H)`` -> :class:`TokenScores` at ``positions`` ``(N, 2)`` (row, position) for ``targets`` ``(N,)``.
+
+        The LM head runs on the ``N`` selected hidden states only, chunk by chunk (``ppo_core.logprobs``).
+        """
+        values = self.v_head(hidden).squeeze(-1)  # (B, T)
+        selected = hidden[positions[:, 0], positions[:, 1]]  # (N, H)
+        head = self.lm_head()
+        if with_entropy:
+            logprobs, entropy = selected_logprobs_and_entropy(selected, head, targets, chunk_size)
+        else:
+            logprobs, entropy = selected_logprobs(selected, head, targets, chunk_size), None
+        return TokenScores(logprobs, entropy, values, selected.detach() if keep_hidden else None)
+
 
 class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
     """A causal LM plus a value head on its last hidden state (TRL's legacy class, same API).
@@ -210,14 +245,21 @@ class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
 
     transformers_parent_class = AutoModelForCausalLM
 
-    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False,
-                **kwargs):
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False, *,
+                score_positions=None, score_targets=None, score_entropy=False, score_hidden=False,
+                score_chunk_size=None, **kwargs):
         """Legacy forward: ``(lm_logits float32 (B, T, V), loss or None, values (B, T))``.
 
-        With ``hidden_only=True`` (used by the trainer) it skips the LM head and returns
-        ``(last_hidden_states (B, T, H), values (B, T))``; going through ``forward`` keeps wrappers
-        such as DDP in the loop.
+        With ``score_positions`` (``(N, 2)``: row and position of each scored token) and ``score_targets``
+        (``(N,)``: the token whose log-probability is wanted there, the next one in ``input_ids``), it skips
+        the full logits and returns :class:`TokenScores` (the trainer's path); ``score_entropy`` adds the
+        entropies, ``score_hidden`` the hidden states, ``score_chunk_size`` bounds the rows per LM-head chunk.
+        With ``hidden_only=True`` it returns ``(last_hidden_states (B, T, H), values (B, T))``.
         """
+        if score_positions is not None:
+            hidden = self.backbone_hidden_states(input_ids, attention_mask, kwargs.get("position_ids"))
+            return self._token_scores(hidden, score_positions, score_targets, score_entropy, score_hidden,
+                                      score_chunk_size)
         if kwargs.pop("hidden_only", False):
             hidden = self.backbone_hidden_states(input_ids, attention_mask, kwargs.get("position_ids"))
             return hidden, self.v_head(hidden).squeeze(-1)
@@ -259,9 +301,17 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
     transformers_parent_class = AutoModelForSeq2SeqLM
     is_encoder_decoder = True
 
-    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False,
-                **kwargs):
-        """Legacy forward; with ``hidden_only=True``, ``(decoder hidden states (B, T_dec, H), values (B, T_dec))``."""
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False, *,
+                score_positions=None, score_targets=None, score_entropy=False, score_hidden=False,
+                score_chunk_size=None, **kwargs):
+        """Legacy forward; with ``score_positions``/``score_targets`` (over ``decoder_input_ids``), the
+        :class:`TokenScores` of the decoder (see the causal class); with ``hidden_only=True``, ``(decoder
+        hidden states (B, T_dec, H), values (B, T_dec))``."""
+        if score_positions is not None:
+            hidden = self.decoder_hidden_states(input_ids, attention_mask, kwargs["decoder_input_ids"],
+                                                kwargs.get("decoder_attention_mask"))
+            return self._token_scores(hidden, score_positions, score_targets, score_entropy, score_hidden,
+                                      score_chunk_size)
         if kwargs.pop("hidden_only", False):
             hidden = self.decoder_hidden_states(input_ids, attention_mask, kwargs["decoder_input_ids"],
                                                 kwargs.get("decoder_attention_mask"))

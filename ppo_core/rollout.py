@@ -18,7 +18,8 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .logprobs import full_kl, selected_logprobs, selected_logprobs_and_entropy
+from .logprobs import full_kl
+from .zero import gathered
 
 
 class ModelInputs(NamedTuple):
@@ -92,56 +93,54 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
                    chunk_size: int | None = None) -> PolicyOutputs:
     """Log-probabilities of the response tokens, values, and optionally the entropies, in one pass.
 
-    ``model`` is a value-head model, causal or encoder-decoder (possibly wrapped by accelerate/DDP: it
-    is called, so wrappers see the forward). Gradients flow when called outside ``torch.no_grad``.
+    ``model`` is a value-head model, causal or encoder-decoder, possibly wrapped (DDP, a DeepSpeed engine): the
+    per-token outputs come out of its ``forward`` (``score_positions``, see ``modeling``), so a wrapper sees
+    everything the pass reads, the LM head included. Gradients flow when called outside ``torch.no_grad``.
     """
     seq_len = int((inputs.query_lens + inputs.response_lens).max())
     input_ids = inputs.input_ids[:, :seq_len]
-    # An all-ones mask is exact here (right padding, causal attention) and lets attention use its
-    # causal fast path; passing one also tells transformers we did not forget the padding.
-    if inputs.encoder_input_ids is None:
-        hidden, values_all = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                   hidden_only=True)  # (B, T, H), (B, T)
-    else:
-        enc_len = int(inputs.encoder_attention_mask.sum(1).max())
-        hidden, values_all = model(input_ids=inputs.encoder_input_ids[:, :enc_len],
-                                   attention_mask=inputs.encoder_attention_mask[:, :enc_len],
-                                   decoder_input_ids=input_ids, decoder_attention_mask=torch.ones_like(input_ids),
-                                   hidden_only=True)  # decoder: (B, T, H), (B, T)
     valid = inputs.response_mask()  # (B, R)
     offsets = torch.arange(valid.shape[1], device=valid.device)
     positions = (inputs.query_lens[:, None] - 1 + offsets[None, :]).clamp(max=seq_len - 1)  # (B, R)
     rows, cols = valid.nonzero(as_tuple=True)  # the N real response tokens
     src = positions[rows, cols]
-    selected = hidden[rows, src]  # (N, H)
-    targets = input_ids[rows, src + 1]  # (N,)
-
-    head = _unwrap(model).lm_head()
-    if with_entropy:
-        token_logprobs, token_entropy = selected_logprobs_and_entropy(selected, head, targets, chunk_size)
+    score = dict(score_positions=torch.stack([rows, src], dim=1), score_targets=input_ids[rows, src + 1],  # (N, 2), (N,)
+                 score_entropy=with_entropy, score_hidden=keep_hidden, score_chunk_size=chunk_size)
+    # An all-ones mask is exact here (right padding, causal attention) and lets attention use its
+    # causal fast path; passing one also tells transformers we did not forget the padding.
+    if inputs.encoder_input_ids is None:
+        out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **score)
     else:
-        token_logprobs = selected_logprobs(selected, head, targets, chunk_size)
-    logprobs = torch.zeros(valid.shape, dtype=token_logprobs.dtype, device=valid.device)
-    logprobs = logprobs.index_put((rows, cols), token_logprobs)
-    values = values_all.gather(1, positions).float() * valid
+        enc_len = int(inputs.encoder_attention_mask.sum(1).max())
+        out = model(input_ids=inputs.encoder_input_ids[:, :enc_len],
+                    attention_mask=inputs.encoder_attention_mask[:, :enc_len],
+                    decoder_input_ids=input_ids, decoder_attention_mask=torch.ones_like(input_ids), **score)
+    logprobs = torch.zeros(valid.shape, dtype=out.logprobs.dtype, device=valid.device)
+    logprobs = logprobs.index_put((rows, cols), out.logprobs)
+    values = out.values.gather(1, positions).float() * valid
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(valid.shape, dtype=token_entropy.dtype, device=valid.device)
-        entropy[rows, cols] = token_entropy
-    return PolicyOutputs(logprobs, values, entropy, selected.detach() if keep_hidden else None)
+        entropy = torch.zeros(valid.shape, dtype=out.entropy.dtype, device=valid.device)
+        entropy[rows, cols] = out.entropy
+    return PolicyOutputs(logprobs, values, entropy, out.hidden)
 
 
 def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.Tensor,
                       inputs: ModelInputs) -> torch.Tensor:
-    """``(B, R)`` whole-vocabulary ``KL(policy || ref)`` at each real response token (zero at padding)."""
+    """``(B, R)`` whole-vocabulary ``KL(policy || ref)`` at each real response token (zero at padding).
+
+    No gradient, outside any forward: under ZeRO-3 both LM heads are gathered for it (every process calls it).
+    """
+    policy, ref = _unwrap(model), _unwrap(ref_model)
     valid = inputs.response_mask()
     kl = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-    kl[valid] = full_kl(hidden, _unwrap(model).lm_head(), ref_hidden, _unwrap(ref_model).lm_head()).float()
+    with gathered(policy.lm_head_parameters() + ref.lm_head_parameters()):
+        kl[valid] = full_kl(hidden, policy.lm_head(), ref_hidden, ref.lm_head()).float()
     return kl
 
 
 def _unwrap(model):
-    """The value-head model inside accelerate/DDP wrappers."""
+    """The value-head model inside accelerate/DDP/DeepSpeed wrappers."""
     while hasattr(model, "module"):
         model = model.module
     return model

@@ -25,6 +25,11 @@ ratio-threshold skip is decided on the global mini-batch, and the stats and hist
 global batch (legacy TRL whitened and averaged per process, and averaged per-process token means). Each
 process shuffles its own samples (seed ``seed + process_index``), samples with its own RNG seed (the
 same offset), and a bad input or a non-finite loss on any process raises on all of them.
+
+Under DeepSpeed (accelerate's DeepSpeed plugin, ZeRO-2 or ZeRO-3) the same holds, and the engine accumulates,
+clips (``max_grad_norm``) and steps inside ``accelerator.backward``, with the settings of ``PPOConfig``. Under
+ZeRO-3 the LM head is gathered for the scoring forward, generation gathers the policy once per call and the
+reference is sharded too: see ``ppo_core.zero``. Checkpoints (``save_checkpoint``) are refused under DeepSpeed.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, to
 from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
                       policy_outputs)
 from .utils import keep_freed_memory_for_reuse, set_seed
+from .zero import (check_process_count, fill_config, gathered, gathered_for_generation, is_sharded, is_zero3,
+                   prepare_reference, process_group_kwargs, register_lm_head)
 
 
 def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -99,13 +106,17 @@ class PPOTrainer:
         self.accelerator = Accelerator(log_with=config.log_with,
                                        gradient_accumulation_steps=config.gradient_accumulation_steps,
                                        project_config=ProjectConfiguration(**config.project_kwargs),
-                                       **config.accelerator_kwargs)
-        _refuse_zero3(self.accelerator)
+                                       **process_group_kwargs(config.accelerator_kwargs))
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
         config.is_encoder_decoder, config.is_peft_model = model.is_encoder_decoder, model.is_peft_model
         self.is_distributed = self.accelerator.num_processes > 1
+        # DeepSpeed accumulates, clips and steps the optimizer inside accelerator.backward (see ``train_minibatch``)
+        self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None
+        self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``ppo_core.zero``)
+        if self.is_deepspeed:
+            check_process_count(self.accelerator)
         # None on one process: every cross-process path below is skipped and the numbers are the one-process ones
         self._group = ProcessGroup.current(self.accelerator.device) if self.is_distributed else None
         self._sum_across = self._group.sum_across if self._group is not None else None
@@ -130,6 +141,8 @@ class PPOTrainer:
                 warnings.warn("PPOTrainer: num_shared_layers is ignored for a PEFT policy (its reference is the "
                               "adapter-disabled model, which shares every base weight).")
         elif ref_model is None:
+            if self._zero3:
+                _check_zero3_copy(model, num_shared_layers)
             ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
         elif num_shared_layers is not None:
             warnings.warn("PPOTrainer: num_shared_layers is ignored when a ref_model is passed.")
@@ -149,11 +162,16 @@ class PPOTrainer:
                        else FixedKLController(config.init_kl_coef))
         self.running = RunningMoments()
 
-        # 4. accelerate: device placement, mixed precision, DDP
+        # 4. accelerate: device placement, mixed precision, DDP or DeepSpeed
+        if self.is_deepspeed:
+            fill_config(self.accelerator.state.deepspeed_plugin.deepspeed_config, config.mini_batch_size,
+                        config.gradient_accumulation_steps, config.max_grad_norm, self.accelerator.num_processes)
+        if self._zero3:
+            register_lm_head(model)  # the scoring forward reads the LM head outside the head module's forward
         (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
             model, optimizer, self.dataloader, lr_scheduler)
-        # frozen: never wrapped, never optimised; None for a PEFT policy (see ``_reference``)
-        self.ref_model = ref_model.to(self.accelerator.device) if ref_model is not None else None
+        # frozen, never optimised; None for a PEFT policy (see ``_reference``)
+        self.ref_model = self._place_reference(ref_model)
         self.current_device = self.accelerator.device
         if self.current_device.type == "cpu":  # (N, V) blocks reused, not page-faulted in at every mini-batch
             keep_freed_memory_for_reuse()
@@ -162,6 +180,7 @@ class PPOTrainer:
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
         self._warned_negative_kl = self._warned_start_token = False
         self._minibatches_done = 0  # of the current step, for error messages
+        self._window_has_gradients = False  # a backward ran in the current gradient-accumulation window
         self._best_score = -math.inf
 
     # ---- data --------------------------------------------------------------------------------------
@@ -193,7 +212,8 @@ class PPOTrainer:
         """
         def sample(model):
             model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
-            with self.accelerator.autocast():
+            # under ZeRO-3: the weights gathered once for the whole call, not per layer and token
+            with gathered_for_generation(model), self.accelerator.autocast():
                 return generate_batched(self.accelerator.unwrap_model(model).pretrained_model, self.tokenizer,
                                         query_tensor, self.current_device, length_sampler, batch_size, return_prompt,
                                         generation_kwargs, self.config.is_encoder_decoder)
@@ -220,6 +240,15 @@ class PPOTrainer:
             return
         with self.accelerator.unwrap_model(self.model).pretrained_model.disable_adapter():
             yield self.model
+
+    def _place_reference(self, ref_model: torch.nn.Module | None):
+        """The frozen reference on this process: whole on its device (DDP, ZeRO-2, whose policy weights are whole
+        too), or under ZeRO-3 sharded as the policy is (a DeepSpeed engine without optimizer)."""
+        if ref_model is None:
+            return None
+        if self._zero3:
+            return prepare_reference(ref_model, self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        return ref_model.to(self.accelerator.device)
 
     def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:
         """``query + response`` sequences, or for an encoder-decoder the queries and ``start + response``."""
@@ -393,11 +422,19 @@ class PPOTrainer:
         if skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
             warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({ratio_mean:.2f}) exceeds "
                           f"ratio_threshold ({self.config.ratio_threshold}); skipping its update.")
+            if self.is_deepspeed and self.accelerator.sync_gradients and self._window_has_gradients:
+                # DeepSpeed steps inside the backward of a window's last mini-batch: without one, the gradients
+                # of this window's other mini-batches would go into the next window's update. A zero loss adds none.
+                self.accelerator.backward((loss_p + loss_v) * 0.0)
         else:
             self.accelerator.backward(loss_p + loss_v)
+            self._window_has_gradients = True
         if self.accelerator.sync_gradients:
+            self._window_has_gradients = False
             # Clipping with an infinite bound only measures the norm: a non-finite gradient must stop the
-            # run before the optimizer writes it into the weights.
+            # run before the optimizer writes it into the weights. (DeepSpeed has stepped already, in backward,
+            # with its own clipping, from PPOConfig (see ``zero.fill_config``): it skips an update whose gradient
+            # norm is not finite, and this returns that norm.)
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or math.inf)
             if norm is not None and not torch.isfinite(torch.as_tensor(norm)):
                 self.optimizer.zero_grad(set_to_none=True)
@@ -580,12 +617,21 @@ class PPOTrainer:
         and RNG states (``processes``, by process index), and every process returns once the file is complete.
         ``extra`` is stored as given (plain Python values or tensors), e.g. the caller's data position.
         """
+        self._refuse_deepspeed_checkpoint()
         self.accelerator.wait_for_everyone()
         own = {"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()}
         processes = self._group.gather_object(own) if self._group is not None else None
         if self.accelerator.is_main_process:
             self._write_checkpoint(path, extra, processes)
         self.accelerator.wait_for_everyone()  # every process may read the file once this returns
+
+    def _refuse_deepspeed_checkpoint(self) -> None:
+        """Under DeepSpeed each process holds only its shard of the optimizer state (and under ZeRO-3 of the
+        weights), which this one-file format written by the main process cannot hold: refuse, on every process."""
+        if self.is_deepspeed:
+            raise NotImplementedError("PPOTrainer: save_checkpoint/load_checkpoint are not supported under DeepSpeed "
+                                      "yet (the optimizer state, and under ZeRO-3 the weights, are sharded across "
+                                      "processes); run without checkpoints under DeepSpeed, or checkpoint under DDP.")
 
     def _write_checkpoint(self, path: str, extra: dict[str, Any] | None, processes: list[dict] | None) -> None:
         state = {
@@ -606,6 +652,7 @@ class PPOTrainer:
         moments, shuffling, step counter, RNG states; under N processes, each its own shuffling and RNG
         states); return its ``extra`` dict. Every process calls it; the number of processes must be the
         checkpoint's (it defines the global batch)."""
+        self._refuse_deepspeed_checkpoint()
         state = checkpoint.load(path)
         saved = state["config"].get("world_size") or 1
         if saved != self.accelerator.num_processes:
@@ -648,9 +695,11 @@ class PPOTrainer:
         logits = None
         if return_logits:
             valid = inputs.response_mask()
-            head = self.accelerator.unwrap_model(model).lm_head()
-            logits = torch.zeros(*valid.shape, head.weight.shape[0], device=valid.device)
-            logits[valid] = head.logits(out.hidden)
+            unwrapped = self.accelerator.unwrap_model(model)
+            with gathered(unwrapped.lm_head_parameters()):  # under ZeRO-3: read outside any forward
+                head = unwrapped.lm_head()
+                logits = torch.zeros(*valid.shape, head.weight.shape[0], device=valid.device)
+                logits[valid] = head.logits(out.hidden)
         return out.logprobs, logits, out.values, build_response_masks(response_masks, inputs)
 
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
@@ -738,14 +787,16 @@ def _reset_single_process_accelerate_state() -> None:
         GradientState._reset_state()
 
 
-def _refuse_zero3(accelerator: Accelerator) -> None:
-    """DeepSpeed ZeRO-3 keeps each weight partitioned outside its module's forward; the fused log-prob path
-    reads the LM-head weight after the forward, so it would see an empty shard. Refuse it clearly."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
-        raise ValueError("PPOTrainer: DeepSpeed ZeRO-3 is not supported yet (the fused log-prob path reads the "
-                         "LM-head weight outside the model's forward, where ZeRO-3 keeps it partitioned); use ZeRO-2 "
-                         "(configs/zero2.yaml: optimizer state and gradients sharded) or multi-GPU DDP.")
+def _check_zero3_copy(model: PreTrainedModelWrapper, num_shared_layers: int | None) -> None:
+    """Under ZeRO-3 the reference must be a separate, whole copy before it is sharded in its own engine."""
+    if is_sharded(model.parameters()):
+        raise ValueError("PPOTrainer: the policy's weights are already ZeRO-3 shards (built under deepspeed.zero.Init: "
+                         "transformers does so for every model built once an Accelerator runs ZeRO-3 in the process), "
+                         "so no reference copy can be made from it; build the policy before the first PPOTrainer, or "
+                         "pass a ref_model built the same way as the policy.")
+    if num_shared_layers is not None:
+        raise ValueError("PPOTrainer: num_shared_layers is not supported under ZeRO-3 (policy and reference are "
+                         "sharded in separate DeepSpeed engines, which cannot share weights); drop it.")
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:

@@ -11,11 +11,19 @@ Scenarios (each writes ``OUT_DIR/rank{p}.pt``):
   N processes and in one), the stats of ``STEPS`` steps and the final parameters;
 * ``global+shuffled``: that, and under ``"shuffled"`` a run with mini-batches of 2 per process,
   checkpointed after step 1 and resumed in a fresh trainer (one launch for both saves a process start-up);
-* ``bad_input``: the last process passes a NaN score (the others valid ones) and ``step`` must raise.
+* ``bad_input``: the last process passes a NaN score (the others valid ones) and ``step`` must raise;
+* ``deepspeed`` (under an accelerate DeepSpeed config, ZeRO-2 or ZeRO-3): ``global``, then under ``"rollout"``
+  two rounds of ``generate`` (policy and reference) and ``step`` with the whole-vocabulary KL, and what ZeRO-3
+  did: whether the LM heads were sharded, and how many module forwards fetched ZeRO-3 parameters while
+  generating (none: the weights are gathered once per call) and while stepping; then a step whose second
+  mini-batch has an infinite gradient (the error, and the weights before and after);
+* ``accumulation`` (one process, with or without DeepSpeed): ``ACCUMULATION``'s steps, where DeepSpeed (not the
+  trainer) accumulates gradients over mini-batches, some of them skipped by the ratio threshold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -25,7 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ppo_core import PPOConfig, PPOTrainer  # noqa: E402
-from tests.tiny import VOCAB, random_queries, tiny_tokenizer, tiny_value_model  # noqa: E402
+from ppo_core.zero import gathered  # noqa: E402
+from tests.tiny import PAD, VOCAB, random_queries, tiny_tokenizer, tiny_value_model  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 8, 3
 RESPONSE_LENS = [6, 5, 6, 4, 1, 2, 1, 1]  # 21 tokens in the first half, 5 in the second
@@ -38,6 +47,10 @@ CONFIGS = {  # per-config options; batch sizes are set per process below
     "early_stop": dict(ppo_epochs=4, early_stopping=True, target_kl=1e-5),
 }
 
+# Windows of 2 mini-batches of 2 (batch 8); the ratio threshold skips some mini-batches, some of them at the end
+# of a window whose first one was not skipped (DeepSpeed steps only in the backward of a window's last one).
+ACCUMULATION = dict(ppo_epochs=3, ratio_threshold=1.0005, gradient_accumulation_steps=2)
+
 
 def global_batch(step: int):
     """The ``step``-th global batch of (query, response, score) triples."""
@@ -46,11 +59,11 @@ def global_batch(step: int):
     return random_queries(GLOBAL_BATCH, seed=step), responses, list(torch.randn(GLOBAL_BATCH, generator=gen))
 
 
-def make_trainer(num_processes: int, mini_batches: int = 1, sgd: bool = False, **options) -> PPOTrainer:
+def make_trainer(num_processes: int, mini_batches: int = 1, sgd: bool = False, model=None, **options) -> PPOTrainer:
     batch_size = GLOBAL_BATCH // num_processes
     config = PPOConfig(**{"batch_size": batch_size, "mini_batch_size": batch_size // mini_batches,
                           "learning_rate": 1e-3, "seed": 0, **options})
-    model = tiny_value_model("gpt2", seed=0)
+    model = model if model is not None else tiny_value_model("gpt2", seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR) if sgd else None
     return PPOTrainer(config, model, tokenizer=tiny_tokenizer(), optimizer=optimizer)
 
@@ -69,13 +82,16 @@ def local_step(trainer: PPOTrainer, step: int, corrupt: bool = False) -> dict:
 
 
 def params(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
+    """The full parameters (and buffers); under ZeRO-3 gathered from every process's shards."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with gathered(model.parameters()):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_global(num_processes: int) -> dict:
+def run_global(num_processes: int, models: dict | None = None) -> dict:
     out = {}
     for name, options in CONFIGS.items():
-        trainer = make_trainer(num_processes, sgd=True, **options)
+        trainer = make_trainer(num_processes, sgd=True, model=(models or {}).get(name), **options)
         stats = [local_step(trainer, step) for step in range(STEPS)]
         out[name] = {"stats": stats, "params": params(trainer)}
     return out
@@ -95,6 +111,76 @@ def run_shuffled(num_processes: int, out_dir: str) -> dict:
             "stats": expected, "resumed_stats": got}
 
 
+def run_deepspeed(num_processes: int) -> dict:
+    """``run_global`` and two rollout steps under DeepSpeed. Every model is built first: once an Accelerator
+    runs ZeRO-3 in a process, transformers builds later models sharded (deepspeed.zero.Init), and a sharded policy
+    cannot be copied into a reference."""
+    models = {name: tiny_value_model("gpt2", seed=0) for name in [*CONFIGS, "rollout"]}
+    out = run_global(num_processes, models)
+    trainer = make_trainer(num_processes, mini_batches=2, model=models["rollout"], kl_penalty="full")
+    heads = [trainer.accelerator.unwrap_model(m).lm_head_parameters()[0] for m in (trainer.model, trainer.ref_model)]
+    rollout = {"stats": [], "generate_fetches": 0, "step_fetches": 0,
+               "heads_sharded": [h.numel() == 0 and h.ds_numel > 0 if hasattr(h, "ds_id") else False for h in heads]}
+    for step in range(2):
+        queries = random_queries(GLOBAL_BATCH // num_processes, seed=10 * step + trainer.accelerator.process_index)
+        with counted_fetches(trainer.model) as fetches:
+            responses, _ = trainer.generate(queries, return_prompt=False, generate_ref_response=True, max_new_tokens=5,
+                                            do_sample=True, top_k=0, top_p=1.0, pad_token_id=PAD)
+        rollout["generate_fetches"] += fetches[0]
+        with counted_fetches(trainer.model) as fetches:
+            stats = trainer.step(queries, responses, [torch.tensor(float(len(r))) for r in responses])
+        rollout["step_fetches"] += fetches[0]
+        rollout["stats"].append({k: v for k, v in stats.items() if not k.startswith("time/")})
+    rollout["params"] = params(trainer)
+    return {**out, "rollout": rollout, "non_finite": non_finite_step(trainer)}
+
+
+def non_finite_step(trainer: PPOTrainer) -> dict:
+    """A step whose second mini-batch's value-head gradient is infinite: the error and the weights around it."""
+    weight = trainer.accelerator.unwrap_model(trainer.model).v_head.summary.weight
+    calls = []
+
+    def blow_up_second(grad):
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 2 else grad
+
+    handle = weight.register_hook(blow_up_second)
+    before, error = params(trainer), None
+    try:
+        local_step(trainer, 0)
+    except FloatingPointError as exc:
+        error = str(exc)
+    handle.remove()
+    return {"error": error, "before": before, "after": params(trainer)}
+
+
+def run_accumulation() -> dict:
+    trainer = make_trainer(1, mini_batches=4, sgd=True, **ACCUMULATION)
+    return {"stats": [local_step(trainer, step) for step in range(STEPS)], "params": params(trainer)}
+
+
+@contextlib.contextmanager
+def counted_fetches(engine):
+    """Yields ``[n]``: how many module forwards fetched ZeRO-3 parameters of ``engine`` in the block (0 without
+    ZeRO-3). The fetch is a method of the engine's parameter-offload object, looked up at each call."""
+    count = [0]
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is None:
+        yield count
+        return
+    fetch = offload.pre_sub_module_forward_function
+
+    def counting(module):
+        count[0] += 1
+        return fetch(module)
+
+    offload.pre_sub_module_forward_function = counting
+    try:
+        yield count
+    finally:
+        del offload.pre_sub_module_forward_function  # the class's method again
+
+
 def main(out_dir: str, scenario: str) -> None:
     torch.set_num_threads(1)
     num_processes = int(os.environ.get("WORLD_SIZE", "1"))
@@ -102,6 +188,10 @@ def main(out_dir: str, scenario: str) -> None:
         result = run_global(num_processes)
     elif scenario == "global+shuffled":
         result = {**run_global(num_processes), "shuffled": run_shuffled(num_processes, out_dir)}
+    elif scenario == "deepspeed":
+        result = run_deepspeed(num_processes)
+    elif scenario == "accumulation":
+        result = run_accumulation()
     elif scenario == "bad_input":
         trainer = make_trainer(num_processes)
         local_step(trainer, 0, corrupt=trainer.accelerator.process_index == num_processes - 1)

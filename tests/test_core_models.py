@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from ppo_core import AutoModelForCausalLMWithValueHead, create_reference_model
 from ppo_core.modeling import VALUE_HEAD_FILE
+from ppo_core.logprobs import selected_logprobs_and_entropy
 from ppo_core.rollout import build_model_inputs, policy_outputs
 from tests.tiny import ARCHS, EOS, VOCAB, random_queries, tiny_causal_lm, tiny_value_model
 
@@ -238,3 +239,30 @@ def test_policy_outputs_match_the_legacy_full_forward(arch):
             torch.testing.assert_close(out.values[i, :len(r)], values, atol=1e-5, rtol=0)
             assert torch.all(out.logprobs[i, len(r):] == 0) and torch.all(out.values[i, len(r):] == 0)
             assert torch.all(out.entropy[i, :len(r)] > 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_scoring_forward_is_the_hidden_states_through_the_lm_head_bit_for_bit(arch):
+    """``forward(score_positions=...)`` (the trainer's path: the LM head inside the forward, where ZeRO-3 gathers it)
+    computes exactly what the hidden-only forward followed by the LM head outside it did, gradients included."""
+    model = tiny_value_model(arch).eval()  # no dropout: the two passes must see the same network
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, VOCAB, (3, 7), generator=gen)
+    positions = torch.tensor([[0, 2], [0, 5], [1, 0], [2, 6]])  # (row, position) of 4 scored tokens
+    targets = torch.randint(3, VOCAB, (4,), generator=gen)
+    out = model(input_ids=input_ids, score_positions=positions, score_targets=targets, score_entropy=True,
+                score_hidden=True, score_chunk_size=3)
+    out.logprobs.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    hidden, values = model(input_ids=input_ids, hidden_only=True)
+    selected = hidden[positions[:, 0], positions[:, 1]]
+    logprobs, entropy = selected_logprobs_and_entropy(selected, model.lm_head(), targets, chunk_size=3)
+    logprobs.sum().backward()
+    for got, expected in ((out.logprobs, logprobs), (out.entropy, entropy), (out.values, values),
+                          (out.hidden, selected)):
+        assert torch.equal(got, expected)
+    assert not out.hidden.requires_grad
+    for name, param in model.named_parameters():  # the value head gets none: only the log-probs are summed
+        assert (param.grad is None and grads[name] is None) or torch.equal(grads[name], param.grad), name
+    assert model.lm_head_parameters() == [model.pretrained_model.lm_head.weight]  # GPT-2 et al.: no head bias

@@ -1,0 +1,181 @@
+"""DeepSpeed ZeRO under accelerate: what ``PPOTrainer`` needs beyond ``accelerator.prepare``.
+
+ZeRO-2 shards the optimizer state and the gradients; every process keeps the whole weights, so forward
+passes, generation and reading the LM head work as without DeepSpeed. ZeRO-3 also shards the weights: a
+parameter holds its full value only during the forward (and backward) of a module that owns it, or that has
+it registered as an *external* parameter. Hence, under ZeRO-3:
+
+* the value-head model computes its log-probabilities inside its ``forward`` (``score_positions``, see
+  ``modeling``), and the LM-head weights read there are registered as its external parameters
+  (:func:`register_lm_head`), so they are gathered for that forward and its backward;
+* a no-grad read outside any forward (whole-vocabulary KL, legacy logits) gathers them explicitly
+  (:func:`gathered`);
+* generation gathers the whole model once per call and switches the ZeRO-3 hooks off meanwhile, instead of
+  gathering every layer again at every new token (:func:`gathered_for_generation`, as TRL's
+  ``unwrap_model_for_generation``); the weights must fit whole on a device for that long;
+* the frozen reference model is sharded too, as a DeepSpeed engine without optimizer
+  (:func:`prepare_reference`): whole, it would cost every process a full copy of the weights, which is what
+  ZeRO-3 is used to avoid.
+
+Under DeepSpeed the engine, not the trainer, accumulates gradients, clips them and steps the optimizer (inside
+``accelerator.backward``); :func:`fill_config` takes those settings from ``PPOConfig`` so that there is one
+source for them. deepspeed is imported only where one of these runs under DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from typing import Iterable, Iterator
+
+import torch
+
+
+def is_zero3(accelerator) -> bool:
+    """Whether ``accelerator`` runs DeepSpeed ZeRO stage 3 (weights sharded)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def is_sharded(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``params`` is a ZeRO-3 parameter (DeepSpeed tags each with a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in params)
+
+
+def process_group_kwargs(accelerator_kwargs: dict) -> dict:
+    """``accelerator_kwargs`` plus, under DeepSpeed on CPUs, the process-group backend accelerate does not pick.
+
+    accelerate picks a backend for GPUs and the other devices it knows, or with ``use_cpu`` (which turns DeepSpeed
+    off); for DeepSpeed on a machine without them it picks none and then counts every process as process 0 of 1.
+    DeepSpeed's CPU accelerator names its backend (gloo; oneCCL's ccl where installed). A backend given in
+    ``kwargs_handlers`` is kept.
+    """
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or "LOCAL_RANK" not in os.environ:
+        return accelerator_kwargs
+    from accelerate.utils import InitProcessGroupKwargs
+    from deepspeed.accelerator import get_accelerator
+
+    handlers = list(accelerator_kwargs.get("kwargs_handlers") or [])
+    if get_accelerator().device_name() != "cpu" or any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+        return accelerator_kwargs
+    backend = InitProcessGroupKwargs(backend=get_accelerator().communication_backend_name())
+    return {**accelerator_kwargs, "kwargs_handlers": [*handlers, backend]}
+
+
+def check_process_count(accelerator) -> None:
+    """Raise if accelerate counts fewer processes than torch.distributed runs (see :func:`process_group_kwargs`:
+    a state created without a backend, before the trainer's): every process would train as if it were alone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() != accelerator.num_processes:
+        raise ValueError(f"PPOTrainer: accelerate counts {accelerator.num_processes} process(es) but DeepSpeed runs "
+                         f"{dist.get_world_size()}: accelerate's state was created without a process-group backend, "
+                         "as happens on CPUs before the trainer's Accelerator; create the first Accelerator (or "
+                         "PartialState) with kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')], or none.")
+
+
+def fill_config(ds_config: dict, mini_batch_size: int, gradient_accumulation_steps: int,
+                max_grad_norm: float | None, num_processes: int) -> None:
+    """Fill the ``"auto"`` (or absent) entries of a DeepSpeed config dict from ``PPOConfig``, in place.
+
+    DeepSpeed accumulates ``gradient_accumulation_steps`` mini-batches and clips at ``gradient_clipping``
+    (0: no clipping) itself, so they must be the trainer's; a different number set in the DeepSpeed config
+    raises. The batch sizes only feed DeepSpeed's bookkeeping (it never sees the data): one micro-batch is a
+    mini-batch.
+    """
+    wanted = {"gradient_accumulation_steps": gradient_accumulation_steps,
+              "gradient_clipping": float(max_grad_norm or 0.0)}
+    ppo_names = {"gradient_accumulation_steps": "ppo.gradient_accumulation_steps",
+                 "gradient_clipping": "ppo.max_grad_norm (null: 0, no clipping)"}
+    for key, value in wanted.items():
+        given = ds_config.get(key, "auto")
+        if given == "auto":
+            ds_config[key] = value
+        elif float(given) != value:
+            raise ValueError(f"PPOTrainer: the DeepSpeed config sets {key}={given}, but PPOConfig gives {value} "
+                             f"({ppo_names[key]}); DeepSpeed applies it, so drop it from the DeepSpeed config (the "
+                             "trainer fills it) or make the two equal.")
+    if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds_config["train_micro_batch_size_per_gpu"] = mini_batch_size
+    if ds_config.get("train_batch_size", "auto") == "auto":
+        ds_config["train_batch_size"] = (ds_config["train_micro_batch_size_per_gpu"] * gradient_accumulation_steps
+                                         * num_processes)
+
+
+def register_lm_head(model: torch.nn.Module) -> None:
+    """Register the LM-head parameters of a value-head ``model`` as external parameters of ``model``, so that
+    ZeRO-3 gathers them for its whole forward and backward (the scoring path reads them outside the head
+    module's own forward). Call it before the model becomes a ZeRO-3 engine."""
+    import deepspeed
+
+    for param in model.lm_head_parameters():
+        deepspeed.zero.register_external_parameter(model, param)
+
+
+def gathered(params: Iterable[torch.nn.Parameter]):
+    """A context in which the ZeRO-3 ``params`` hold their full values (read-only); a no-op for plain ones.
+
+    A collective: every process must enter it with the same parameters.
+    """
+    params = list({id(p): p for p in params}.values())  # a PEFT policy is its own reference: same head twice
+    if not is_sharded(params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model) -> Iterator[None]:
+    """Within the block, every weight of the ZeRO-3 engine ``model`` is whole on every process and its ZeRO-3
+    hooks are off, so that ``generate`` runs as on an unsharded model; a no-op for anything else.
+
+    One gather per block instead of one per layer and token; the hooks are restored (and the gathered copies
+    freed) on the way out, exceptions included.
+    """
+    offload = _parameter_offload(model)
+    if offload is None:
+        yield
+        return
+    import deepspeed
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+
+    with deepspeed.zero.GatheredParameters(list(model.module.parameters())):
+        # The hooks would release the gathered weights after each module's forward, and gather them again at
+        # the next token. A parameter still marked in use by a module would not be released on the way out.
+        for param in iter_params(offload.module, recurse=True):
+            param.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
+
+
+def _parameter_offload(model):
+    """The object holding a ZeRO-3 engine's module hooks (its ``DeepSpeedZeRoOffload``), or None."""
+    is_zero3_engine = getattr(model, "zero_optimization_partition_weights", None)
+    if is_zero3_engine is None or not is_zero3_engine():
+        return None
+    optimizer = model.optimizer
+    return getattr(optimizer, "parameter_offload", optimizer)  # a training engine's, or an inference engine's
+
+
+def prepare_reference(model: torch.nn.Module, ds_config: dict):
+    """The frozen reference ``model`` as a ZeRO-3 engine without optimizer, sharded as the policy is.
+
+    ``ds_config`` is the policy's (filled) DeepSpeed config; its optimizer and scheduler sections are dropped.
+    Returns the engine in eval mode: call it like the model.
+    """
+    import deepspeed
+
+    config = copy.deepcopy(ds_config)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    register_lm_head(model)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # DeepSpeedEngine.eval returns None, not the engine
+    return engine

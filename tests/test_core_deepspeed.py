@@ -1,0 +1,130 @@
+"""PPO under DeepSpeed ZeRO-2 and ZeRO-3 (accelerate), on CPUs: 2 processes over gloo, ``DS_ACCELERATOR=cpu``.
+
+Each stage is one launch of ``tests/distributed_step.py deepspeed`` with the shipped config
+(``configs/zero2.yaml``, ``configs/zero3.yaml``; 2 processes, no mixed precision), compared as the DDP test
+compares: the two processes end with the same full weights (gathered from the shards under ZeRO-3) and the
+same stats, which equal one process without DeepSpeed over the same global batch within
+``rtol = atol = 1e-5`` (measured worst: about 0.15 of it, for both stages, as for DDP: DeepSpeed averages the
+gradients over the processes in float32, in another order than one process sums them). Then two rounds of
+``generate`` (policy and reference) and ``step`` with the whole-vocabulary KL, and a step with an infinite
+gradient. Gradient accumulation, which DeepSpeed does itself, is checked in one process against no DeepSpeed.
+
+DeepSpeed's first start on a machine compiles its small shared-memory communication op (about a minute, once;
+cached in ``~/.cache/torch_extensions``); after that a launch takes about 15-25 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from tests import distributed_step  # noqa: E402
+from tests.test_core_distributed import assert_stats_equal, free_port, load_ranks  # noqa: E402
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "distributed_step.py"
+RTOL = ATOL = 1e-5  # two DeepSpeed processes vs one plain process, float32 (see the module docstring)
+TIMEOUT = 300  # a first launch also compiles DeepSpeed's communication op
+
+
+def launch_deepspeed(config: str, scenario: str, out_dir: Path, num_processes: int = 2) -> tuple[int, str, float]:
+    """Run ``distributed_step.py`` under ``configs/{config}.yaml`` on CPUs; ``(exit code, output, seconds)``.
+
+    ``ACCELERATE_USE_CPU`` stays unset (it turns DeepSpeed off); ``DS_ACCELERATOR=cpu`` makes DeepSpeed use gloo.
+    """
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / f"{config}.yaml"),
+           "--num_processes", str(num_processes), "--mixed_precision", "no", "--main_process_port", str(free_port()),
+           str(SCRIPT), str(out_dir), scenario]
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: a timeout kills the workers too
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{config}/{scenario}: still running after {TIMEOUT} s (a hang):\n{output[-3000:]}")
+    return proc.returncode, output, time.monotonic() - start
+
+
+def assert_close_stats(got: list[dict], expected: list[dict], what: str) -> None:
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_allclose(np.asarray(a[key], dtype=np.float64), np.asarray(b[key], dtype=np.float64),
+                                       rtol=RTOL, atol=ATOL, err_msg=f"{what}, step {step}: {key}")
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """``run_global`` in this process, without DeepSpeed: what both stages must reproduce."""
+    return distributed_step.run_global(1)
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_two_deepspeed_processes_equal_one_process_and_generate_from_gathered_weights(config, one_process, tmp_path):
+    code, output, _ = launch_deepspeed(config, "deepspeed", tmp_path)
+    assert code == 0, output[-3000:]
+    ranks = load_ranks(tmp_path)
+    for name, expected in one_process.items():
+        for key, param in ranks[0][name]["params"].items():  # same full weights and stats on both processes
+            assert param.numel() > 0 and torch.equal(param, ranks[1][name]["params"][key]), (name, key)
+        for a, b in zip(ranks[0][name]["stats"], ranks[1][name]["stats"]):
+            assert_stats_equal(a, b)
+        assert_close_stats(ranks[0][name]["stats"], expected["stats"], f"{config}/{name}")
+        for key, param in expected["params"].items():
+            torch.testing.assert_close(ranks[0][name]["params"][key], param, rtol=RTOL, atol=ATOL, msg=f"{name}: {key}")
+
+    rollout = [r["rollout"] for r in ranks]
+    for key, param in rollout[0]["params"].items():
+        assert torch.equal(param, rollout[1]["params"][key]), key
+    for a, b in zip(rollout[0]["stats"], rollout[1]["stats"]):
+        assert_stats_equal(a, b)
+        assert all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in a.values())
+    assert rollout[0]["stats"][1]["objective/kl"] > 0  # the whole-vocabulary KL, once the policy has moved
+    if config == "zero3":
+        # the policy's and the reference's LM heads were shards outside a forward, so the scoring forward and the
+        # full KL gathered them; generation fetched nothing layer by layer (gathered once per call), a step did
+        assert rollout[0]["heads_sharded"] == [True, True]
+        assert rollout[0]["generate_fetches"] == 0 and rollout[0]["step_fetches"] > 0
+    else:  # ZeRO-2 shards no weight
+        assert rollout[0]["heads_sharded"] == [False, False] and rollout[0]["step_fetches"] == 0
+
+    # an infinite gradient in mini-batch 2 stops the step on both processes before its update (DeepSpeed skips it)
+    for rank in ranks:
+        error = rank["non_finite"]["error"]
+        assert error is not None and "mini-batch 2: non-finite gradient norm (inf) before the update; the weights " \
+                                     "hold this step's first 1 mini-batch update, not this one" in error, error
+        after, before = rank["non_finite"]["after"], rank["non_finite"]["before"]
+        assert all(torch.isfinite(v).all() for v in after.values() if v.is_floating_point())
+        assert any(not torch.equal(after[k], before[k]) for k in after)  # mini-batch 1's update only
+    assert all(torch.equal(v, ranks[1]["non_finite"]["after"][k]) for k, v in ranks[0]["non_finite"]["after"].items())
+
+
+def test_deepspeed_accumulates_and_skips_mini_batches_as_the_trainer_does(tmp_path):
+    """Under DeepSpeed the engine accumulates over ``gradient_accumulation_steps`` mini-batches and steps in the
+    backward of a window's last one; a window whose last mini-batch the ratio threshold skips must still apply
+    its other ones (a zero-loss backward), as without DeepSpeed: one process, the same numbers bit for bit."""
+    code, output, _ = launch_deepspeed("zero2", "accumulation", tmp_path, num_processes=1)
+    assert code == 0, output[-3000:]
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    expected = distributed_step.run_accumulation()
+    for a, b in zip(got["stats"], expected["stats"], strict=True):
+        assert_stats_equal(a, b)
+    assert sum(s["ppo/policy/skipped_minibatches"] for s in expected["stats"]) > 0
+    for key, param in expected["params"].items():
+        assert torch.equal(got["params"][key], param), key
