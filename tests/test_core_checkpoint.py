@@ -53,6 +53,20 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
         make_trainer().load_checkpoint(str(bad))
 
 
+def test_a_deepspeed_checkpoint_is_refused_without_deepspeed(tmp_path):
+    """Its weights and optimizer state are DeepSpeed's shards (a directory, ``trainer.pt`` beside them), which a
+    run without DeepSpeed cannot read: the message says how to resume it (tests/test_stages_distributed.py runs
+    the DeepSpeed ones)."""
+    trainer = make_trainer()
+    trainer.save_checkpoint(str(tmp_path / "ckpt.pt"))
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    (tmp_path / "ds").mkdir()
+    torch.save(state | {"zero_stage": 3}, tmp_path / "ds" / "trainer.pt")
+    with pytest.raises(ValueError, match=r"ds: written by a run under DeepSpeed ZeRO-3, this one runs without "
+                                         r"DeepSpeed; launch it as the checkpoint's run was to resume, or delete it"):
+        trainer.load_checkpoint(str(tmp_path / "ds"))
+
+
 def test_non_finite_loss_stops_the_step_before_any_update():
     trainer = make_trainer()
     queries = random_queries(8, seed=0)
