@@ -96,6 +96,7 @@ def replace_dir(tmp: str, path: str) -> None:
             with open(os.path.join(folder, name), "rb+") as fh:
                 os.fsync(fh.fileno())
     old = f"{tmp}-old"
+    shutil.rmtree(old, ignore_errors=True)  # left by a writer killed while deleting it
     if os.path.isdir(path):
         os.replace(path, old)
     os.replace(tmp, path)
