@@ -22,13 +22,19 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
+# The tests also run the DeepSpeed ones (skipped where deepspeed is missing); torch is named again so that pip keeps
+# the pinned build whatever deepspeed asks for.
+$(VENV)/.installed-deepspeed: $(VENV)/.installed
+	$(BIN)/pip install -q "$(TORCH)" -e ".[dev,deepspeed]"
+	touch $@
+
 install: $(VENV)/.installed
 
 run: install
 	@test -d .dvc || $(BIN)/dvc init -q
 	$(BIN)/dvc repro
 
-test: install
+test: $(VENV)/.installed-deepspeed
 	$(BIN)/python -m pytest tests
 
 bench: install

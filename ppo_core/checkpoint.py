@@ -1,16 +1,20 @@
-"""Resumable PPO state: everything a step depends on, in one file written atomically.
+"""Resumable PPO state: everything a step depends on, in one file written atomically (under DeepSpeed, one
+directory renamed into place).
 
 A checkpoint holds the policy and value head, the optimizer, the lr scheduler, the KL controller, the
 running score moments, the trainer's shuffling generator and step counter, the RNG states of Python,
 NumPy and torch (CPU and CUDA), the resolved config, and a caller's ``extra`` dict (e.g. the data
-position); under N processes, every process's shuffling and RNG states. Restoring it and continuing gives
-the same run as never stopping (on CPU, bit for bit).
+position); under N processes, every process's shuffling and RNG states. Under DeepSpeed the weights, the
+optimizer and the scheduler are DeepSpeed's own checkpoint of the engine (each process writes its shards), in
+``ENGINE_TAG/`` beside the trainer's file ``TRAINER_FILE``. Restoring it and continuing gives the same run as
+never stopping (on CPU, bit for bit).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 from typing import Any
 
@@ -18,6 +22,8 @@ import numpy as np
 import torch
 
 FORMAT_VERSION = 1
+TRAINER_FILE = "trainer.pt"  # under DeepSpeed: the trainer's state, beside the engine's
+ENGINE_TAG = "engine"  # under DeepSpeed: the tag (subdirectory) of DeepSpeed's checkpoint of the engine
 
 
 def rng_state() -> dict[str, Any]:
@@ -72,3 +78,26 @@ def load(path: str) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path}: not a ppo_core checkpoint (format {FORMAT_VERSION}); delete it to "
                          "start fresh.")
     return state
+
+
+def temporary_dir(path: str, tag: str) -> str:
+    """An empty-to-be directory name beside ``path`` for assembling it, the same on every process given the same
+    ``tag``; its ``.tmp-`` prefix is what the stages' clean-up of killed writers removes."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".tmp-{name}-{tag}")
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Move the complete directory ``tmp`` onto ``path`` (its files fsynced first): the old ``path`` aside, ``tmp``
+    in, the old one deleted. A reader sees the old checkpoint or the new one, never a partial one; a kill between
+    the two renames leaves none (both lie under ``.tmp-`` names), so the run starts over rather than resuming."""
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            with open(os.path.join(folder, name), "rb+") as fh:
+                os.fsync(fh.fileno())
+    old = f"{tmp}-old"
+    shutil.rmtree(old, ignore_errors=True)  # left by a writer killed while deleting it
+    if os.path.isdir(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -29,7 +29,8 @@ same offset), and a bad input or a non-finite loss on any process raises on all 
 Under DeepSpeed (accelerate's DeepSpeed plugin, ZeRO-2 or ZeRO-3) the same holds, and the engine accumulates,
 clips (``max_grad_norm``) and steps inside ``accelerator.backward``, with the settings of ``PPOConfig``. Under
 ZeRO-3 the LM head is gathered for the scoring forward, generation gathers the policy once per call and the
-reference is sharded too: see ``ppo_core.zero``. Checkpoints (``save_checkpoint``) are refused under DeepSpeed.
+reference is sharded too: see ``ppo_core.zero``. A checkpoint (``save_checkpoint``) is then a directory holding
+DeepSpeed's own checkpoint of the engine (every process's shards) beside the trainer's state.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import inspect
 import math
 import numbers
 import os
+import shutil
 import time
 import warnings
 from typing import Any, Callable, Iterable
@@ -63,8 +65,8 @@ from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, to
 from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
                       policy_outputs)
 from .utils import keep_freed_memory_for_reuse, set_seed
-from .zero import (check_process_count, fill_config, gathered, gathered_for_generation, is_sharded, is_zero3,
-                   prepare_reference, process_group_kwargs, register_lm_head)
+from .zero import (check_process_count, fill_config, gathered, gathered_for_generation, ignore_deprecated_collectives,
+                   is_sharded, is_zero3, prepare_reference, process_group_kwargs, register_lm_head)
 
 
 def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -117,6 +119,7 @@ class PPOTrainer:
         self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``ppo_core.zero``)
         if self.is_deepspeed:
             check_process_count(self.accelerator)
+            ignore_deprecated_collectives()
         # None on one process: every cross-process path below is skipped and the numbers are the one-process ones
         self._group = ProcessGroup.current(self.accelerator.device) if self.is_distributed else None
         self._sum_across = self._group.sum_across if self._group is not None else None
@@ -223,6 +226,15 @@ class PPOTrainer:
             return outputs
         with self._reference() as ref_model:
             return outputs, sample(ref_model)
+
+    @contextlib.contextmanager
+    def whole_policy(self):
+        """The policy (unwrapped: the value-head model) with every weight whole on this process, for the block, e.g.
+        to save it; read-only. Under ZeRO-3 the shards are gathered from every process: every process must enter
+        the block, even where only one of them saves."""
+        model = self.accelerator.unwrap_model(self.model)
+        with gathered(model.parameters()):
+            yield model
 
     @contextlib.contextmanager
     def _forward_precision(self):
@@ -616,60 +628,91 @@ class PPOTrainer:
         The main process writes; under N processes the file also holds every process's mini-batch shuffling
         and RNG states (``processes``, by process index), and every process returns once the file is complete.
         ``extra`` is stored as given (plain Python values or tensors), e.g. the caller's data position.
+
+        Under DeepSpeed ``path`` is a directory: DeepSpeed's checkpoint of the engine in ``engine/`` (each process
+        writes its shards of the weights and the optimizer state), and the rest in ``trainer.pt``, written by the
+        main process. It is assembled under a temporary name and renamed into place once every process is done.
         """
-        self._refuse_deepspeed_checkpoint()
         self.accelerator.wait_for_everyone()
         own = {"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()}
         processes = self._group.gather_object(own) if self._group is not None else None
-        if self.accelerator.is_main_process:
-            self._write_checkpoint(path, extra, processes)
-        self.accelerator.wait_for_everyone()  # every process may read the file once this returns
-
-    def _refuse_deepspeed_checkpoint(self) -> None:
-        """Under DeepSpeed each process holds only its shard of the optimizer state (and under ZeRO-3 of the
-        weights), which this one-file format written by the main process cannot hold: refuse, on every process."""
         if self.is_deepspeed:
-            raise NotImplementedError("PPOTrainer: save_checkpoint/load_checkpoint are not supported under DeepSpeed "
-                                      "yet (the optimizer state, and under ZeRO-3 the weights, are sharded across "
-                                      "processes); run without checkpoints under DeepSpeed, or checkpoint under DDP.")
+            self._write_deepspeed_checkpoint(path, extra, processes)
+        elif self.accelerator.is_main_process:
+            state = {"model": self.accelerator.unwrap_model(self.model).state_dict(),
+                     "optimizer": self.optimizer.state_dict(),
+                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
+            checkpoint.atomic_torch_save(self._trainer_state(extra, processes) | state, path)
+        self.accelerator.wait_for_everyone()  # every process may read the checkpoint once this returns
 
-    def _write_checkpoint(self, path: str, extra: dict[str, Any] | None, processes: list[dict] | None) -> None:
+    def _trainer_state(self, extra: dict[str, Any] | None, processes: list[dict] | None) -> dict[str, Any]:
+        """What a checkpoint holds beside the weights, the optimizer and the scheduler."""
         state = {
-            "format_version": checkpoint.FORMAT_VERSION,
-            "model": self.accelerator.unwrap_model(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "format_version": checkpoint.FORMAT_VERSION, "zero_stage": self._zero_stage(),
             "kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
             "shuffle": self._shuffle.get_state(), "current_step": self.current_step, "step_count": self.step_count,
             "rng": checkpoint.rng_state(), "config": flatten_dict(self.config.to_dict()), "extra": extra or {},
         }
-        if processes is not None:
-            state["processes"] = processes
-        checkpoint.atomic_torch_save(state, path)
+        return state | ({"processes": processes} if processes is not None else {})
+
+    def _write_deepspeed_checkpoint(self, path: str, extra: dict[str, Any] | None,
+                                    processes: list[dict] | None) -> None:
+        tmp = checkpoint.temporary_dir(path, str(self.step_count))  # the same name on every process
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a writer killed at this very step
+            os.makedirs(tmp)
+        self.accelerator.wait_for_everyone()
+        self.model.save_checkpoint(tmp, tag=checkpoint.ENGINE_TAG, save_latest=False)  # a collective
+        if self.accelerator.is_main_process:
+            checkpoint.atomic_torch_save(self._trainer_state(extra, processes),
+                                         os.path.join(tmp, checkpoint.TRAINER_FILE))
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            checkpoint.replace_dir(tmp, path)
+
+    def _zero_stage(self) -> int | None:
+        return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed else None
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote (model, optimizer, scheduler, KL controller, score
         moments, shuffling, step counter, RNG states; under N processes, each its own shuffling and RNG
-        states); return its ``extra`` dict. Every process calls it; the number of processes must be the
-        checkpoint's (it defines the global batch)."""
-        self._refuse_deepspeed_checkpoint()
-        state = checkpoint.load(path)
-        saved = state["config"].get("world_size") or 1
-        if saved != self.accelerator.num_processes:
-            raise ValueError(f"checkpoint {path}: written by a run of {saved} process(es), this one has "
-                             f"{self.accelerator.num_processes}; the global batch (batch_size * processes) would "
-                             f"change. Launch {saved} process(es) to resume, or delete it to start fresh.")
+        states); return its ``extra`` dict. Every process calls it; the number of processes, and DeepSpeed and
+        its ZeRO stage (or their absence), must be the checkpoint's."""
+        state = checkpoint.load(os.path.join(path, checkpoint.TRAINER_FILE) if os.path.isdir(path) else path)
+        self._check_checkpoint_run(path, state)
         own = state["processes"][self.accelerator.process_index] if "processes" in state else state
-        self.accelerator.unwrap_model(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.is_deepspeed:
+            loaded, _ = self.model.load_checkpoint(path, tag=checkpoint.ENGINE_TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+            if loaded is None:  # DeepSpeed warns and returns None for a missing checkpoint
+                raise ValueError(f"checkpoint {path}: DeepSpeed found no engine state in it; delete it to start "
+                                 "fresh.")
+        else:
+            self.accelerator.unwrap_model(self.model).load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.running.load_state_dict(state["running"])
         self._shuffle.set_state(own["shuffle"])
         self.current_step, self.step_count = state["current_step"], state["step_count"]
         checkpoint.set_rng_state(own["rng"])
         return state["extra"]
+
+    def _check_checkpoint_run(self, path: str, state: dict[str, Any]) -> None:
+        """Raise unless this run can continue the checkpoint's: as many processes (they define the global batch),
+        and the same DeepSpeed ZeRO stage, or none (the weights and optimizer state are laid out by it)."""
+        saved = state["config"].get("world_size") or 1
+        if saved != self.accelerator.num_processes:
+            raise ValueError(f"checkpoint {path}: written by a run of {saved} process(es), this one has "
+                             f"{self.accelerator.num_processes}; the global batch (batch_size * processes) would "
+                             f"change. Launch {saved} process(es) to resume, or delete it to start fresh.")
+        stage, saved_stage = self._zero_stage(), state.get("zero_stage")
+        if stage != saved_stage:
+            name = {None: "without DeepSpeed"} | {s: f"under DeepSpeed ZeRO-{s}" for s in (0, 1, 2, 3)}
+            raise ValueError(f"checkpoint {path}: written by a run {name[saved_stage]}, this one runs "
+                             f"{name[stage]}; launch it as the checkpoint's run was to resume, or delete it to start "
+                             "fresh.")
 
     # ---- legacy helpers kept for API compatibility ------------------------------------------------------
     def prepare_model_inputs(self, queries: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]:

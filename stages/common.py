@@ -67,11 +67,17 @@ def seed_everything(seed: int) -> None:
 
 def process_state():
     """accelerate's state of this process: one of several under `accelerate launch`, else the only one.
-    On a machine without a GPU (or with ACCELERATE_USE_CPU=1) the processes talk over gloo on the CPU."""
+    On a machine without a GPU (or with ACCELERATE_USE_CPU=1) the processes talk over gloo on the CPU; under a
+    DeepSpeed config, over the backend DeepSpeed names (`cpu=True` would turn DeepSpeed off)."""
     import torch
     from accelerate import PartialState
 
+    from ppo_core.zero import cpu_backend, deepspeed_launched
+
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+    if deepspeed_launched() and not use_cpu:
+        backend = cpu_backend()
+        return PartialState(**({"backend": backend} if backend else {}))
     return PartialState(cpu=use_cpu or not torch.cuda.is_available())
 
 

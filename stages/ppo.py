@@ -6,9 +6,9 @@ list of texts. The run works in data/checkpoints/ppo: each step writes its rollo
 and rewrites the stats table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to
 timings.csv so that every other artifact is byte-identical across runs) and the curves for `dvc plots`, so a run in
 progress (or one that failed) can be inspected; every `checkpoint.ppo_every` steps the whole training state goes to
-state.pt beside them. Only a finished run publishes its artifacts (data/ppo/*, data/models/ppo): a failed one leaves
-none. A rerun with the same params, inputs and code resumes from the checkpoint (see stages/resume.py) and ends
-with the same artifacts.
+state.pt beside them (under DeepSpeed: the directory state-deepspeed, with every process's shards). Only a finished
+run publishes its artifacts (data/ppo/*, data/models/ppo): a failed one leaves none. A rerun with the same params,
+inputs and code resumes from the checkpoint (see stages/resume.py) and ends with the same artifacts.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
     policy_class = AutoModelForSeq2SeqLMWithValueHead if seq2seq else AutoModelForCausalLMWithValueHead
     adapter = {"peft_config": lora_config(lora, "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")} if lora else {}
     model = policy_class.from_pretrained(root / SFT_MODEL, **adapter)
+    score = build_scorer(params, root)  # before the trainer: under ZeRO-3, models built after it come out sharded
     # reference: a frozen copy of SFT, or with LoRA the same weights with the adapter disabled
     trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
-    score = build_scorer(params, root)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
@@ -121,14 +121,17 @@ def run(params: Params, root: Path = Path(".")) -> str:
         # 5. checkpoint: after the step's artifacts, so a resumed run never redoes a step it has written
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
-            trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / STATE), extra={"step": step + 1,
-                                                                               "tables": tables.state()})
+            trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / state_name(trainer)),
+                                    extra={"step": step + 1, "tables": tables.state()})
     first, last = tables.curves[0], tables.curves[-1]
     if main:  # the run has finished: publish its artifacts
         with atomic_path(root / PPO_ROLLOUTS) as tmp:
             shutil.copytree(root / WORK_ROLLOUTS, tmp)
         tables.write({final: root / final for final in WORK_TABLES})
-        save_policy(root / PPO_MODEL, trainer.accelerator.unwrap_model(trainer.model), tokenizer)
+    with trainer.whole_policy() as policy:  # every process: under ZeRO-3 each holds a shard of the weights
+        if main:
+            save_policy(root / PPO_MODEL, policy, tokenizer)
+    if main:
         write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
                    root / PPO_METRICS)
     trainer.accelerator.wait_for_everyone()
@@ -137,7 +140,12 @@ def run(params: Params, root: Path = Path(".")) -> str:
             f"kl {last['kl']:.2f} -> {PPO_MODEL}")
 
 
-STATE = "state.pt"
+STATE = "state.pt"  # the trainer's checkpoint (ppo_core's one-file format)
+DEEPSPEED_STATE = "state-deepspeed"  # under DeepSpeed: a directory (DeepSpeed's sharded checkpoint and the rest)
+
+
+def state_name(trainer: PPOTrainer) -> str:
+    return DEEPSPEED_STATE if trainer.is_deepspeed else STATE
 
 
 def save_policy(path: Path, policy, tokenizer) -> None:
@@ -160,20 +168,26 @@ def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTa
     are removed). Returns (the first step to run, the tables); (0, empty tables) for a fresh run."""
     accelerator = trainer.accelerator
     directory, rollouts = root / PPO_CHECKPOINTS, root / WORK_ROLLOUTS
+    state = directory / state_name(trainer)
+    other = directory / (STATE if state.name == DEEPSPEED_STATE else DEEPSPEED_STATE)
     expected = fingerprint(params, TRACKED, INPUTS if params.scorer.source == "reward_model" else INPUTS[:2], root,
                            CODE)
     if accelerator.is_main_process:  # the main process owns the files; the others wait for its decision
         remove_stale_temporaries(directory, rollouts, root / PPO_ROLLOUTS.parent, root / PPO_MODEL.parent)
-        if not open_checkpoint_dir(directory, expected, params, "ppo") or not (directory / STATE).exists():
+        if not open_checkpoint_dir(directory, expected, params, "ppo") or not (state.exists() or other.exists()):
             fresh_dir(rollouts)
             for work in WORK_TABLES.values():
                 (root / work).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
-    if not (directory / STATE).exists():
+    if other.exists():  # the same params, launched with(out) DeepSpeed: a checkpoint this run cannot read
+        ran = {STATE: "without DeepSpeed", DEEPSPEED_STATE: "under DeepSpeed"}
+        raise StageError(f"{other}: written by a run {ran[other.name]}, this one runs {ran[state.name]}; launch it "
+                         f"as that run was to resume, or delete {directory} to start fresh")
+    if not state.exists():
         return 0, StepTables()
     try:
-        extra = trainer.load_checkpoint(str(directory / STATE))
-    except ValueError as err:  # unreadable, or written by another number of processes
+        extra = trainer.load_checkpoint(str(state))
+    except ValueError as err:  # unreadable, or written by another number of processes or ZeRO stage
         raise StageError(str(err)) from None
     start = extra["step"]
     if accelerator.is_main_process:
@@ -184,7 +198,7 @@ def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTa
         for path in rollouts.glob("step-*.parquet"):
             if path.name >= rollout_file(start):
                 path.unlink()  # written after the checkpoint: the resumed run writes it again
-        note(f"ppo: resuming from {directory / STATE} at step {start}")
+        note(f"ppo: resuming from {state} at step {start}")
     return start, StepTables.from_state(extra["tables"])
 
 

@@ -1,5 +1,7 @@
 """A run checkpointed and resumed in a fresh trainer equals the uninterrupted run, bit for bit (CPU)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from tiny import random_queries, tiny_causal_lm, tiny_tokenizer
@@ -51,6 +53,38 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
     bad.write_bytes(b"truncated")
     with pytest.raises(ValueError, match="ckpt.pt.*cannot be read"):
         make_trainer().load_checkpoint(str(bad))
+
+
+def test_a_deepspeed_checkpoint_is_refused_without_deepspeed(tmp_path):
+    """Its weights and optimizer state are DeepSpeed's shards (a directory, ``trainer.pt`` beside them), which a
+    run without DeepSpeed cannot read: the message says how to resume it (tests/test_stages_distributed.py runs
+    the DeepSpeed ones)."""
+    trainer = make_trainer()
+    trainer.save_checkpoint(str(tmp_path / "ckpt.pt"))
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    (tmp_path / "ds").mkdir()
+    torch.save(state | {"zero_stage": 3}, tmp_path / "ds" / "trainer.pt")
+    with pytest.raises(ValueError, match=r"ds: written by a run under DeepSpeed ZeRO-3, this one runs without "
+                                         r"DeepSpeed; launch it as the checkpoint's run was to resume, or delete it"):
+        trainer.load_checkpoint(str(tmp_path / "ds"))
+
+
+def test_a_directory_checkpoint_is_swapped_in_whole(tmp_path):
+    """Under DeepSpeed a checkpoint is a directory every process writes into under a temporary name (the same on
+    every process), then renamed over the previous one; nothing else is left beside it."""
+    from ppo_core import checkpoint
+
+    target = tmp_path / "state"
+    target.mkdir()
+    (target / "old.pt").write_text("old")
+    tmp = Path(checkpoint.temporary_dir(str(target), "4"))
+    assert tmp.name.startswith(".tmp-") and tmp.parent == tmp_path  # what the stages' clean-up removes
+    tmp.mkdir()
+    (tmp / "new.pt").write_text("new")
+    Path(f"{tmp}-old").mkdir()  # left by a writer killed while deleting the checkpoint before
+    checkpoint.replace_dir(str(tmp), str(target))
+    assert [p.name for p in target.iterdir()] == ["new.pt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["state"]
 
 
 def test_non_finite_loss_stops_the_step_before_any_update():

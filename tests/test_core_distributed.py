@@ -10,7 +10,6 @@ one process over the same 8 samples: float32, three steps, so the stated toleran
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -200,6 +199,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it, at once, as a job scheduler would: torchrun starts each worker
+    in a session of its own, out of reach of a signal to the launcher's process group."""
+    import psutil
+
+    try:
+        launcher = psutil.Process(proc.pid)
+        processes = [launcher, *launcher.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def launch(scenario: str, out_dir: Path, timeout: float = 120) -> tuple[int, str, float]:
     """Run ``distributed_step.py`` in 2 CPU processes; ``(exit code, output, seconds)``. A hang fails the test."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -207,12 +223,11 @@ def launch(scenario: str, out_dir: Path, timeout: float = 120) -> tuple[int, str
            "--main_process_port", str(free_port()), str(SCRIPT), str(out_dir), scenario]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group: a timeout kills the workers too
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         output, _ = proc.communicate()
         pytest.fail(f"{scenario}: 2 processes still running after {timeout} s (a hang):\n{output[-3000:]}")
     return proc.returncode, output, time.monotonic() - start

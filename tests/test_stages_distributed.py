@@ -1,11 +1,14 @@
 """The training stages under `accelerate launch` with 2 CPU processes (gloo): the command dvc.yaml would run
 with the one documented change, one set of artifacts, the PPO global batch = ppo.batch_size per process x 2,
-and an error on one process ending both with its message (no hang)."""
+and an error on one process ending both with its message (no hang). The ppo stage also under DeepSpeed ZeRO-2 and
+ZeRO-3 (`--config_file configs/zero3.yaml`, `DS_ACCELERATOR=cpu`; skipped without deepspeed): the artifacts of the
+DDP run, and a run killed mid-way and rerun ending with the bytes of an uninterrupted one."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -13,53 +16,154 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from stages.common import PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, SFT_METRICS, SFT_MODEL
+from stages.ppo import DEEPSPEED_STATE, WORK_ROLLOUTS, rollout_file
 from tests.conftest import ROOT
-from tests.test_core_distributed import free_port
-from tests.test_stages_resume import params_file, remove_outputs_as_dvc_does
+from tests.test_core_distributed import free_port, kill_tree
+from tests.test_stages_resume import digests, params_file, remove_outputs_as_dvc_does
 
 pytestmark = pytest.mark.slow
 
+# The ppo stage under DeepSpeed vs DDP (float32, 2 processes, 4 steps). Measured: ZeRO-3 equal bit for bit (every
+# artifact), ZeRO-2 the same rollouts and stats, weights within 6e-8, but GPT-2's key biases within 1.6e-6: their true
+# gradient is 0, and Adam turns the float noise in it (reduced in another order) into steps of about lr.
+STATS_TOL = dict(rtol=1e-5, atol=1e-6)
+WEIGHTS_TOL = dict(rtol=1e-5, atol=1e-5)
 
-def launch_stage(stage: str, params: Path, cwd: Path, timeout: float = 300) -> tuple[int, str]:
-    """`accelerate launch --multi_gpu --num_processes 2 -m stages STAGE` on CPU; a hang fails the test."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+
+def start_stage(stage: str, params: Path, cwd: Path, config: str | None = None) -> subprocess.Popen:
+    """`accelerate launch ... --num_processes 2 -m stages STAGE` on CPU, in its own process group, output piped:
+    DDP over gloo, or under DeepSpeed with `configs/{config}.yaml` (gloo too, with `DS_ACCELERATOR=cpu` and without
+    `ACCELERATE_USE_CPU`, which turns DeepSpeed off)."""
+    how = ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"] if config is None else [
+        "--config_file", str(ROOT / "configs" / f"{config}.yaml")]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", "2", "--mixed_precision", "no",
            "--main_process_port", str(free_port()), "-m", "stages", stage, "--params", str(params)]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    env.update({"ACCELERATE_USE_CPU": "1"} if config is None else {"DS_ACCELERATOR": "cpu"})
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def launch_stage(stage: str, params: Path, cwd: Path, timeout: float = 300,
+                 config: str | None = None) -> tuple[int, str]:
+    """:func:`start_stage`, to its end: (exit code, output); a hang fails the test."""
+    proc = start_stage(stage, params, cwd, config)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         output, _ = proc.communicate()
         pytest.fail(f"{stage}: 2 processes still running after {timeout} s (a hang):\n{output[-3000:]}")
     return proc.returncode, output
 
 
-def test_ppo_stage_in_two_processes(tiny_run, tmp_path):
-    """ppo.batch_size 4 per process: each step's rollouts hold the global batch of 8, written once."""
-    root = tmp_path / "project"
+# ppo.steps counts rollouts per process, as in the seed: ceil(16 / 4) = 4 steps of 2 x 4 rollouts; a checkpoint
+# every 2 steps (a killed run resumes mid-way)
+PPO_CHANGES = dict(ppo__batch_size=4, ppo__mini_batch_size=2, ppo__steps=16, checkpoint__ppo_every=2)
+PPO_STEPS = 4
+NOT_COMPARED = ("data/ppo/timings.csv", "data/checkpoints/")  # wall-clock times; the trainer's own state
+
+
+def ppo_project(tiny_run: Path, root: Path) -> tuple[Path, Path]:
+    """A copy of tiny_run without the ppo stage's outputs, as `dvc repro` leaves it; (root, its params file)."""
     shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints"))
     remove_outputs_as_dvc_does(root, "ppo")
-    # ppo.steps counts rollouts per process, as in the seed: ceil(8 / 4) = 2 steps of 2 x 4 rollouts
-    params = params_file(tmp_path, ppo__batch_size=4, ppo__mini_batch_size=2, ppo__steps=8)
-    code, output = launch_stage("ppo", params, root)
-    assert code == 0, output[-3000:]
-    assert output.count("ppo: 2 steps") == 1  # the summary line: one process reports
+    return root, params_file(root, **PPO_CHANGES)
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tiny_run, tmp_path_factory):
+    """`ppo_run(config)`: (root, output) of the ppo stage run to its end in 2 processes, under DDP (config None) or
+    `configs/{config}.yaml`; each one launched once for the module."""
+    done: dict[str | None, tuple[Path, str]] = {}
+
+    def run(config: str | None) -> tuple[Path, str]:
+        if config not in done:
+            if config is not None:
+                pytest.importorskip("deepspeed")
+            root, params = ppo_project(tiny_run, tmp_path_factory.mktemp(config or "ddp") / "project")
+            code, output = launch_stage("ppo", params, root, config=config)
+            assert code == 0, output[-3000:]
+            done[config] = root, output
+        return done[config]
+
+    return run
+
+
+def test_ppo_stage_in_two_processes(ppo_run):
+    """ppo.batch_size 4 per process: each step's rollouts hold the global batch of 8, written once."""
+    root, output = ppo_run(None)
+    assert output.count(f"ppo: {PPO_STEPS} steps") == 1  # the summary line: one process reports
     rollouts = pd.read_parquet(root / PPO_ROLLOUTS)
-    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == ["step-00000.parquet", "step-00001.parquet"]
-    assert rollouts.groupby("step").size().tolist() == [8, 8]
-    assert rollouts.groupby("step")["query"].nunique().tolist() == [8, 8]  # two different shards, not one twice
-    assert pd.read_parquet(root / PPO_STATS)["step"].tolist() == [0, 1]
+    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [rollout_file(i) for i in range(PPO_STEPS)]
+    assert rollouts.groupby("step").size().tolist() == [8] * PPO_STEPS
+    assert rollouts.groupby("step")["query"].nunique().tolist() == [8] * PPO_STEPS  # two shards, not one twice
+    assert pd.read_parquet(root / PPO_STATS)["step"].tolist() == list(range(PPO_STEPS))
     AutoModelForCausalLM.from_pretrained(root / PPO_MODEL)
     assert not list(root.rglob(".*tmp-*"))
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_ppo_stage_under_deepspeed_matches_ddp(config, ppo_run):
+    """The same artifacts as under DDP, once: every rollout the same text, the stats within STATS_TOL, the policy
+    saved whole (ZeRO-3 gathers its shards) and within WEIGHTS_TOL of DDP's, loadable by plain transformers."""
+    root, output = ppo_run(config)
+    ddp, _ = ppo_run(None)
+    assert output.count(f"ppo: {PPO_STEPS} steps") == 1
+    assert digests(root, NOT_COMPARED).keys() == digests(ddp, NOT_COMPARED).keys()
+    got, expected = pd.read_parquet(root / PPO_ROLLOUTS), pd.read_parquet(ddp / PPO_ROLLOUTS)
+    pd.testing.assert_frame_equal(got.drop(columns=["score", "kl"]), expected.drop(columns=["score", "kl"]))
+    for column in ("score", "kl"):
+        np.testing.assert_allclose(got[column], expected[column], **STATS_TOL, err_msg=column)
+    got, expected = pd.read_parquet(root / PPO_STATS), pd.read_parquet(ddp / PPO_STATS)
+    assert list(got.columns) == list(expected.columns)
+    for column in got.columns:  # a number per step, or a histogram's list
+        for step, (a, b) in enumerate(zip(got[column], expected[column])):
+            np.testing.assert_allclose(np.asarray(a, dtype=float), np.asarray(b, dtype=float), **STATS_TOL,
+                                       err_msg=f"step {step}: {column}")
+    policy, reference = (AutoModelForCausalLM.from_pretrained(r / PPO_MODEL).state_dict() for r in (root, ddp))
+    assert policy.keys() == reference.keys()
+    for name, weight in policy.items():
+        assert weight.numel() > 0 and weight.shape == reference[name].shape, name
+        torch.testing.assert_close(weight, reference[name], **WEIGHTS_TOL, msg=name)
+    state = root / "data" / "checkpoints" / "ppo" / DEEPSPEED_STATE
+    assert (state / "trainer.pt").is_file() and (state / "engine").is_dir()
+    assert not list(root.rglob(".*tmp-*"))
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_ppo_stage_under_deepspeed_killed_and_rerun_equals_uninterrupted(config, ppo_run, tiny_run, tmp_path):
+    """SIGKILL to every process a random moment after step 3's rollouts were written (mid-step, mid-checkpoint or
+    mid-publishing), the outputs dvc deletes deleted, the stage rerun: every artifact equals the uninterrupted
+    run's, byte for byte (DeepSpeed's checkpoint restores the fp32 weights and Adam's state exactly)."""
+    whole, _ = ppo_run(config)
+    root, params = ppo_project(tiny_run, tmp_path / "project")
+    seed = random.SystemRandom().randrange(1 << 30)  # the stages seed the global RNG of this process
+    delay = random.Random(seed).uniform(0.0, 0.25)
+    where = f"(seed {seed}: killed {delay:.3f} s after step 3 was written)"
+    proc = start_stage("ppo", params, root, config=config)
+    deadline = time.monotonic() + 300
+    while not (root / WORK_ROLLOUTS / rollout_file(2)).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.01)
+    time.sleep(delay)
+    kill_tree(proc)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, f"the stage ended before the kill {where}"
+
+    remove_outputs_as_dvc_does(root, "ppo")
+    code, output = launch_stage("ppo", params, root, config=config)
+    assert code == 0, output[-3000:]
+    assert f"note: ppo: resuming from data/checkpoints/ppo/{DEEPSPEED_STATE} at step" in output, where
+    assert digests(root, NOT_COMPARED) == digests(whole, NOT_COMPARED), where
+    assert not list(root.rglob(".*tmp-*")), "a killed writer's temporary file was left behind"
 
 
 def test_sft_stage_in_two_processes(tiny_run, tmp_path):

@@ -193,6 +193,23 @@ def test_checkpoint_from_other_params_restarts_or_stops(tiny_run, tiny_params, t
         ppo.run(dataclasses.replace(changed, checkpoint=stop.checkpoint), root)
 
 
+def test_a_checkpoint_written_under_deepspeed_stops_a_run_without_it(tiny_run, tiny_params, tmp_path):
+    """Same params and code, another launch: its checkpoint (a directory of DeepSpeed shards) cannot be read here, so
+    the stage stops, saying how to go on, and deletes nothing (tests/test_stages_distributed.py resumes real ones)."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root)
+    remove_outputs_as_dvc_does(root, "ppo")
+    checkpoints = root / "data" / "checkpoints" / "ppo"
+    (checkpoints / ppo.STATE).unlink()
+    (checkpoints / ppo.DEEPSPEED_STATE).mkdir()
+    before = digests(root)
+    with pytest.raises(StageError, match=r"data/checkpoints/ppo/state-deepspeed: written by a run under DeepSpeed, "
+                                         r"this one runs without DeepSpeed; launch it as that run was to resume, or "
+                                         r"delete .*data/checkpoints/ppo to start fresh"):
+        ppo.run(tiny_params, root)
+    assert digests(root) == before
+
+
 def test_rerun_with_the_same_params_resumes_from_the_final_checkpoint(tiny_run, tiny_params, tmp_path, capfd):
     """A forced rerun (`dvc repro -f`) of a finished run: nothing is recomputed, the artifacts come back equal."""
     root = tmp_path / "project"
