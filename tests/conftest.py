@@ -36,6 +36,25 @@ def tiny_run(tiny_params, tmp_path_factory) -> Path:
     return root
 
 
+def write_params(root: Path, changes: dict[str, object]) -> Path:
+    """The tiny params with dotted keys set ({"ppo.steps": 48}; a key not in the file is added, e.g. to test an
+    unknown key), written as root/params.yaml in ruamel's round-trip mode (comments and order kept)."""
+    from ruamel.yaml import YAML
+
+    yaml = YAML()
+    data = yaml.load(TINY_PARAMS.read_text())
+    for key, value in changes.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    path = root / "params.yaml"
+    with path.open("w") as fh:
+        yaml.dump(data, fh)
+    return path
+
+
 # Sections that change no output (resumed runs equal uninterrupted ones, tests prove it), so no stage tracks them.
 UNTRACKED_BY_DESIGN = {"checkpoint"}
 

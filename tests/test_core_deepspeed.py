@@ -15,10 +15,6 @@ from building its shared-memory all-reduce op (about a minute on a fresh machine
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +24,8 @@ import torch
 pytest.importorskip("deepspeed")
 
 from tests import distributed_step  # noqa: E402
-from tests.test_core_distributed import assert_stats_equal, free_port, kill_tree, load_ranks  # noqa: E402
+from tests import launching  # noqa: E402
+from tests.test_core_distributed import assert_stats_equal, load_ranks  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -39,24 +36,9 @@ TIMEOUT = 300  # generous: other work may share the 2 cores
 
 
 def launch_deepspeed(config: str, scenario: str, out_dir: Path, num_processes: int = 2) -> tuple[int, str, float]:
-    """Run ``distributed_step.py`` under ``configs/{config}.yaml`` on CPUs; ``(exit code, output, seconds)``.
-
-    ``ACCELERATE_USE_CPU`` stays unset (it turns DeepSpeed off); ``DS_ACCELERATOR=cpu`` makes DeepSpeed use gloo.
-    """
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / f"{config}.yaml"),
-           "--num_processes", str(num_processes), "--mixed_precision", "no", "--main_process_port", str(free_port()),
-           str(SCRIPT), str(out_dir), scenario]
-    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        output, _ = proc.communicate()
-        pytest.fail(f"{config}/{scenario}: still running after {TIMEOUT} s (a hang):\n{output[-3000:]}")
-    return proc.returncode, output, time.monotonic() - start
+    """Run ``distributed_step.py`` under ``configs/{config}.yaml`` on CPUs; ``(exit code, output, seconds)``."""
+    proc = launching.start([str(SCRIPT), str(out_dir), scenario], num_processes, config)
+    return launching.finish(proc, TIMEOUT, f"{config}/{scenario}")
 
 
 def assert_close_stats(got: list[dict], expected: list[dict], what: str) -> None:

@@ -9,12 +9,7 @@ one process over the same 8 samples: float32, three steps, so the stated toleran
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +19,7 @@ import torch
 from ppo_core.core import masked_mean, masked_var, masked_whiten
 from ppo_core.distributed import gather_ragged, mean_across, raise_if_any, tokens_per_process
 from ppo_core.ppo_math import gae_advantages, policy_loss, value_loss
-from tests import distributed_step
+from tests import distributed_step, launching
 
 torch.set_num_threads(1)
 
@@ -193,44 +188,9 @@ def test_an_error_on_one_process_raises_on_all_with_its_message():
 # ---------------------------------------------------------------------------------------------------
 # step() in two processes
 # ---------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a launcher and every process under it, at once, as a job scheduler would: torchrun starts each worker
-    in a session of its own, out of reach of a signal to the launcher's process group."""
-    import psutil
-
-    try:
-        launcher = psutil.Process(proc.pid)
-        processes = [launcher, *launcher.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
 def launch(scenario: str, out_dir: Path, timeout: float = 120) -> tuple[int, str, float]:
     """Run ``distributed_step.py`` in 2 CPU processes; ``(exit code, output, seconds)``. A hang fails the test."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), str(SCRIPT), str(out_dir), scenario]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        output, _ = proc.communicate()
-        pytest.fail(f"{scenario}: 2 processes still running after {timeout} s (a hang):\n{output[-3000:]}")
-    return proc.returncode, output, time.monotonic() - start
+    return launching.finish(launching.start([str(SCRIPT), str(out_dir), scenario]), timeout, f"{scenario} (2 processes)")
 
 
 def load_ranks(out_dir: Path) -> list[dict]:

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from ruamel.yaml import YAML
 from typer.testing import CliRunner
 
 from stages.cli import app
-from tests.conftest import TINY_PARAMS
+from tests.conftest import write_params
 
 SCORERS = '''import math
 
@@ -51,22 +50,6 @@ def project(tiny_run: Path, tmp_path: Path, upstream_of: str | None) -> Path:
         shutil.copytree(src, root / "data" / part)
     (root / "scorers.py").write_text(SCORERS)
     return root
-
-
-def write_params(root: Path, changes: dict[str, object]) -> Path:
-    """The tiny params with dotted keys set (a key not in the file is added: an unknown key)."""
-    yaml = YAML()
-    data = yaml.load(TINY_PARAMS.read_text())
-    for key, value in changes.items():
-        *parents, leaf = key.split(".")
-        node = data
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    path = root / "params.yaml"
-    with path.open("w") as fh:
-        yaml.dump(data, fh)
-    return path
 
 
 def files(root: Path) -> dict[str, str]:

@@ -12,7 +12,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from stages.common import PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, SFT_METRICS, SFT_MODEL
 from stages.ppo import DEEPSPEED_STATE, WORK_ROLLOUTS, rollout_file
+from tests import launching
 from tests.conftest import ROOT
-from tests.test_core_distributed import free_port, kill_tree
 from tests.test_stages_resume import digests, params_file, remove_outputs_as_dvc_does
 
 pytestmark = pytest.mark.slow
@@ -38,30 +37,17 @@ WEIGHTS_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def start_stage(stage: str, params: Path, cwd: Path, config: str | None = None) -> subprocess.Popen:
-    """`accelerate launch ... --num_processes 2 -m stages STAGE` on CPU, in its own process group, output piped:
-    DDP over gloo, or under DeepSpeed with `configs/{config}.yaml` (gloo too, with `DS_ACCELERATOR=cpu` and without
-    `ACCELERATE_USE_CPU`, which turns DeepSpeed off)."""
-    how = ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"] if config is None else [
-        "--config_file", str(ROOT / "configs" / f"{config}.yaml")]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", "2", "--mixed_precision", "no",
-           "--main_process_port", str(free_port()), "-m", "stages", stage, "--params", str(params)]
-    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
-    env.update({"ACCELERATE_USE_CPU": "1"} if config is None else {"DS_ACCELERATOR": "cpu"})
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """`accelerate launch ... --num_processes 2 -m stages STAGE` on CPU, output piped: DDP over gloo, or under
+    DeepSpeed with `configs/{config}.yaml` (see `tests/launching.py`)."""
+    return launching.start(["-m", "stages", stage, "--params", str(params)], 2, config, cwd,
+                           env={"TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)})
 
 
 def launch_stage(stage: str, params: Path, cwd: Path, timeout: float = 300,
                  config: str | None = None) -> tuple[int, str]:
     """:func:`start_stage`, to its end: (exit code, output); a hang fails the test."""
-    proc = start_stage(stage, params, cwd, config)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        output, _ = proc.communicate()
-        pytest.fail(f"{stage}: 2 processes still running after {timeout} s (a hang):\n{output[-3000:]}")
-    return proc.returncode, output
+    code, output, _ = launching.finish(start_stage(stage, params, cwd, config), timeout, f"{stage} (2 processes)")
+    return code, output
 
 
 # ppo.steps counts rollouts per process, as in the seed: ceil(16 / 4) = 4 steps of 2 x 4 rollouts; a checkpoint
@@ -154,7 +140,7 @@ def test_ppo_stage_under_deepspeed_killed_and_rerun_equals_uninterrupted(config,
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.01)
     time.sleep(delay)
-    kill_tree(proc)
+    launching.kill_tree(proc)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL, f"the stage ended before the kill {where}"
 

@@ -22,7 +22,7 @@ from stages import ppo, resume, reward, sft
 from stages.common import (PPO_MODEL, PPO_ROLLOUTS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL,
                            SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError)
 from stages.params import load_params
-from tests.conftest import ROOT, TINY_PARAMS, params_per_stage
+from tests.conftest import ROOT, TINY_PARAMS, params_per_stage, write_params
 
 DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
 
@@ -45,18 +45,7 @@ def remove_outputs_as_dvc_does(root: Path, stage: str) -> None:
 
 def params_file(tmp_path: Path, **changes) -> Path:
     """The tiny params with `changes` ({"ppo__steps": 48} sets ppo.steps), written to tmp_path/params.yaml."""
-    yaml = YAML()
-    data = yaml.load(TINY_PARAMS.read_text())
-    for key, value in changes.items():
-        *parents, leaf = key.split("__")
-        node = data
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    path = tmp_path / "params.yaml"
-    with path.open("w") as fh:
-        yaml.dump(data, fh)
-    return path
+    return write_params(tmp_path, {key.replace("__", "."): value for key, value in changes.items()})
 
 
 def run_stage(stage: str, params: Path, cwd: Path) -> subprocess.Popen:
