@@ -1,8 +1,6 @@
 """ppo: the seed's loop on ppo_core (generate, score, `step()`), ceil(ppo.steps / ppo.batch_size) times.
 
-The reward source is `scorer.source`: the trained reward model (default), a transformers text-classification
-pipeline (the raw score of `scorer.label`, as in the seed), or a Python callable `module:function` taking the
-list of texts. The run works in data/checkpoints/ppo: each step writes its rollouts there (rollouts/step-NNNNN.parquet)
+The reward source is `scorer.source` (see stages/scoring.py). The run works in data/checkpoints/ppo: each step writes its rollouts there (rollouts/step-NNNNN.parquet)
 and rewrites the stats table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to
 timings.csv so that every other artifact is byte-identical across runs) and the curves for `dvc plots`, so a run in
 progress (or one that failed) can be inspected; every `checkpoint.ppo_every` steps the whole training state goes to
@@ -14,26 +12,25 @@ inputs and code resumes from the checkpoint (see stages/resume.py) and ends with
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, pipeline
+from transformers import AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
 from stages.common import (PPO_CHECKPOINTS, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS,
-                           REWARD_MODEL, SFT_MODEL, TOKENIZED_TRAIN, atomic_path, device, fresh_dir, is_encoder_decoder,
-                           load_reward_model, lora_config, model_context, note, process_state, read_table,
-                           remove_stale_temporaries, require_dir, reward_scores, seed_everything, StageError, write_csv,
-                           write_json, write_parquet)
+                           REWARD_MODEL, SFT_MODEL, TOKENIZED_TRAIN, atomic_path, fresh_dir, is_encoder_decoder,
+                           lora_config, model_context, note, process_state, read_table, remove_stale_temporaries,
+                           require_dir, seed_everything, StageError, write_csv, write_json, write_parquet)
 from stages.params import Params, ppo_config
 from stages.resume import fingerprint, open_checkpoint_dir
+from stages.scoring import build_scorer, checked_scores
 from stages.synthetic import gold_score
 
 # The run in progress, inside the checkpoint directory: published to data/ppo only when the run has finished.
@@ -52,8 +49,8 @@ CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "obje
 TRACKED = ("seed", "data.sft.source", "data.pairs.source", "data.prompts.source", "model.lora", "scorer", "generation",
            "ppo")
 INPUTS = (TOKENIZED_TRAIN, SFT_MODEL, REWARD_MODEL)
-CODE = ("stages/ppo.py", "stages/resume.py", "stages/synthetic.py", "stages/common.py", "stages/params.py",
-        "ppo_core")
+CODE = ("stages/ppo.py", "stages/resume.py", "stages/scoring.py", "stages/synthetic.py", "stages/common.py",
+        "stages/params.py", "ppo_core")
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -254,61 +251,7 @@ def query_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
             yield order[start:start + batch_size]
 
 
-def checked_scores(scores, n: int, params: Params, step: int) -> list[float]:
-    """The scorer's output as n finite floats, or a StageError naming the step (counted from 1, as `step()`'s
-    errors count them), the text and the value."""
-    where = f"PPO step {step + 1}: scorer ({params.scorer.source}{f' {params.scorer.name}' if params.scorer.name else ''})"
-    try:
-        scores = list(scores)
-    except TypeError:
-        raise StageError(f"{where} returned {type(scores).__name__}, not a list; return one number per text") from None
-    if len(scores) != n:
-        raise StageError(f"{where} returned {len(scores)} scores for {n} texts; return one number per text")
-    out = []
-    for i, value in enumerate(scores):
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise StageError(f"{where} returned {value!r} ({type(value).__name__}) for text {i}; return a number")
-        if not np.isfinite(value):
-            raise StageError(f"{where} returned {value} for text {i}; scores must be finite numbers")
-        out.append(float(value))
-    return out
-
-
 def to_python(value):
     """A step() stat as a Parquet-friendly value: a float, or a list of floats for histograms."""
     array = np.asarray(value, dtype=float)
     return float(array) if array.ndim == 0 else array.ravel().tolist()
-
-
-def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float]]:
-    """The reward function chosen by `scorer.source`: texts (query + response) -> one float each."""
-    spec = params.scorer
-    if spec.source == "reward_model":
-        model, tokenizer = load_reward_model(root / REWARD_MODEL)
-        return lambda texts: reward_scores(model, tokenizer, texts, spec.batch_size)
-    if spec.source == "pipeline":
-        try:
-            pipe = pipeline("text-classification", model=spec.name, device=device())
-        except (OSError, ValueError) as err:
-            raise StageError(f"{params.path}: scorer.name '{spec.name}' could not be loaded as a text-classification "
-                             f"model ({' '.join(str(err).split())[:160]}); give a local path or a model id") from None
-
-        def score_with_pipeline(texts: list[str]) -> list[float]:
-            outputs = pipe(texts, batch_size=spec.batch_size, function_to_apply="none", top_k=None)
-            by_label = [{o["label"]: o["score"] for o in out} for out in outputs]
-            if spec.label not in by_label[0]:
-                raise StageError(f"{params.path}: scorer.label '{spec.label}' is not a label of {spec.name} "
-                                 f"(labels: {sorted(by_label[0])})")
-            return [float(labels[spec.label]) for labels in by_label]
-
-        return score_with_pipeline
-    module_name, _, attr = spec.name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise StageError(f"{params.path}: scorer.name '{spec.name}' is not an importable 'module:function' "
-                         f"({err})") from None
-
-    return fn  # its output is checked by `checked_scores`

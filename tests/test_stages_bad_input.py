@@ -179,7 +179,7 @@ def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(tiny_run, t
     import torch
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from stages import ppo
+    from stages import ppo, scoring
     from stages.common import REWARD_MODEL
     from stages.sft import train_tokenizer
 
@@ -198,5 +198,5 @@ def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(tiny_run, t
     sample = ["the movie was good.", "the plot was slow and the cast was bad"]
     with torch.no_grad():
         expected = [float(rm.eval()(**rm_tokenizer(t, return_tensors="pt")).logits[0, 0]) for t in sample]
-    assert ppo.build_scorer(tiny_params, root)(sample) == pytest.approx(expected, abs=1e-5)
+    assert scoring.build_scorer(tiny_params, root)(sample) == pytest.approx(expected, abs=1e-5)
     assert "steps" in ppo.run(dataclasses.replace(tiny_params), root)

@@ -46,7 +46,7 @@ def test_code_deps_cover_what_the_stage_imports(name):
     imports = code_imports(name)
     assert f"stages/{name}.py" in deps
     for module in (m for m in imports if m.startswith("stages.")):
-        helpers = {"common", "params", "synthetic", "resume"}
+        helpers = {"common", "params", "synthetic", "resume", "scoring"}
         assert module.split(".")[1] in helpers, f"{name} imports another stage: {module}"
         assert f"stages/{module.split('.')[1]}.py" in deps
     assert ("ppo_core" in imports) == ("ppo_core" in deps)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from stages import ppo, sft, tokenize
+from stages import ppo, scoring, sft, tokenize
 from stages.common import (EVAL_METRICS, EVAL_SAMPLES, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS,
                            PPO_TIMINGS, RAW_SFT, REWARD_METRICS, REWARD_MODEL, SFT_METRICS, SFT_MODEL,
                            TOKENIZED_EVAL, TOKENIZED_TRAIN, StageError)
@@ -119,20 +119,20 @@ def test_pipeline_scorer_reads_the_named_label(tiny_run, tiny_params, tmp_path):
     model.save_pretrained(tmp_path / "clf")
     tokenizer.save_pretrained(tmp_path / "clf")
     scorer = ScorerParams(source="pipeline", name=str(tmp_path / "clf"), label="POSITIVE", batch_size=4)
-    score = ppo.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tiny_run)
+    score = scoring.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tiny_run)
     texts = ["the movie was good.", "the plot was bad.", "the cast"]
     scores = score(texts)
     logits = model.eval()(**tokenizer(texts[:1], return_tensors="pt")).logits.detach()
     assert len(scores) == 3 and scores[0] == pytest.approx(float(logits[0, 1]), abs=1e-5)
     wrong = dataclasses.replace(scorer, label="HAPPY")
     with pytest.raises(StageError, match="scorer.label 'HAPPY' is not a label"):
-        ppo.build_scorer(dataclasses.replace(tiny_params, scorer=wrong), tiny_run)(texts)
+        scoring.build_scorer(dataclasses.replace(tiny_params, scorer=wrong), tiny_run)(texts)
 
 
 def test_bad_callable_scorer_is_a_clear_error(tiny_params, tmp_path):
     scorer = ScorerParams(source="callable", name="no_such_module:score", label="POSITIVE", batch_size=8)
     with pytest.raises(StageError, match="scorer.name 'no_such_module:score' is not an importable"):
-        ppo.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tmp_path)
+        scoring.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tmp_path)
 
 
 def test_missing_upstream_model_is_a_clear_error(tiny_params, tmp_path):
