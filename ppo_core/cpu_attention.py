@@ -11,10 +11,10 @@ using it; GPU tensors and other dtypes go to torch's kernel unchanged.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
+
+from .utils import swapped
 
 _torch_sdpa = F.scaled_dot_product_attention  # the original, restored after every block
 
@@ -30,14 +30,6 @@ def _sdpa_float32_on_cpu(query, key, value, attn_mask=None, *args, **kwargs):
     return out.to(query.dtype)
 
 
-@contextlib.contextmanager
 def float32_attention_on_cpu(enabled: bool = True):
     """Within the block, attention on bf16 CPU tensors runs in float32 (see the module docstring)."""
-    if not enabled or F.scaled_dot_product_attention is not _torch_sdpa:  # off, nested, or patched by someone else
-        yield
-        return
-    F.scaled_dot_product_attention = _sdpa_float32_on_cpu
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = _torch_sdpa
+    return swapped(F, "scaled_dot_product_attention", _torch_sdpa, _sdpa_float32_on_cpu, enabled)

@@ -7,10 +7,11 @@ tokens after its start token.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
+
+from .utils import swapped
 
 _torch_multinomial = torch.multinomial  # the original, restored after every sampling call
 
@@ -43,18 +44,10 @@ def _multinomial(input, num_samples, replacement=False, *, generator=None, out=N
     return _torch_multinomial(input, num_samples, replacement, generator=generator, out=out)
 
 
-@contextlib.contextmanager
 def fast_cpu_sampling():
     """Within the block, ``transformers``' sampling step (``torch.multinomial(probs, num_samples=1)``) draws
     through :func:`sample_categorical` on the CPU. GPUs keep torch's kernel, which is fast there."""
-    if torch.multinomial is not _torch_multinomial:  # already inside such a block (or patched by someone else)
-        yield
-        return
-    torch.multinomial = _multinomial
-    try:
-        yield
-    finally:
-        torch.multinomial = _torch_multinomial
+    return swapped(torch, "multinomial", _torch_multinomial, _multinomial)
 
 
 def _pad(queries: list[torch.Tensor], pad_token_id: int, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,14 @@
-"""Small utilities: seeding (legacy API) and the CPU allocator setting the trainer applies."""
+"""Small utilities: seeding (legacy API), the CPU allocator setting the trainer applies, and a scoped swap of a
+library function (the CPU fast paths of ``generation`` and ``cpu_attention``)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import random
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -42,3 +45,20 @@ def keep_freed_memory_for_reuse() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+
+
+@contextlib.contextmanager
+def swapped(owner: Any, name: str, original: Any, replacement: Any, enabled: bool = True) -> Iterator[None]:
+    """Within the block ``owner.name`` is ``replacement``; ``original`` is put back after it, exceptions included.
+
+    A no-op when not ``enabled``, or when ``owner.name`` is not ``original`` on entry: inside another such block
+    (the outermost one restores it), or replaced by someone else (left alone).
+    """
+    if not enabled or getattr(owner, name) is not original:
+        yield
+        return
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)

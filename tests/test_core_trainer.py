@@ -16,6 +16,7 @@ from ppo_core import cpu_attention, generation
 from ppo_core.cpu_attention import float32_attention_on_cpu
 from ppo_core.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
 from ppo_core.rollout import build_model_inputs, policy_outputs
+from ppo_core.utils import swapped
 from tests.tiny import ARCHS, EOS, PAD, VOCAB, random_queries, tiny_causal_lm, tiny_tokenizer, tiny_value_model
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
@@ -125,20 +126,40 @@ def test_sample_categorical_handles_a_single_entry_and_one_hot_rows():
     assert sample_categorical(torch.ones(3, 1)).tolist() == [[0], [0], [0]]
 
 
-def test_fast_cpu_sampling_patches_only_inside_the_block_and_keeps_torch_errors():
-    original = torch.multinomial
-    with pytest.raises(RuntimeError, match="boom"), fast_cpu_sampling():
-        assert torch.multinomial is not original
-        with fast_cpu_sampling():  # nested: still patched, restored by the outer block only
+@pytest.mark.parametrize("block, owner, name, original", [
+    (fast_cpu_sampling, torch, "multinomial", generation._torch_multinomial),
+    (float32_attention_on_cpu, F, "scaled_dot_product_attention", cpu_attention._torch_sdpa),
+], ids=["fast_cpu_sampling", "float32_attention_on_cpu"])
+def test_cpu_fast_paths_swap_torch_only_inside_the_block(block, owner, name, original):
+    assert getattr(owner, name) is original
+    with pytest.raises(RuntimeError, match="boom"), block():
+        assert getattr(owner, name) is not original
+        with block():  # nested: still swapped, restored by the outer block only
             pass
-        assert torch.multinomial is not original
+        assert getattr(owner, name) is not original
+        raise RuntimeError("boom")
+    assert getattr(owner, name) is original
+
+
+def test_swapped_leaves_someone_elses_replacement_alone():
+    class Owner:
+        fn = staticmethod(abs)
+
+    theirs = Owner.fn
+    with swapped(Owner, "fn", len, round):  # Owner.fn is not the original it was told about
+        assert Owner.fn is theirs
+    assert Owner.fn is theirs
+    with swapped(Owner, "fn", theirs, round, enabled=False):
+        assert Owner.fn is theirs
+
+
+def test_fast_cpu_sampling_keeps_torch_errors_and_other_calls():
+    with fast_cpu_sampling():
         with pytest.raises(RuntimeError, match="inf|nan"):  # an invalid row gets torch's own error
             torch.multinomial(torch.tensor([[0.5, float("nan")]]), 1)
         with pytest.raises(RuntimeError, match="sum of probabilities"):
             torch.multinomial(torch.zeros(1, 3), 1)
         assert torch.multinomial(torch.tensor([[0.0, 1.0, 0.0]]), 2, replacement=True).tolist() == [[1, 1]]  # torch's
-        raise RuntimeError("boom")
-    assert torch.multinomial is original is generation._torch_multinomial
 
 
 @pytest.mark.parametrize("mask", ["causal", "bool", "float"])
@@ -166,17 +187,9 @@ def test_float32_attention_on_cpu_is_float32_attention_of_the_bf16_inputs(mask):
         torch.testing.assert_close(mine.grad, ref.grad.bfloat16(), atol=0, rtol=0)
 
 
-def test_float32_attention_on_cpu_patches_only_inside_the_block():
-    original = F.scaled_dot_product_attention
-    with pytest.raises(RuntimeError, match="boom"), float32_attention_on_cpu():
-        assert F.scaled_dot_product_attention is not original
-        with float32_attention_on_cpu():  # nested: still patched, restored by the outer block only
-            pass
-        assert F.scaled_dot_product_attention is not original
-        raise RuntimeError("boom")
-    assert F.scaled_dot_product_attention is original is cpu_attention._torch_sdpa
+def test_float32_attention_on_cpu_can_be_switched_off():
     with float32_attention_on_cpu(enabled=False):
-        assert F.scaled_dot_product_attention is original
+        assert F.scaled_dot_product_attention is cpu_attention._torch_sdpa
 
 
 @pytest.mark.parametrize("pad_token_id", [PAD, EOS])  # a distinct pad token, and the seed's pad = eos
