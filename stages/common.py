@@ -44,13 +44,17 @@ PPO_MODEL = Path("data/models/ppo")
 PPO_ROLLOUTS = Path("data/ppo/rollouts")
 PPO_STATS = Path("data/ppo/stats.parquet")
 PPO_CURVES = Path("data/ppo/curves.csv")
-PPO_TIMINGS = Path("data/ppo/timings.csv")
 PPO_METRICS = Path("data/ppo/metrics.json")
 EVAL_SAMPLES = Path("data/eval/samples.parquet")
 EVAL_METRICS = Path("data/eval/metrics.json")
+# Not DVC outputs: what is not a result of the run (dvc.yaml does not list them; test_stages_dvcyaml checks both).
+# Resumable state of an interrupted run, deleted once its stage publishes (see stages/resume.py):
 SFT_CHECKPOINTS = Path("data/checkpoints/sft")
 REWARD_CHECKPOINTS = Path("data/checkpoints/reward")
 PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
+# Wall-clock timings of the last run that executed: different every run, so kept out of the hashed outputs.
+PPO_TIMINGS = Path("data/logs/ppo/timings.csv")
+NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"))
 
 
 def seed_everything(seed: int) -> None:
@@ -132,6 +136,13 @@ def note(message: str) -> None:
     import sys
 
     print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def warning(message: str) -> None:
+    """Tell the user something that may give results they do not expect (one line, on stderr)."""
+    import sys
+
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def fresh_dir(path: Path) -> Path:

@@ -1,12 +1,14 @@
 """ppo: the seed's loop on ppo_core (generate, score, `step()`), ceil(ppo.steps / ppo.batch_size) times.
 
-The reward source is `scorer.source` (see stages/scoring.py). The run works in data/checkpoints/ppo: each step writes its rollouts there (rollouts/step-NNNNN.parquet)
-and rewrites the stats table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to
-timings.csv so that every other artifact is byte-identical across runs) and the curves for `dvc plots`, so a run in
-progress (or one that failed) can be inspected; every `checkpoint.ppo_every` steps the whole training state goes to
-state.pt beside them (under DeepSpeed: the directory state-deepspeed, with every process's shards). Only a finished
-run publishes its artifacts (data/ppo/*, data/models/ppo): a failed one leaves none. A rerun with the same params,
-inputs and code resumes from the checkpoint (see stages/resume.py) and ends with the same artifacts.
+The reward source is `scorer.source` (see stages/scoring.py). The run works in data/checkpoints/ppo (not a DVC
+output, see stages/resume.py): each step writes its rollouts there (rollouts/step-NNNNN.parquet) and rewrites the
+stats table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to timings.csv so
+that every other artifact is byte-identical across runs) and the curves for `dvc plots`, so a run in progress (or
+one that failed) can be inspected; every `checkpoint.ppo_every` steps the whole training state goes to state.pt
+beside them (under DeepSpeed: the directory state-deepspeed, with every process's shards). Only a finished run
+publishes its artifacts (data/ppo/*, data/models/ppo; the timings to data/logs/ppo, outside DVC's hashes) and then
+deletes its resumable state: a failed run leaves no artifact, a finished one no state. A rerun of an interrupted
+run with the same params, inputs and code resumes from the checkpoint and ends with the same artifacts.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from stages.common import (PPO_CHECKPOINTS, PPO_CURVES, PPO_METRICS, PPO_MODEL, 
                            lora_config, model_context, note, process_state, read_table, remove_stale_temporaries,
                            require_dir, seed_everything, StageError, write_csv, write_json, write_parquet)
 from stages.params import Params, ppo_config
-from stages.resume import fingerprint, open_checkpoint_dir
-from stages.scoring import build_scorer, checked_scores
+from stages.resume import discard, fingerprint, open_checkpoint_dir
+from stages.scoring import build_scorer, checked_scores, scorer_origin
 from stages.synthetic import gold_score
 
 # The run in progress, inside the checkpoint directory: published to data/ppo only when the run has finished.
@@ -47,10 +49,10 @@ CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "obje
 # The params, inputs and code this stage tracks in dvc.yaml (a test keeps the lists equal): a checkpoint is
 # reused only for the same ones.
 TRACKED = ("seed", "data.sft.source", "data.pairs.source", "data.prompts.source", "model.lora", "scorer", "generation",
-           "ppo")
+           "ppo", "checkpoint.ppo_every", "checkpoint.on_mismatch")
 INPUTS = (TOKENIZED_TRAIN, SFT_MODEL, REWARD_MODEL)
 CODE = ("stages/ppo.py", "stages/resume.py", "stages/scoring.py", "stages/synthetic.py", "stages/common.py",
-        "stages/params.py", "ppo_core")
+        "stages/params.py", "ppo_core", "rewards")
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -132,6 +134,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
         write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
                    root / PPO_METRICS)
     trainer.accelerator.wait_for_everyone()
+    if main:  # published: the run is finished, and a rerun trains from the start
+        discard(root / PPO_CHECKPOINTS)
     resumed = f", resumed at step {start}" if start else ""
     return (f"{len(tables.curves)} steps{resumed}, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, "
             f"kl {last['kl']:.2f} -> {PPO_MODEL}")
@@ -169,8 +173,11 @@ def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTa
     other = directory / (STATE if state.name == DEEPSPEED_STATE else DEEPSPEED_STATE)
     expected = fingerprint(params, TRACKED, INPUTS if params.scorer.source == "reward_model" else INPUTS[:2], root,
                            CODE)
+    for kind, entries in scorer_origin(params).items():  # the user's reward code, or its package's version
+        expected[kind] |= entries
     if accelerator.is_main_process:  # the main process owns the files; the others wait for its decision
-        remove_stale_temporaries(directory, rollouts, root / PPO_ROLLOUTS.parent, root / PPO_MODEL.parent)
+        remove_stale_temporaries(directory, rollouts, root / PPO_ROLLOUTS.parent, root / PPO_MODEL.parent,
+                                 root / PPO_TIMINGS.parent)
         if not open_checkpoint_dir(directory, expected, params, "ppo") or not (state.exists() or other.exists()):
             fresh_dir(rollouts)
             for work in WORK_TABLES.values():

@@ -1,12 +1,14 @@
-"""Resuming the training stages: a checkpoint directory is reused only for the inputs it was written with.
+"""Resuming the training stages: a checkpoint exists only to finish an interrupted run, with the same inputs.
 
-Each training stage keeps its resumable state in `data/checkpoints/<stage>` (a DVC output with `persist:
-true`, so `dvc repro` does not delete it before rerunning the stage). Beside the state lies `fingerprint.json`:
-the params the stage tracks in dvc.yaml, a digest of each input file, a digest of each code dependency dvc.yaml
-lists for it, and the versions of the libraries that compute it. A rerun whose fingerprint matches resumes; one
-that does not either starts fresh (and says so) or stops, as `checkpoint.on_mismatch` decides. (Without the code
-in it, `dvc repro` after a code change would rerun the stage, find the finished run's checkpoint, and publish
-the old results again.)
+Each training stage keeps its resumable state in `data/checkpoints/<stage>`, which is not a DVC output: DVC
+neither deletes it before rerunning the stage nor caches it, and the stage's declared outputs stay cacheable, so
+DVC's run-cache can restore them (a queued experiment then skips unchanged stages). The state is deleted once the
+stage has published its outputs: a finished run leaves none, so a forced or later rerun trains from the start.
+Beside the state lies `fingerprint.json`: the params the stage tracks in dvc.yaml (but the `checkpoint` section,
+which changes no output), a digest of each input file, of each code dependency dvc.yaml lists for it and of the
+user's reward code, and the versions of the libraries that compute it. A rerun after an interruption whose
+fingerprint matches resumes; one that does not either starts fresh (and says so) or stops, as
+`checkpoint.on_mismatch` decides.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ CODE_ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("torch", "transformers", "accelerate", "peft")
 
 
+# Params sections a stage reads that change none of its outputs: not part of a fingerprint.
+NO_OUTPUT_EFFECT = ("checkpoint",)
+
+
 def fingerprint(params: Params, keys: Iterable[str], inputs: Iterable[Path], root: Path,
                 code: Iterable[str] = ()) -> dict[str, Any]:
-    """What a stage's state depends on: the values of its params `keys` (dotted, as dvc.yaml lists them),
-    the SHA-256 of each input file or directory (paths relative to `root`), of the Python sources of each
-    `code` path (relative to the repository, as dvc.yaml lists them) and the versions of `LIBRARIES`."""
+    """What a stage's state depends on: the values of its params `keys` (dotted, as dvc.yaml lists them; those
+    of `NO_OUTPUT_EFFECT` sections left out), the SHA-256 of each input file or directory (paths relative to
+    `root`), of the Python sources of each `code` path (relative to the repository, as dvc.yaml lists them) and
+    the versions of `LIBRARIES`. A stage adds what else its results depend on to "code" and "versions" (the ppo
+    stage: the user's reward function, see `stages.scoring.scorer_origin`)."""
+    keys = [key for key in keys if key.split(".")[0] not in NO_OUTPUT_EFFECT]
     return {"params": {key: _plain(_lookup(params, key)) for key in keys},
             "inputs": {str(path): digest(root / path) for path in inputs},
             "code": {str(path): digest(CODE_ROOT / path, "*.py") for path in code},
@@ -85,6 +94,16 @@ def open_checkpoint_dir(directory: Path, expected: dict[str, Any], params: Param
     fresh_dir(directory)
     write_json(expected, path)
     return False
+
+
+def discard(directory: Path) -> None:
+    """Delete a stage's resumable state once its outputs are published (main process): a finished run is never
+    resumed. A kill before this leaves state whose rerun republishes the same outputs."""
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        Path(directory).parent.rmdir()  # data/checkpoints, once no stage has state left there
+    except OSError:
+        pass
 
 
 def first_difference(old: dict[str, Any], new: dict[str, Any]) -> str:

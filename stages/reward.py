@@ -17,11 +17,11 @@ from stages.common import (RAW_PAIRS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD
                            process_state, read_table, remove_stale_temporaries, require_dir, reward_inputs,
                            reward_scores, save_pretrained, seed_everything, with_lora, write_json)
 from stages.params import Params
-from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
+from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
 
 
 # The params, inputs and code this stage tracks in dvc.yaml: a checkpoint is reused only for the same ones.
-TRACKED = ("seed", "model.lora", "reward")
+TRACKED = ("seed", "model.lora", "reward", "checkpoint.trainer_every", "checkpoint.on_mismatch")
 INPUTS = (RAW_PAIRS, SFT_MODEL)
 CODE = ("stages/reward.py", "stages/resume.py", "stages/common.py", "stages/params.py")
 
@@ -69,6 +69,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
         save_pretrained(root / REWARD_MODEL, merged(model), tokenizer)
         write_json(metrics, root / REWARD_METRICS)
     trainer.accelerator.wait_for_everyone()
+    if trainer.is_world_process_zero():  # published: the run is finished, and a rerun trains from the start
+        discard(checkpoints)
     return (f"{len(train)} pairs, held-out pairwise accuracy {metrics['eval_accuracy']:.3f} ({n_eval} pairs) "
             f"-> {REWARD_MODEL}")
 

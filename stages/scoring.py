@@ -1,21 +1,32 @@
-"""The ppo stage's reward: the function `scorer.source` names, and a check of what it returns.
+"""The ppo stage's reward: the function `scorer.source` names, where it comes from, and a check of what it returns.
 
 `scorer.source` is the trained reward model (default), a transformers text-classification pipeline (the raw score
-of `scorer.label`, as in the seed), or a Python callable `module:function` taking the list of texts.
+of `scorer.label`, as in the seed), or a Python callable `module:function` taking the list of texts. A user's reward
+function belongs in the `rewards/` package (`scorer.name: rewards.<module>:<function>`), which dvc.yaml lists
+among the ppo stage's deps: editing it reruns ppo. One defined elsewhere in the project is not tracked (a warning
+says so); one from an installed package is known by the package's version. Either way the resumable state's
+fingerprint covers it (`scorer_origin`).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import sysconfig
 from collections.abc import Callable
+from importlib.metadata import packages_distributions, version
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import pipeline
 
-from stages.common import REWARD_MODEL, StageError, device, load_reward_model, reward_scores
+from stages.common import REWARD_MODEL, StageError, device, load_reward_model, process_state, reward_scores, warning
 from stages.params import Params
+from stages.resume import CODE_ROOT, digest
+
+REWARDS = "rewards"  # the package of user reward functions, a dep of the ppo stage in dvc.yaml
 
 
 def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float]]:
@@ -48,6 +59,41 @@ def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float
                          f"({err})") from None
 
     return fn  # its output is checked by `checked_scores`
+
+
+def scorer_origin(params: Params) -> dict[str, dict[str, Any]]:
+    """What the scores depend on beyond the params and the stage's inputs, as fingerprint entries: {"code": {file:
+    sha256}} for a callable defined in a file (warning once when dvc.yaml does not track that file), {"versions":
+    {distribution: version}} for one from an installed package, {"inputs": {dir: sha256}} for a pipeline model given
+    as a local directory; {} for the reward model (an input of the stage already)."""
+    spec = params.scorer
+    if spec.source == "pipeline":
+        local = Path(spec.name)
+        return {"inputs": {spec.name: digest(local)}} if local.is_dir() else {}
+    if spec.source != "callable":
+        return {}
+    module_name = spec.name.partition(":")[0]
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    file = Path(getattr(module, "__file__", None) or "")
+    if not file.is_file():
+        return {}
+    file = file.resolve()
+    source = file.parent if file.name == "__init__.py" else file
+    distribution = next(iter(packages_distributions().get(module_name.split(".")[0], [])), None)
+    if distribution is not None and any(file.is_relative_to(folder) for folder in installed_code_folders()):
+        return {"versions": {distribution: version(distribution)}}
+    name = str(source.relative_to(CODE_ROOT) if source.is_relative_to(CODE_ROOT) else source)
+    if not file.is_relative_to(CODE_ROOT / REWARDS) and process_state().is_main_process:
+        warning(f"ppo: scorer.name '{spec.name}' is defined in {name}, which dvc.yaml does not track: editing it will "
+                f"not rerun ppo; move it under {REWARDS}/ (scorer.name: {REWARDS}.{module_name.split('.')[-1]}:"
+                f"{spec.name.partition(':')[2]})")
+    return {"code": {name: digest(source, "*.py")}}
+
+
+def installed_code_folders() -> list[Path]:
+    """Where installed packages live (site-packages): code there is known by its distribution's version."""
+    paths = sysconfig.get_paths()
+    return [Path(paths[key]).resolve() for key in ("purelib", "platlib")]
 
 
 def checked_scores(scores, n: int, params: Params, step: int) -> list[float]:

@@ -21,13 +21,13 @@ from stages.common import (RAW_SFT, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, dev
                            read_table, remove_stale_temporaries, save_pretrained, seed_everything, StageError,
                            with_lora, write_json)
 from stages.params import ModelParams, Params
-from stages.resume import fingerprint, open_trainer_checkpoints, trainer_callback
+from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 
 
 # The params, inputs and code this stage tracks in dvc.yaml: a checkpoint is reused only for the same ones.
-TRACKED = ("seed", "model", "sft")
+TRACKED = ("seed", "model", "sft", "checkpoint.trainer_every", "checkpoint.on_mismatch")
 INPUTS = (RAW_SFT,)
 CODE = ("stages/sft.py", "stages/resume.py", "stages/common.py", "stages/params.py")
 
@@ -69,6 +69,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
         save_pretrained(root / SFT_MODEL, merged(model), tokenizer)
         write_json(metrics, root / SFT_METRICS)
     trainer.accelerator.wait_for_everyone()
+    if trainer.is_world_process_zero():  # published: the run is finished, and a rerun trains from the start
+        discard(checkpoints)
     return f"{metrics['n_train']} texts, train loss {train_loss:.3f}, eval loss {eval_loss:.3f} -> {SFT_MODEL}"
 
 

@@ -55,10 +55,6 @@ def write_params(root: Path, changes: dict[str, object]) -> Path:
     return path
 
 
-# Sections that change no output (resumed runs equal uninterrupted ones, tests prove it), so no stage tracks them.
-UNTRACKED_BY_DESIGN = {"checkpoint"}
-
-
 def params_per_stage(params) -> dict:
     """{stage: params with every section the stage does not track in dvc.yaml replaced by an Untracked}."""
     import dataclasses
@@ -70,7 +66,7 @@ def params_per_stage(params) -> dict:
     stages = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
     out = {}
     for name, stage in stages.items():
-        tracked = {key.split(".")[0] for key in stage["params"]} | UNTRACKED_BY_DESIGN
+        tracked = {key.split(".")[0] for key in stage["params"]}
         out[name] = dataclasses.replace(params, **{s: Untracked(s, name) for s in SECTIONS if s not in tracked})
     return out
 

@@ -1,5 +1,6 @@
 """Reproducible and resumable: same inputs give the same bytes; a stage killed at any moment and rerun ends with
-the artifacts of an uninterrupted run; a checkpoint written for other params is never silently reused."""
+the artifacts of an uninterrupted run; a finished run leaves no state, so a rerun trains again; a checkpoint written
+for other params, inputs or code (the user's reward code included) is never silently reused."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from stages import ppo, resume, reward, sft
-from stages.common import (PPO_MODEL, PPO_ROLLOUTS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL,
-                           SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError)
+from stages import ppo, resume, reward, scoring, sft
+from stages.common import (PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS, REWARD_CHECKPOINTS, REWARD_METRICS,
+                           REWARD_MODEL, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError)
 from stages.params import load_params
 from tests.conftest import ROOT, TINY_PARAMS, params_per_stage, write_params
 
@@ -34,13 +35,27 @@ def digests(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
             and not str(p.relative_to(root)).startswith(exclude)}
 
 
+EXCLUDE = ("data/logs/", "data/checkpoints/")  # wall-clock timings; the state of a run in progress
+
+
 def remove_outputs_as_dvc_does(root: Path, stage: str) -> None:
-    """`dvc repro` deletes a stage's outputs before rerunning it, but those marked `persist: true`."""
+    """`dvc repro` deletes a stage's outputs before rerunning it."""
     for out in DVC_STAGES[stage]["outs"] + DVC_STAGES[stage].get("metrics", []):
-        path, spec = next(iter(out.items())) if isinstance(out, dict) else (out, {})
-        if not spec.get("persist"):
-            target = root / path
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        target = root / out
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+
+
+def interrupted_after_publishing(tiny_run: Path, params, root: Path, monkeypatch) -> Path:
+    """A copy of tiny_run whose ppo run was killed after publishing its outputs but before deleting its state:
+    `data/checkpoints/ppo` holds the final checkpoint, and dvc (the stage never exited 0) reruns it."""
+    shutil.copytree(tiny_run, root)
+    remove_outputs_as_dvc_does(root, "ppo")
+    with monkeypatch.context() as patch:
+        patch.setattr(ppo, "discard", lambda directory: None)
+        ppo.run(params, root)
+    assert (root / PPO_CHECKPOINTS / "state.pt").exists()
+    remove_outputs_as_dvc_does(root, "ppo")
+    return root
 
 
 def params_file(tmp_path: Path, **changes) -> Path:
@@ -76,8 +91,7 @@ def test_two_full_pipeline_runs_are_byte_identical(tiny_run, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1", "PYTHONHASHSEED": "12345"}
     second = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-2000:]
-    exclude = ("data/ppo/timings.csv", "data/checkpoints/")
-    first, other = digests(tiny_run, exclude), digests(tmp_path, exclude)
+    first, other = digests(tiny_run, EXCLUDE), digests(tmp_path, EXCLUDE)
     assert first == other
     assert sum(name.endswith(".parquet") for name in first) >= 8 and sum(
         name.endswith(".safetensors") for name in first) >= 3
@@ -103,19 +117,22 @@ def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts(tiny_run, t
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL, f"the stage ended before the kill {where}"
 
+    # killed before its state was deleted (the run may have published its outputs first): the rerun resumes; killed
+    # after that (published, state deleted, not yet exited): nothing to resume, the rerun trains from the start
+    interrupted = (killed / PPO_CHECKPOINTS / "state.pt").exists()
     remove_outputs_as_dvc_does(killed, "ppo")
     rerun = run_stage("ppo", params, killed)
     _, err = rerun.communicate()
     assert rerun.returncode == 0, err[-2000:]
-    assert "note: ppo: resuming from data/checkpoints/ppo/state.pt at step" in err, where
+    assert ("note: ppo: resuming from data/checkpoints/ppo/state.pt at step" in err) == interrupted, where
     uninterrupted = run_stage("ppo", params, whole)
     _, err = uninterrupted.communicate()
     assert uninterrupted.returncode == 0, err[-2000:]
 
-    exclude = ("data/ppo/timings.csv", "data/checkpoints/")
-    expected = digests(whole, exclude)
+    expected = digests(whole, EXCLUDE)
     assert len([name for name in expected if "rollouts/step-" in name]) == 6
-    assert digests(killed, exclude) == expected, where
+    assert digests(killed, EXCLUDE) == expected, where
+    assert not (killed / PPO_CHECKPOINTS).exists(), "the finished run left its resumable state"
     assert not list(killed.rglob(".*tmp-*")), "a killed writer's temporary file was left behind"
 
 
@@ -144,7 +161,7 @@ def test_trainer_stages_resume_from_their_checkpoint(stage, outputs, tiny_run, t
     model, metrics, checkpoints = outputs
     shutil.copytree(tiny_run / "data", tmp_path / "data")
     remove_outputs_as_dvc_does(tmp_path, stage.__name__.split(".")[1])
-    shutil.rmtree(tmp_path / checkpoints)
+    assert not (tmp_path / checkpoints).exists()  # the finished run deleted its state
     params = params_per_stage(tiny_params)[stage.__name__.split(".")[1]]
     with monkeypatch.context() as patch:
         patch.setattr(stage, "trainer_callback", crash_at(3))
@@ -158,11 +175,11 @@ def test_trainer_stages_resume_from_their_checkpoint(stage, outputs, tiny_run, t
     for path in [*sorted((tiny_run / model).iterdir()), tiny_run / metrics]:
         rel = path.relative_to(tiny_run)
         assert (tmp_path / rel).read_bytes() == path.read_bytes(), rel
+    assert not (tmp_path / checkpoints).exists()
 
 
-def test_checkpoint_from_other_params_restarts_or_stops(tiny_run, tiny_params, tmp_path, capfd):
-    root = tmp_path / "project"
-    shutil.copytree(tiny_run, root)
+def test_checkpoint_from_other_params_restarts_or_stops(tiny_run, tiny_params, tmp_path, capfd, monkeypatch):
+    root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
     changed = dataclasses.replace(tiny_params, ppo={**tiny_params.ppo, "learning_rate": 0.0001})
     stop = dataclasses.replace(changed, checkpoint=dataclasses.replace(tiny_params.checkpoint, on_mismatch="stop"))
     before = digests(root)
@@ -177,17 +194,17 @@ def test_checkpoint_from_other_params_restarts_or_stops(tiny_run, tiny_params, t
     assert "data/checkpoints/ppo was written with other params (ppo.learning_rate: 0.0003 -> 0.0001); " \
            "starting fresh" in err and "resuming" not in err
 
-    (root / SFT_MODEL / "model.safetensors").write_bytes((root / PPO_MODEL / "model.safetensors").read_bytes())
+    interrupted = interrupted_after_publishing(root, changed, tmp_path / "again", monkeypatch)
+    (interrupted / SFT_MODEL / "model.safetensors").write_bytes(
+        (tiny_run / PPO_MODEL / "model.safetensors").read_bytes())
     with pytest.raises(StageError, match=r"other inputs \(data/models/sft changed\)"):
-        ppo.run(dataclasses.replace(changed, checkpoint=stop.checkpoint), root)
+        ppo.run(dataclasses.replace(changed, checkpoint=stop.checkpoint), interrupted)
 
 
-def test_a_checkpoint_written_under_deepspeed_stops_a_run_without_it(tiny_run, tiny_params, tmp_path):
+def test_a_checkpoint_written_under_deepspeed_stops_a_run_without_it(tiny_run, tiny_params, tmp_path, monkeypatch):
     """Same params and code, another launch: its checkpoint (a directory of DeepSpeed shards) cannot be read here, so
     the stage stops, saying how to go on, and deletes nothing (tests/test_stages_distributed.py resumes real ones)."""
-    root = tmp_path / "project"
-    shutil.copytree(tiny_run, root)
-    remove_outputs_as_dvc_does(root, "ppo")
+    root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
     checkpoints = root / "data" / "checkpoints" / "ppo"
     (checkpoints / ppo.STATE).unlink()
     (checkpoints / ppo.DEEPSPEED_STATE).mkdir()
@@ -199,33 +216,39 @@ def test_a_checkpoint_written_under_deepspeed_stops_a_run_without_it(tiny_run, t
     assert digests(root) == before
 
 
-def test_rerun_with_the_same_params_resumes_from_the_final_checkpoint(tiny_run, tiny_params, tmp_path, capfd):
-    """A forced rerun (`dvc repro -f`) of a finished run: nothing is recomputed, the artifacts come back equal."""
+def test_a_finished_run_leaves_no_state_and_a_rerun_trains_again(tiny_run, tiny_params, tmp_path, capfd,
+                                                                  monkeypatch):
+    """A forced rerun (`dvc repro -f`) of a finished run trains from the start: no stage leaves resumable state
+    behind, and the rerun runs every step (and, being deterministic, publishes the same bytes)."""
+    for checkpoints in (SFT_CHECKPOINTS, REWARD_CHECKPOINTS, PPO_CHECKPOINTS):
+        assert not (tiny_run / checkpoints).exists(), checkpoints
     root = tmp_path / "project"
     shutil.copytree(tiny_run, root)
     remove_outputs_as_dvc_does(root, "ppo")
-    steps = -(-tiny_params.ppo["steps"] // tiny_params.ppo["batch_size"])
+    steps = []
+    step = ppo.PPOTrainer.step
+    monkeypatch.setattr(ppo.PPOTrainer, "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
     capfd.readouterr()
     ppo.run(tiny_params, root)
-    assert f"resuming from data/checkpoints/ppo/state.pt at step {steps}" in capfd.readouterr().err.replace(
-        str(root) + "/", "")
-    exclude = ("data/ppo/timings.csv", "data/checkpoints/")
-    assert digests(root, exclude) == digests(tiny_run, exclude)
+    assert "resuming" not in capfd.readouterr().err
+    assert len(steps) == -(-tiny_params.ppo["steps"] // tiny_params.ppo["batch_size"])
+    assert digests(root, EXCLUDE) == digests(tiny_run, EXCLUDE)
+    assert not (root / PPO_CHECKPOINTS).exists()
 
 
 def test_a_code_change_starts_fresh_instead_of_resuming(tiny_run, tiny_params, tmp_path, monkeypatch, capfd):
-    """dvc reruns a stage whose code changed; the finished run's checkpoint must then not be resumed (it would
-    publish the old results again): the fingerprint holds a digest of each code dependency dvc.yaml lists."""
+    """dvc reruns a stage whose code changed; an interrupted run's checkpoint must then not be resumed (it would
+    publish results of the old code): the fingerprint holds a digest of each code dependency dvc.yaml lists."""
     code = tmp_path / "code"  # a copy of the code the checkpoint was written with, to edit
-    for package in ("stages", "ppo_core"):
+    for package in ("stages", "ppo_core", "rewards"):
         shutil.copytree(ROOT / package, code / package, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(resume, "CODE_ROOT", code)
-    root = tmp_path / "project"
-    shutil.copytree(tiny_run, root)
-    remove_outputs_as_dvc_does(root, "ppo")
-    capfd.readouterr()
-    ppo.run(tiny_params, root)
-    assert "resuming from" in capfd.readouterr().err  # the same code: the final checkpoint is reused
+    root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
+    with monkeypatch.context() as patch:
+        patch.setattr(ppo, "discard", lambda directory: None)
+        capfd.readouterr()
+        ppo.run(tiny_params, root)
+    assert "resuming from" in capfd.readouterr().err  # the same code: the checkpoint is reused
 
     remove_outputs_as_dvc_does(root, "ppo")
     with open(code / "ppo_core" / "ppo_math.py", "a") as fh:
@@ -235,9 +258,10 @@ def test_a_code_change_starts_fresh_instead_of_resuming(tiny_run, tiny_params, t
     err = capfd.readouterr().err
     assert "data/checkpoints/ppo was written with other code (ppo_core changed); starting fresh" in err
     assert "resuming" not in err
-    written = json.loads((root / "data/checkpoints/ppo/fingerprint.json").read_text())
     (code / "ppo_core" / "__pycache__" / "x.cpython.pyc").write_bytes(b"compiled")  # not code: no change
-    assert resume.fingerprint(tiny_params, (), (), root, ppo.CODE)["code"] == written["code"]
+    before = resume.fingerprint(tiny_params, (), (), root, ppo.CODE)["code"]
+    (code / "ppo_core" / "__pycache__" / "y.cpython.pyc").write_bytes(b"compiled")
+    assert resume.fingerprint(tiny_params, (), (), root, ppo.CODE)["code"] == before
 
 
 def test_a_non_finite_loss_stops_the_stage_and_the_checkpoint_resumes(tiny_run, tiny_params, tmp_path, capfd,
