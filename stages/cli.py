@@ -35,10 +35,18 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
     except StageError as err:
         if debug:
             raise
-        typer.echo(f"error: {stage}: {err}", err=True)
+        typer.echo(f"error: {stage}: {err}{restore_hint()}", err=True)
         raise typer.Exit(2) from None
     if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, the main process reports
         typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s]")
+
+
+def restore_hint() -> str:
+    """Under `dvc repro` (which sets DVC_STAGE): DVC deleted the stage's outputs before running it, and says so."""
+    stage = os.environ.get("DVC_STAGE")
+    if not stage:
+        return ""
+    return f" (dvc removed this stage's outputs before running it: `dvc checkout {stage}` restores the last ones)"
 
 
 @app.command()

@@ -1,4 +1,7 @@
-"""End to end: the project copied to a fresh git repo runs `dvc repro`, a no-op second repro, and `dvc exp run -S`."""
+"""End to end through DVC, as a user drives it: the project copied to a fresh git repo (tiny params) runs `dvc repro`;
+then, each test leaving the workspace as it found it: a no-op repro, a forced rerun that trains again, a killed
+`dvc repro` that resumes, a failing stage that says how to get its outputs back, reward code under rewards/ that
+makes ppo stale, `dvc exp run -S`, and a queued sweep that reruns nothing upstream of ppo."""
 
 from __future__ import annotations
 
@@ -11,88 +14,213 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
-    **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # stages must come from the copy, not from ROOT
-    # `python` in dvc.yaml's commands must be this venv's, as it is with the venv activated
+    **{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DVC_STAGE")},  # the copy's code, not ROOT's
+    # `python3` in dvc.yaml's commands must be this venv's, as it is with the venv activated
     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
     "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@example.invalid",
     "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@example.invalid",
 }
+STAGES = ("prepare", "sft", "reward", "tokenize", "ppo", "evaluate")
+PPO_OUTPUTS = ["data/models/ppo/model.safetensors", "data/ppo/stats.parquet", "data/ppo/curves.csv",
+               "data/ppo/metrics.json", "data/ppo/rollouts/step-00000.parquet", "data/ppo/rollouts/step-00001.parquet"]
 
 
-def sh(*args: str, cwd: Path) -> str:
+def run(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True)
-    assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return result.stdout
+    if check:
+        assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
 
 
-def dvc(*args: str, cwd: Path) -> str:
-    return sh(sys.executable, "-m", "dvc", *args, cwd=cwd)
+def dvc(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    return run(sys.executable, "-m", "dvc", *args, cwd=cwd, check=check)
 
 
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
+def ran(output: str) -> list[str]:
+    """The stages DVC ran (not skipped nor restored from its run-cache), in order, from its output."""
+    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+
+
+def contents(repo: Path, paths: list[str]) -> dict[str, bytes]:
+    return {path: (repo / path).read_bytes() for path in paths}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """A fresh git repo holding the project with the tiny params, where `dvc repro` has run and its lock is
+    committed (as on main)."""
+    repo = tmp_path_factory.mktemp("dvc") / "repo"
     repo.mkdir()
     for name in ("dvc.yaml", "pyproject.toml", ".gitignore", ".dvcignore"):
         shutil.copy(ROOT / name, repo / name)
-    for package in ("stages", "ppo_core"):
+    for package in ("stages", "ppo_core", "rewards"):
         shutil.copytree(ROOT / package, repo / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "tests" / "fixtures" / "params.tiny.yaml", repo / "params.yaml")
-    sh("git", "init", "-q", cwd=repo)
+    run("git", "init", "-q", cwd=repo)
     dvc("init", "-q", cwd=repo)
     dvc("config", "core.analytics", "false", cwd=repo)
-    sh("git", "add", "-A", cwd=repo)
-    sh("git", "commit", "-qm", "tiny project", cwd=repo)  # dvc exp run needs a commit
+    run("git", "add", "-A", cwd=repo)
+    run("git", "commit", "-qm", "tiny project", cwd=repo)  # dvc exp run needs a commit
+    out = dvc("repro", cwd=repo).stdout
+    assert ran(out) == list(STAGES)
+    run("git", "add", "dvc.lock", cwd=repo)
+    run("git", "commit", "-qm", "lock", cwd=repo)
     return repo
 
 
+def assert_clean(repo: Path) -> None:
+    """Nothing for dvc to do, and nothing for git to commit."""
+    assert json.loads(dvc("status", "--json", cwd=repo).stdout) == {}
+    assert run("git", "status", "--porcelain", cwd=repo).stdout == ""
+
+
 @pytest.mark.slow
-def test_repro_noop_and_exp_run(repo):
-    out = dvc("repro", cwd=repo)
-    for stage in ("prepare", "sft", "reward", "tokenize", "ppo", "evaluate"):
-        assert f"Running stage '{stage}'" in out
-    assert json.loads(dvc("status", "--json", cwd=repo)) == {}
+def test_repro_leaves_no_state_and_a_second_repro_does_nothing(repo):
+    assert not (repo / "data" / "checkpoints").exists()  # every training stage finished, and deleted its state
+    assert (repo / "data" / "logs" / "ppo" / "timings.csv").exists()  # kept, but not an output
+    assert_clean(repo)
+    out = dvc("repro", cwd=repo).stdout
+    assert ran(out) == [] and out.count("didn't change, skipping") == len(STAGES)
 
-    start = time.perf_counter()
-    out = dvc("repro", cwd=repo)
-    assert "Running stage" not in out and out.count("didn't change, skipping") == 6
-    assert time.perf_counter() - start < 10  # about a second on an idle machine
 
-    resume_after_kill(repo)
+@pytest.mark.slow
+def test_forced_rerun_trains_again(repo):
+    """`dvc repro -f -s ppo` runs every step again (nothing to resume) and, being deterministic, gives the same bytes."""
+    before = contents(repo, PPO_OUTPUTS)
+    result = dvc("repro", "-f", "-s", "ppo", cwd=repo)
+    assert ran(result.stdout) == ["ppo"] and "resuming" not in result.stderr
+    assert "ppo: 2 steps, reward" in result.stdout
+    assert contents(repo, PPO_OUTPUTS) == before
+    assert_clean(repo)
 
-    out = dvc("exp", "run", "-n", "smoke", "-S", "ppo.learning_rate=0.00002", cwd=repo)
-    assert "Stage 'sft' didn't change, skipping" in out  # a PPO change reruns only ppo and evaluate
-    assert "Running stage 'ppo'" in out and "Running stage 'evaluate'" in out
-    rows = json.loads(dvc("exp", "show", "--json", cwd=repo))
+
+@pytest.mark.slow
+def test_killed_repro_resumes(repo):
+    """`dvc repro` of new params killed (the whole process group, SIGKILL) during ppo, then `dvc repro` again: the
+    stage resumes from its checkpoint, which DVC neither deleted nor cached, and ends with the outputs of an
+    uninterrupted run (`dvc repro -f` afterwards: nothing left to resume, every step runs again)."""
+    params = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(params.replace("learning_rate: 0.0003", "learning_rate: 0.0002"))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        state, deadline = repo / "data" / "checkpoints" / "ppo" / "state.pt", time.monotonic() + 300
+        while not state.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "ppo ended before its first checkpoint"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rerun = dvc("repro", cwd=repo)
+        assert ran(rerun.stdout) == ["ppo", "evaluate"]
+        assert "resuming from data/checkpoints/ppo/state.pt at step 1" in rerun.stderr
+        assert not (repo / "data" / "checkpoints" / "ppo").exists()
+        resumed = contents(repo, PPO_OUTPUTS)
+        forced = dvc("repro", "-f", "-s", "ppo", cwd=repo)
+        assert "resuming" not in forced.stderr and contents(repo, PPO_OUTPUTS) == resumed
+    finally:
+        (repo / "params.yaml").write_text(params)
+    assert ran(dvc("repro", cwd=repo).stdout) == []  # the committed params: restored from DVC's run-cache
+    assert_clean(repo)
+
+
+@pytest.mark.slow
+def test_a_failing_stage_says_how_to_restore_its_outputs(repo):
+    """DVC deletes a stage's outputs before running it; when the stage then fails on bad input, its one-line error says
+    so and how to get them back, and `dvc checkout ppo` does."""
+    before = contents(repo, PPO_OUTPUTS)
+    params = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(params.replace("learning_rate: 0.0003", "learning_rate: fast"))
+    try:
+        result = dvc("repro", cwd=repo, check=False)
+        assert result.returncode != 0
+        error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert error == ["error: ppo: params.yaml: ppo: PPOConfig.learning_rate: expected a number, got the string "
+                         "'fast'. (dvc removed this stage's outputs before running it: `dvc checkout ppo` restores "
+                         "the last ones)"], result.stderr[-2000:]
+        assert not (repo / "data" / "models" / "ppo").exists()
+        dvc("checkout", "ppo", cwd=repo)
+        assert contents(repo, PPO_OUTPUTS) == before
+    finally:
+        (repo / "params.yaml").write_text(params)
+    assert_clean(repo)
+
+
+@pytest.mark.slow
+def test_a_typo_in_the_checkpoint_section_stops_repro(repo):
+    """Every params section is tracked by a stage that reads it, so a bad value anywhere stops `dvc repro`."""
+    params = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(params.replace("ppo_every: 1 ", "ppo_every: -1 "))
+    try:
+        result = dvc("repro", cwd=repo, check=False)
+        assert result.returncode != 0 and "checkpoint.ppo_every must be >= 0" in result.stderr
+        dvc("checkout", "ppo", cwd=repo)
+    finally:
+        (repo / "params.yaml").write_text(params)
+    assert_clean(repo)
+
+
+@pytest.mark.slow
+def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
+    """With `scorer.name: rewards.example:keyword_sentiment`, editing rewards/example.py makes ppo (and only what
+    follows it) stale, and the rerun's rollouts are scored by the edited function."""
+    params, example = (repo / "params.yaml").read_text(), (repo / "rewards" / "example.py").read_text()
+    (repo / "params.yaml").write_text(params.replace("source: reward_model\n  name: null",
+                                                     "source: callable\n  name: rewards.example:keyword_sentiment"))
+    try:
+        result = dvc("repro", cwd=repo)
+        assert ran(result.stdout) == ["ppo", "evaluate"] and "warning" not in result.stderr
+        assert json.loads(dvc("status", "--json", cwd=repo).stdout) == {}
+        first = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
+
+        (repo / "rewards" / "example.py").write_text(example.replace('"good", ', '"good", "the", '))
+        status = json.loads(dvc("status", "--json", cwd=repo).stdout)
+        assert set(status) == {"ppo"} and {"changed deps": {"rewards": "modified"}} in status["ppo"]
+        result = dvc("repro", cwd=repo)
+        assert ran(result.stdout) == ["ppo", "evaluate"] and "resuming" not in result.stderr
+        edited = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
+        # the same first batch (same policy, same seed): its scores now count "the" as positive
+        assert (edited["response"] == first["response"]).all()
+        the = (first["query"] + first["response"]).str.lower().str.count(r"\bthe\b")
+        assert (edited["score"] == first["score"] + the).all() and the.sum() > 0
+    finally:
+        (repo / "params.yaml").write_text(params)
+        (repo / "rewards" / "example.py").write_text(example)
+    result = dvc("repro", cwd=repo)
+    assert ran(result.stdout) == []  # back to the committed params and code: restored from DVC's run-cache
+    assert_clean(repo)
+
+
+@pytest.mark.slow
+def test_exp_run_reruns_only_ppo_and_evaluate(repo):
+    out = dvc("exp", "run", "-n", "smoke", "-S", "ppo.learning_rate=0.00002", cwd=repo).stdout
+    assert ran(out) == ["ppo", "evaluate"]
+    rows = json.loads(dvc("exp", "show", "--json", cwd=repo).stdout)
     experiments = [rev for row in rows for exp in (row.get("experiments") or []) for rev in exp["revs"]]
     smoke = next(rev for rev in experiments if rev["name"] == "smoke")
     metrics = smoke["data"]["metrics"]["data/eval/metrics.json"]["data"]
     assert set(metrics) == {"sft", "ppo", "win_rate"}
     assert smoke["data"]["params"]["params.yaml"]["data"]["ppo"]["learning_rate"] == 2e-05
+    baseline = next(row for row in rows if row.get("experiments"))  # HEAD: its metrics are there to compare with
+    assert baseline["data"]["metrics"]["data/eval/metrics.json"]["data"]["win_rate"] >= 0
+    run("git", "checkout", "--", "params.yaml", "dvc.lock", cwd=repo)
+    dvc("checkout", cwd=repo)
+    assert_clean(repo)
 
 
-def resume_after_kill(repo: Path) -> None:
-    """`dvc repro` killed (the whole process group, SIGKILL) during the ppo stage, then `dvc repro` again: dvc
-    keeps the persisted checkpoint, the stage resumes from it, and the outputs equal the uninterrupted run's."""
-    ppo_outputs = ["data/models/ppo/model.safetensors", "data/ppo/stats.parquet", "data/ppo/curves.csv",
-                   "data/ppo/rollouts/step-00000.parquet", "data/ppo/rollouts/step-00001.parquet"]
-    expected = {path: (repo / path).read_bytes() for path in ppo_outputs}
-    shutil.rmtree(repo / "data" / "checkpoints" / "ppo")  # else the forced rerun resumes from the final state
-    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "-f", "-s", "ppo"], cwd=repo, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    state, deadline = repo / "data" / "checkpoints" / "ppo" / "state.pt", time.monotonic() + 300
-    while not state.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the ppo stage ended before its first checkpoint"
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    rerun = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=ENV, capture_output=True, text=True)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "Running stage 'ppo'" in rerun.stdout and "resuming from data/checkpoints/ppo/state.pt" in rerun.stderr
-    for path, content in expected.items():
-        assert (repo / path).read_bytes() == content, path
+@pytest.mark.slow
+def test_a_queued_sweep_runs_no_stage_upstream_of_ppo(repo):
+    """`dvc exp run --queue` over two ppo values, then `--run-all`: each experiment runs in its own copy of the repo,
+    where DVC restores prepare, sft, reward and tokenize from its cache instead of rerunning them."""
+    dvc("exp", "run", "--queue", "-S", "ppo.learning_rate=0.0001,0.0005", cwd=repo)
+    out = dvc("exp", "run", "--run-all", cwd=repo).stdout
+    assert ran(out) == ["ppo", "evaluate", "ppo", "evaluate"], out[-3000:]
+    names = [rev["name"] for row in json.loads(dvc("exp", "show", "--json", cwd=repo).stdout)
+             for exp in (row.get("experiments") or []) for rev in exp["revs"]]
+    assert len(names) >= 2
+    assert_clean(repo)
