@@ -55,8 +55,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from . import checkpoint
 from .config import PPOConfig
 from .cpu_attention import float32_attention_on_cpu
-from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_mean, masked_var, stats_to_np
-from .distributed import ProcessGroup, gather_ragged, mean_across, raise_if_any, tokens_per_process
+from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_var, stats_to_np
+from .distributed import (ProcessGroup, SingleProcess, check_process_count, mean_across, process_group_kwargs,
+                          raise_if_any, tokens_per_process)
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
@@ -64,9 +65,10 @@ from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMW
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, token_mean, value_loss
 from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
                       policy_outputs)
+from .stats import mean_over_processes, reward_stats, step_stats
 from .utils import keep_freed_memory_for_reuse, set_seed
-from .zero import (check_process_count, fill_config, gathered, gathered_for_generation, ignore_deprecated_collectives,
-                   is_sharded, is_zero3, prepare_reference, process_group_kwargs, register_lm_head)
+from .zero import (fill_config, gathered, gathered_for_generation, ignore_deprecated_collectives, is_sharded, is_zero3,
+                   prepare_reference, register_lm_head)
 
 
 def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -120,9 +122,9 @@ class PPOTrainer:
         if self.is_deepspeed:
             check_process_count(self.accelerator)
             ignore_deprecated_collectives()
-        # None on one process: every cross-process path below is skipped and the numbers are the one-process ones
-        self._group = ProcessGroup.current(self.accelerator.device) if self.is_distributed else None
-        self._sum_across = self._group.sum_across if self._group is not None else None
+        # the one path to the other processes; alone, its collectives return their input (accelerate's count decides)
+        self._group = (ProcessGroup.current(self.accelerator.device) if self.is_distributed
+                       else SingleProcess(self.accelerator.device))
         if self.is_distributed:  # independent sampling noise per process (the weights are synced by DDP)
             set_seed(config.seed + self.accelerator.process_index)
         if config.log_with is not None:
@@ -305,7 +307,7 @@ class PPOTrainer:
         # 4. advantages and returns
         t = time.perf_counter()
         adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
-                             sum_across=self._sum_across)  # whitened over the global batch
+                             sum_across=self._group.sum_across)  # whitened over the global batch
         timing["time/ppo/compute_advantages"] = time.perf_counter() - t
 
         # 5. PPO epochs over shuffled mini-batches
@@ -371,7 +373,7 @@ class PPOTrainer:
         cfg = self.config
         scores = scores.float()
         if cfg.use_score_scaling:
-            self.running.update(self.accelerator.gather(scores))
+            self.running.update(self._group.gather(scores))
             factor = self.running.std + torch.finfo(scores.dtype).eps
             scores = (scores - self.running.mean) / factor if cfg.use_score_norm else scores / factor
         if cfg.score_clip is not None:
@@ -427,8 +429,7 @@ class PPOTrainer:
                                           entropy=entropy)
         raise_if_any(self._non_finite_error(stats), self._group)
         # decided on the global mini-batch, so that every process skips (or backpropagates) together
-        ratio_mean = stats["policy/ratio_mean"] if self._group is None else mean_across(stats["policy/ratio_mean"],
-                                                                                        self._group)
+        ratio_mean = mean_across(stats["policy/ratio_mean"], self._group)
         skipped = ratio_mean > self.config.ratio_threshold
         stats["policy/skipped"] = skipped.float()
         if skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
@@ -490,14 +491,14 @@ class PPOTrainer:
         into the global values.
         """
         cfg = self.config
-        n_tokens = None if self._group is None else tokens_per_process(mask, self._group)
+        n_tokens = tokens_per_process(mask, self._group)
         pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens)
         vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens)
         if entropy is None and logits is not None:
             entropy = entropy_from_logits(logits)
         with torch.no_grad():
             mean = lambda x: token_mean(x, mask, n_tokens)  # noqa: E731
-            var = lambda x: masked_var(x, mask, sum_across=self._sum_across)  # noqa: E731
+            var = lambda x: masked_var(x, mask, sum_across=self._group.sum_across)  # noqa: E731
             stats = {
                 "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
                 "loss/total": (pg.loss + cfg.vf_coef * vf.loss).detach(),
@@ -513,7 +514,7 @@ class PPOTrainer:
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
         """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""
-        policykl = self.accelerator.reduce(policykl.detach().clone(), reduction="mean")
+        policykl = mean_across(policykl, self._group)
         if policykl > 1.5 * self.config.target_kl:
             self.optimizer.zero_grad(set_to_none=True)
             return True
@@ -521,90 +522,29 @@ class PPOTrainer:
 
     # ---- statistics ----------------------------------------------------------------------------------
     def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
-        """The legacy stats dict of one step; every token statistic is masked.
-
-        Under N processes the sample and token statistics and histograms are those of the global batch (every
-        process's samples, process 0's first), and the training statistics are per-process shares that
-        ``gather_stats`` averages into the global values (see ``loss``).
-        """
-        mask, logprobs = data["masks"], data["logprobs"]
-        valid = mask.bool()
-        kl_per_sample, entropy, scores, query_lens, response_lens = self._gather_samples(
-            (data["kls"] * mask).sum(-1), (-logprobs * mask).sum(-1), data["scores"],
-            torch.tensor([len(q) for q in data["queries"]], dtype=torch.float),
-            torch.tensor([len(r) for r in data["responses"]], dtype=torch.float))
-        token_logprobs, token_ref_logprobs, token_advantages = self._gather_tokens(
-            logprobs[valid], data["ref_logprobs"][valid], data["advantages"][valid])
-        mean_kl = kl_per_sample.mean()
-        if mean_kl.item() < -1.0 and not self._warned_negative_kl:
+        """The legacy stats dict of one step (see :func:`ppo_core.stats.step_stats`), from ``step``'s tensors:
+        ``scores``, ``logprobs``, ``ref_logprobs``, ``non_score_reward``, ``kls``, ``masks``, ``advantages``,
+        ``queries``, ``responses`` and ``train_stats``."""
+        stats = step_stats(
+            kl_coef, data["scores"], data["logprobs"], data["ref_logprobs"], data["non_score_reward"], data["kls"],
+            data["masks"], torch.tensor([len(q) for q in data["queries"]], dtype=torch.float),
+            torch.tensor([len(r) for r in data["responses"]], dtype=torch.float), data["advantages"],
+            data["train_stats"], self.config.mini_batch_size, self._group)
+        mean_kl = stats["objective/kl"].item()
+        if mean_kl < -1.0 and not self._warned_negative_kl:
             self._warned_negative_kl = True
-            warnings.warn(f"KL divergence is negative ({mean_kl.item():.2f}): usually generation kwargs that change "
+            warnings.warn(f"KL divergence is negative ({mean_kl:.2f}): usually generation kwargs that change "
                           "the sampling distribution (top_k, top_p, min_length, temperature...). Sample with "
                           "top_k=0, top_p=1.0, do_sample=True and no min_length/repetition penalty.")
-        stats = {
-            "objective/kl": mean_kl, "objective/kl_dist": kl_per_sample,
-            "objective/logprobs": token_logprobs, "objective/ref_logprobs": token_ref_logprobs,
-            "objective/kl_coef": torch.tensor(kl_coef), "objective/entropy": entropy.mean(),
-            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask, sum_across=self._sum_across),
-            "ppo/mean_scores": scores.mean(), "ppo/std_scores": scores.std(),
-            "tokens/queries_len_mean": query_lens.mean(), "tokens/queries_len_std": query_lens.std(),
-            "tokens/queries_dist": query_lens,
-            "tokens/responses_len_mean": response_lens.mean(), "tokens/responses_len_std": response_lens.std(),
-            "tokens/responses_dist": response_lens,
-            "ppo/policy/advantages": token_advantages,
-        }
-        train = data["train_stats"]
-        for key in train[0]:
-            if key == "policy/skipped":
-                continue
-            stats[f"ppo/{key}"] = torch.stack([s[key] for s in train]).float().mean()
-        ratios = torch.stack([s["policy/ratio_mean"] for s in train]).float()
-        stats["ppo/policy/ratio"] = ratios if self._group is None else mean_across(ratios, self._group)
-        stats["ppo/policy/skipped_minibatches"] = torch.stack([s["policy/skipped"] for s in train]).sum()
-        stats["ppo/epochs"] = torch.tensor(len(train) / math.ceil(len(data["queries"]) / self.config.mini_batch_size))
-        # linear in the per-process val/error share (returns/var is global), so its mean over processes is global
-        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
         return stats
 
-    def _gather_samples(self, *per_sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(B,)`` tensors of this process -> ``(N * B,)`` of the global batch (as they are on one process)."""
-        if self._group is None:
-            return per_sample
-        stacked = torch.stack([x.to(self.current_device).float() for x in per_sample], dim=-1)  # (B, k)
-        return self._group.gather(stacked).unbind(-1)
-
-    def _gather_tokens(self, *per_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(n_p,)`` tensors (this process's valid tokens) -> ``(n,)`` of the global batch."""
-        if self._group is None:
-            return per_token
-        return gather_ragged(torch.stack([x.float() for x in per_token]), self._group).unbind(0)
-
     def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """Average the 0-d tensor stats over processes (in one collective); other values are kept as they are.
-
-        The 0-d stats of ``step`` are either already global (identical on every process) or per-process shares
-        whose mean over processes is the one-process value over the global batch: sample means over the
-        equal per-process batches, and token means divided by the global token count over N (see ``loss``).
-        ``record_step_stats`` gathers the histograms.
-        """
-        if not self.is_distributed:
-            return stats
-        keys = [key for key, value in stats.items() if isinstance(value, torch.Tensor) and value.ndim == 0]
-        out = dict(stats)
-        if keys:
-            values = torch.stack([stats[key].detach().to(self.current_device).float() for key in keys])
-            out.update(zip(keys, self.accelerator.reduce(values, reduction="mean").unbind()))
-        return out
+        """The 0-d tensor stats averaged over processes (:func:`ppo_core.stats.mean_over_processes`)."""
+        return mean_over_processes(stats, self._group)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Iterable[str] = ("query", "response")):
         """Send ``stats`` plus ``env/reward_mean|std|dist`` (raw rewards, all processes) to the trackers."""
-        rewards = torch.stack([torch.as_tensor(r).float().reshape(()) for r in rewards]) if isinstance(rewards, list) \
-            else torch.as_tensor(rewards).float()
-        rewards = self.accelerator.gather(rewards.to(self.current_device)).flatten().cpu()
-        logs = dict(stats)
-        logs["env/reward_mean"] = rewards.mean().item()
-        logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
-        logs["env/reward_dist"] = rewards.numpy()
+        logs = dict(stats) | reward_stats(rewards, self._group)
         self.current_step += 1
         if self.config.log_with is not None and self.accelerator.is_main_process:
             scalars = {k: v for k, v in logs.items() if isinstance(v, (int, float)) or getattr(v, "size", 2) == 1}
@@ -615,7 +555,7 @@ class PPOTrainer:
         kwargs = self.config.push_to_hub_if_best_kwargs
         if not kwargs or self.current_step % self.config.compare_steps:
             return
-        mean = self.accelerator.gather(scores).mean().item()
+        mean = self._group.gather(scores).mean().item()
         if mean > self._best_score:
             self._best_score = mean
             if self.accelerator.is_main_process:
@@ -635,7 +575,7 @@ class PPOTrainer:
         """
         self.accelerator.wait_for_everyone()
         own = {"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()}
-        processes = self._group.gather_object(own) if self._group is not None else None
+        processes = self._group.gather_object(own)
         if self.is_deepspeed:
             self._write_deepspeed_checkpoint(path, extra, processes)
         elif self.accelerator.is_main_process:

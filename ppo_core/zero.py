@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import warnings
 from typing import Iterable, Iterator
 
@@ -44,68 +43,12 @@ def is_sharded(params: Iterable[torch.Tensor]) -> bool:
     return any(hasattr(p, "ds_id") for p in params)
 
 
-def deepspeed_launched() -> bool:
-    """Whether this process was started by ``accelerate launch`` with a DeepSpeed config."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and "LOCAL_RANK" in os.environ
-
-
-def cpu_backend() -> str | None:
-    """Under a DeepSpeed launch on a machine whose DeepSpeed accelerator is the CPU: the process-group backend
-    accelerate does not pick (see :func:`process_group_kwargs`); None elsewhere, where accelerate picks it.
-
-    accelerate picks a backend for GPUs and the other devices it knows, or with ``use_cpu`` (which turns DeepSpeed
-    off); for DeepSpeed on a machine without them it picks none and then counts every process as process 0 of 1.
-    DeepSpeed's CPU accelerator names its backend (gloo; oneCCL's ccl where installed). On CPUs this also marks
-    DeepSpeed's shared-memory all-reduce op unbuildable before DeepSpeed starts its communication, which would
-    otherwise compile it (about a minute on a fresh machine): only DeepSpeed's inference all-reduce (tensor-parallel
-    inference) uses it, never ZeRO training.
-    """
-    if not deepspeed_launched():
-        return None
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        return None
-    import deepspeed.ops
-
-    shm_op = get_accelerator().get_op_builder("ShareMemCommBuilder")
-    deepspeed.ops.__compatible_ops__[shm_op.NAME] = False  # what DeepSpeed's start-up reads before building it
-    return get_accelerator().communication_backend_name()
-
-
-def process_group_kwargs(accelerator_kwargs: dict) -> dict:
-    """``accelerator_kwargs`` plus, under DeepSpeed on CPUs, the process-group backend accelerate does not pick
-    (:func:`cpu_backend`). A backend given in ``kwargs_handlers`` is kept."""
-    backend = cpu_backend()
-    if backend is None:
-        return accelerator_kwargs
-    from accelerate.utils import InitProcessGroupKwargs
-
-    handlers = list(accelerator_kwargs.get("kwargs_handlers") or [])
-    if any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
-        return accelerator_kwargs
-    return {**accelerator_kwargs, "kwargs_handlers": [*handlers, InitProcessGroupKwargs(backend=backend)]}
-
-
 def ignore_deprecated_collectives() -> None:
     """Silence torch's FutureWarning on the collectives DeepSpeed calls (``all_gather_into_tensor``,
     ``reduce_scatter_tensor``, renamed in torch 2.13): it comes again at every step, on every process, and only
     a DeepSpeed release can act on it."""
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
                             "is deprecated", category=FutureWarning)
-
-
-def check_process_count(accelerator) -> None:
-    """Raise if accelerate counts fewer processes than torch.distributed runs (see :func:`process_group_kwargs`:
-    a state created without a backend, before the trainer's): every process would train as if it were alone."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() != accelerator.num_processes:
-        raise ValueError(f"PPOTrainer: accelerate counts {accelerator.num_processes} process(es) but DeepSpeed runs "
-                         f"{dist.get_world_size()}: accelerate's state was created without a process-group backend, "
-                         "as happens on CPUs before the trainer's Accelerator; create the first Accelerator with "
-                         "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (a PartialState with "
-                         "backend='gloo'), or none.")
 
 
 def fill_config(ds_config: dict, mini_batch_size: int, gradient_accumulation_steps: int,

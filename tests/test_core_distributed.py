@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from ppo_core.core import masked_mean, masked_var, masked_whiten
-from ppo_core.distributed import gather_ragged, mean_across, raise_if_any, tokens_per_process
-from ppo_core.ppo_math import gae_advantages, policy_loss, value_loss
+from ppo_core.distributed import (ProcessGroup, SingleProcess, gather_ragged, mean_across, raise_if_any,
+                                  tokens_per_process)
+from ppo_core.ppo_math import gae_advantages, policy_loss, token_mean, value_loss
 from tests import distributed_step, launching
 
 torch.set_num_threads(1)
@@ -36,6 +37,7 @@ class ThreadGroup:
 
     def __init__(self, index: int, shared: dict):
         self.process_index, self.num_processes, self._shared = index, shared["n"], shared
+        self.device = torch.device("cpu")
 
     def _exchange(self, value) -> list:
         slots, barrier = self._shared["slots"], self._shared["barrier"]
@@ -181,8 +183,33 @@ def test_an_error_on_one_process_raises_on_all_with_its_message():
     assert in_threads(lambda g: raise_if_any(None, g)) == [None, None]
     error = FloatingPointError("x")
     with pytest.raises(FloatingPointError) as info:  # one process: the error itself
-        raise_if_any(error, None)
+        raise_if_any(error, SingleProcess(torch.device("cpu")))
     assert info.value is error
+
+
+def test_a_single_process_group_returns_what_it_is_given():
+    """Alone, the trainer goes the same way as with N processes: the collectives return their input (detached
+    copies, as the real ones), and the helpers give the one-process numbers exactly."""
+    group = ProcessGroup.current("cpu")  # torch.distributed is not running here
+    assert isinstance(group, SingleProcess) and (group.num_processes, group.process_index) == (1, 0)
+    x = torch.randn(3, 4, requires_grad=True)
+    for out in (group.sum_across(x), group.gather(x), mean_across(x, group), gather_ragged(x, group)):
+        assert torch.equal(out, x) and out.data_ptr() != x.data_ptr() and not out.requires_grad
+    obj = {"shuffle": torch.arange(3)}
+    assert group.gather_object(obj) == [obj]
+    raise_if_any(None, group)
+
+
+def test_one_process_divides_token_means_by_its_own_count_in_the_values_dtype():
+    """``tokens_per_process`` is None alone: ``token_mean`` then divides by the mask's sum in the values' dtype,
+    the one-process number exactly, where a float32 count would not be (float64 values, a fractional mask)."""
+    group = SingleProcess(torch.device("cpu"))
+    values = torch.randn(4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mask = torch.rand(4, 5, generator=torch.Generator().manual_seed(1)).float()  # e.g. a user's soft response_masks
+    assert tokens_per_process(mask, group) is None
+    n_tokens = mask.detach().float().sum() / group.num_processes  # what N processes would pass
+    assert token_mean(values, mask, tokens_per_process(mask, group)) == masked_mean(values, mask)
+    assert token_mean(values, mask, n_tokens) != masked_mean(values, mask)  # why it is None
 
 
 # ---------------------------------------------------------------------------------------------------
