@@ -12,17 +12,21 @@ their input; the helpers below take either (or any object with the three methods
 in for processes). Alone they give exactly the numbers of a one-process run: where the N-process way would round
 differently or reword an error (:func:`tokens_per_process`, :func:`raise_if_any`, ``stats.gather_samples``), they
 return early and say why. The rest is launch plumbing: the process-group backend accelerate does not pick under
-DeepSpeed on CPUs, and the check that accelerate counts every process.
+DeepSpeed on CPUs, the check that accelerate counts every process, torch's deprecation warning on
+DeepSpeed's collectives (ignored within a block), and accelerate's process-wide state.
 
 Notation: ``N`` processes, ``n_p`` valid tokens on process ``p``, ``n = sum_p n_p``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -191,3 +195,49 @@ def check_process_count(accelerator) -> None:
                          "as happens on CPUs before the trainer's Accelerator; create the first Accelerator with "
                          "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (a PartialState with "
                          "backend='gloo'), or none.")
+
+
+@contextlib.contextmanager
+def deprecated_collectives_ignored(enabled: bool = True) -> Iterator[None]:
+    """Within the block, torch's FutureWarning on the collectives DeepSpeed calls (``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``, renamed in torch 2.13) is ignored: it comes again at every step, on every process,
+    and only a DeepSpeed release can act on it. The warnings filters are restored on the way out; a no-op when not
+    ``enabled``."""
+    if not enabled:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                                "is deprecated", category=FutureWarning)
+        yield
+
+
+def quiet_deepspeed_collectives(method: Callable) -> Callable:
+    """Decorate a ``PPOTrainer`` method: under DeepSpeed (``self.is_deepspeed``) the method runs within
+    :func:`deprecated_collectives_ignored`, so the warnings filters are left as they were once it returns."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with deprecated_collectives_ignored(self.is_deepspeed):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+def reset_single_process_accelerate_state() -> None:
+    """Forget the settings of this process's previous ``Accelerator`` when the process runs alone; else a no-op.
+
+    Why: accelerate keeps its state in process-wide singletons (``AcceleratorState``, ``GradientState``) that the
+    first ``Accelerator`` of a process fills for good: a later one given another ``mixed_precision`` raises
+    ("already been initialized and cannot be changed"), and one given none silently runs with the first one's (bf16
+    after a bf16 trainer). A process that builds several trainers (a notebook, a sweep, the tests) would be stuck
+    with the first one's settings. When: each ``PPOTrainer`` calls it before building its ``Accelerator``; it resets
+    only an existing state, and only in a process that runs alone (``PartialState``, the process group itself, is
+    kept): under ``accelerate launch`` the state belongs to the launch and is left alone. ``_reset_state`` is
+    accelerate's private API (accelerate's own test scripts call it between Accelerators); a release that drops it
+    breaks this function alone.
+    """
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    if AcceleratorState._shared_state and PartialState().num_processes == 1:
+        AcceleratorState._reset_state()
+        GradientState._reset_state()

@@ -56,8 +56,9 @@ from . import checkpoint
 from .config import PPOConfig
 from .cpu_attention import float32_attention_on_cpu
 from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_var, stats_to_np
-from .distributed import (ProcessGroup, SingleProcess, check_process_count, mean_across, process_group_kwargs,
-                          raise_if_any, tokens_per_process)
+from .distributed import (ProcessGroup, SingleProcess, check_process_count, deprecated_collectives_ignored,
+                          mean_across, process_group_kwargs, quiet_deepspeed_collectives, raise_if_any,
+                          reset_single_process_accelerate_state, tokens_per_process)
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
@@ -67,8 +68,8 @@ from .rollout import (ModelInputs, build_model_inputs, build_response_masks, bui
                       policy_outputs)
 from .stats import mean_over_processes, reward_stats, step_stats
 from .utils import keep_freed_memory_for_reuse, set_seed
-from .zero import (fill_config, gathered, gathered_for_generation, ignore_deprecated_collectives, is_sharded, is_zero3,
-                   prepare_reference, register_lm_head)
+from .zero import (fill_config, gathered, gathered_for_generation, is_sharded, is_zero3, prepare_reference,
+                   register_lm_head)
 
 
 def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -84,6 +85,14 @@ class PPOTrainer:
     with its adapter disabled when it is a PEFT model (``ref_model`` stays None: one copy of the base
     weights, and only the adapter and the value head are optimised), else a frozen copy sharing its
     first ``num_shared_layers`` layers.
+
+    Process-wide effects of building one: it seeds the global RNGs (legacy behaviour; ``seed + process_index``
+    under N processes); alone, it resets accelerate's process-wide state left by an earlier ``Accelerator``
+    (:func:`~ppo_core.distributed.reset_single_process_accelerate_state` says why); on the CPU it lets glibc's
+    malloc keep large freed blocks for reuse (:func:`~ppo_core.utils.keep_freed_memory_for_reuse`: a faster
+    mini-batch, and the process keeps its peak heap), which ``PPO_CORE_TUNE_MALLOC=0`` in the environment turns
+    off. The warnings filters are left as they are: under DeepSpeed, torch's deprecation warning on DeepSpeed's
+    collectives is ignored only while a trainer method runs.
     """
 
     def __init__(self, config: PPOConfig | None = None, model: PreTrainedModelWrapper | None = None,
@@ -106,7 +115,7 @@ class PPOTrainer:
         set_seed(config.seed)  # legacy behaviour: the trainer seeds the global RNGs (sampling uses them)
 
         # 1. accelerator and derived batch sizes
-        _reset_single_process_accelerate_state()
+        reset_single_process_accelerate_state()  # see its docstring: why, and when it does nothing
         self.accelerator = Accelerator(log_with=config.log_with,
                                        gradient_accumulation_steps=config.gradient_accumulation_steps,
                                        project_config=ProjectConfiguration(**config.project_kwargs),
@@ -121,7 +130,6 @@ class PPOTrainer:
         self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``ppo_core.zero``)
         if self.is_deepspeed:
             check_process_count(self.accelerator)
-            ignore_deprecated_collectives()
         # the one path to the other processes; alone, its collectives return their input (accelerate's count decides)
         self._group = (ProcessGroup.current(self.accelerator.device) if self.is_distributed
                        else SingleProcess(self.accelerator.device))
@@ -173,10 +181,11 @@ class PPOTrainer:
                         config.gradient_accumulation_steps, config.max_grad_norm, self.accelerator.num_processes)
         if self._zero3:
             register_lm_head(model)  # the scoring forward reads the LM head outside the head module's forward
-        (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
-            model, optimizer, self.dataloader, lr_scheduler)
-        # frozen, never optimised; None for a PEFT policy (see ``_reference``)
-        self.ref_model = self._place_reference(ref_model)
+        with deprecated_collectives_ignored(self.is_deepspeed):
+            (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
+                model, optimizer, self.dataloader, lr_scheduler)
+            # frozen, never optimised; None for a PEFT policy (see ``_reference``)
+            self.ref_model = self._place_reference(ref_model)
         self.current_device = self.accelerator.device
         if self.current_device.type == "cpu":  # (N, V) blocks reused, not page-faulted in at every mini-batch
             keep_freed_memory_for_reuse()
@@ -205,6 +214,7 @@ class PPOTrainer:
         return dataset.remove_columns(drop) if drop else dataset
 
     # ---- generation --------------------------------------------------------------------------------
+    @quiet_deepspeed_collectives
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
                  return_prompt: bool = True, generate_ref_response: bool = False, **generation_kwargs):
         """Sample responses: a 1-D query tensor gives a ``(1, L)`` tensor; a list gives a list of 1-D tensors.
@@ -235,7 +245,7 @@ class PPOTrainer:
         to save it; read-only. Under ZeRO-3 the shards are gathered from every process: every process must enter
         the block, even where only one of them saves."""
         model = self.accelerator.unwrap_model(self.model)
-        with gathered(model.parameters()):
+        with deprecated_collectives_ignored(self.is_deepspeed), gathered(model.parameters()):
             yield model
 
     @contextlib.contextmanager
@@ -278,6 +288,7 @@ class PPOTrainer:
         return build_seq2seq_inputs(queries, responses, self.decoder_start_token_id, pad)
 
     # ---- the PPO step --------------------------------------------------------------------------------
+    @quiet_deepspeed_collectives
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list[torch.Tensor],
              response_masks: list[torch.Tensor] | None = None) -> dict[str, Any]:
         """One PPO update from ``batch_size`` (query, response, score) triples; returns the stats."""
@@ -562,6 +573,7 @@ class PPOTrainer:
                 self.accelerator.unwrap_model(self.model).push_to_hub(**kwargs)
 
     # ---- checkpoints (not in legacy TRL: resume was its most requested missing feature) ----------------
+    @quiet_deepspeed_collectives
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Write the whole training state to ``path`` atomically; see ``load_checkpoint``. Every process calls it.
 
@@ -613,6 +625,7 @@ class PPOTrainer:
     def _zero_stage(self) -> int | None:
         return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed else None
 
+    @quiet_deepspeed_collectives
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote (model, optimizer, scheduler, KL controller, score
         moments, shuffling, step counter, RNG states; under N processes, each its own shuffling and RNG
@@ -667,6 +680,7 @@ class PPOTrainer:
         return {"input_ids": inputs.input_ids, "attention_mask": attention_mask.long(),
                 "query_lens": inputs.query_lens, "response_lens": inputs.response_lens}
 
+    @quiet_deepspeed_collectives
     @torch.no_grad()
     def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
                              response_masks=None):
@@ -758,16 +772,6 @@ def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.
         return torch.optim.Adam(params, lr=lr, fused=True)
     except RuntimeError:  # a device or dtype without a fused kernel
         return torch.optim.Adam(params, lr=lr)
-
-
-def _reset_single_process_accelerate_state() -> None:
-    """accelerate keeps its state in process-wide singletons that refuse a second ``Accelerator`` with
-    other settings (e.g. fp32 then bf16). In a single process nothing else depends on them: reset."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    if AcceleratorState._shared_state and PartialState().num_processes == 1:
-        AcceleratorState._reset_state()
-        GradientState._reset_state()
 
 
 def _check_zero3_copy(model: PreTrainedModelWrapper, num_shared_layers: int | None) -> None:

@@ -1,5 +1,5 @@
-"""Small utilities: seeding (legacy API), the CPU allocator setting the trainer applies, and a scoped swap of a
-library function (the CPU fast paths of ``generation`` and ``cpu_attention``)."""
+"""Small utilities: seeding (legacy API), the CPU allocator setting the trainer applies by default, and a scoped
+swap of a library function (the CPU fast paths of ``generation`` and ``cpu_attention``)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def keep_freed_memory_for_reuse() -> bool:
     is faulted in again, page by page, each time a PPO mini-batch allocates it: 1.7 s of a 6.7 s step on
     two cores. Raising the mmap and trim thresholds to 1 GiB keeps such blocks in the heap for the next
     use (what PyTorch's CPU tuning guide gets from jemalloc or tcmalloc). The process keeps its peak heap
-    (+90 MiB of RSS on the 32k benchmark). No-op off glibc, or with ``PPO_CORE_TUNE_MALLOC=0``.
+    (+90 MiB of RSS on the 32k benchmark). ``PPOTrainer`` applies it on the CPU by default, for the whole process
+    (malloc has no per-object setting); ``PPO_CORE_TUNE_MALLOC=0`` in the environment turns it off. No-op off glibc.
     """
     if os.environ.get("PPO_CORE_TUNE_MALLOC", "1") == "0":
         return False

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 from typing import Iterable, Iterator
 
 import torch
@@ -41,14 +40,6 @@ def is_zero3(accelerator) -> bool:
 def is_sharded(params: Iterable[torch.Tensor]) -> bool:
     """Whether any of ``params`` is a ZeRO-3 parameter (DeepSpeed tags each with a ``ds_id``)."""
     return any(hasattr(p, "ds_id") for p in params)
-
-
-def ignore_deprecated_collectives() -> None:
-    """Silence torch's FutureWarning on the collectives DeepSpeed calls (``all_gather_into_tensor``,
-    ``reduce_scatter_tensor``, renamed in torch 2.13): it comes again at every step, on every process, and only
-    a DeepSpeed release can act on it."""
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-                            "is deprecated", category=FutureWarning)
 
 
 def fill_config(ds_config: dict, mini_batch_size: int, gradient_accumulation_steps: int,

@@ -94,6 +94,7 @@ def test_two_deepspeed_processes_equal_one_process_and_generate_from_gathered_we
         assert all(torch.isfinite(v).all() for v in after.values() if v.is_floating_point())
         assert any(not torch.equal(after[k], before[k]) for k in after)  # mini-batch 1's update only
     assert all(torch.equal(v, ranks[1]["non_finite"]["after"][k]) for k, v in ranks[0]["non_finite"]["after"].items())
+    assert [rank["collectives_filters"] for rank in ranks] == [0, 0]  # no process-wide warnings filter left
 
 
 def test_deepspeed_accumulates_and_skips_mini_batches_as_the_trainer_does(tmp_path):

@@ -10,6 +10,7 @@ one process over the same 8 samples: float32, three steps, so the stated toleran
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -283,3 +284,22 @@ def test_a_bad_input_on_one_process_stops_both_with_its_message(tmp_path):
     assert output.count("ValueError: process 1 of 2: step: scores[0] is nan") >= 2, output[-3000:]
     assert seconds < timeout / 2, f"took {seconds:.0f} s"
     assert not (tmp_path / "rank0.pt").exists() and not (tmp_path / "rank1.pt").exists()
+
+
+def test_the_collectives_warning_is_ignored_within_the_block_only():
+    """Under DeepSpeed the trainer's methods run in ``deprecated_collectives_ignored``: the filter it adds is gone
+    once the block ends, so a trainer changes no process-wide warnings setting."""
+    from ppo_core.distributed import deprecated_collectives_ignored
+
+    message = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use all_gather_single instead."
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with deprecated_collectives_ignored():
+            warnings.warn(message, FutureWarning)
+            warnings.warn("another FutureWarning", FutureWarning)
+        with deprecated_collectives_ignored(enabled=False):
+            warnings.warn(message, FutureWarning)
+        warnings.warn(message, FutureWarning)
+    assert [str(w.message) for w in caught] == ["another FutureWarning", message, message]
+    assert warnings.filters == before

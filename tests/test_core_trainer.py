@@ -741,3 +741,30 @@ def test_reference_model_holds_no_optimizer_state():
     assert ref_params and not optimized & {id(p) for p in ref_params}
     assert all(not p.requires_grad and p.grad is None for p in ref_params)
     assert all(id(p) not in {id(q) for q in ref_params} for p in trainer.optimizer.state)
+
+
+def test_a_trainer_does_not_inherit_an_earlier_accelerators_settings():
+    """accelerate's state is process-wide: without the reset, a trainer built after a bf16 one would silently run
+    in bf16 too (and one asking for another precision would be refused). Alone, each starts from its own settings."""
+    from accelerate import Accelerator
+
+    bf16 = make_trainer(accelerator_kwargs={"mixed_precision": "bf16"})
+    assert bf16.accelerator.mixed_precision == "bf16"
+    assert Accelerator().mixed_precision == "bf16"  # accelerate's own behaviour: the process's first settings stay
+    assert make_trainer().accelerator.mixed_precision == "no"
+
+
+def test_malloc_tuning_is_a_default_the_environment_turns_off(monkeypatch):
+    """On the CPU a trainer keeps freed memory for reuse (glibc); PPO_CORE_TUNE_MALLOC=0 turns that off."""
+    import platform
+
+    from ppo_core import trainer as trainer_module
+    from ppo_core.utils import keep_freed_memory_for_reuse
+
+    applied = []
+    monkeypatch.setattr(trainer_module, "keep_freed_memory_for_reuse",
+                        lambda: applied.append(keep_freed_memory_for_reuse()) or applied[-1])
+    make_trainer()
+    monkeypatch.setenv("PPO_CORE_TUNE_MALLOC", "0")
+    make_trainer()
+    assert applied == [platform.libc_ver()[0] == "glibc", False]  # on glibc by default; never when turned off
