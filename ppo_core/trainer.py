@@ -39,12 +39,11 @@ import contextlib
 import gc
 import inspect
 import math
-import numbers
 import os
 import shutil
 import time
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -64,8 +63,8 @@ from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
                        create_reference_model)
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, token_mean, value_loss
-from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
-                      policy_outputs)
+from .rollout import (ModelInputs, PolicyOutputs, Rollout, build_response_masks, checked_step_inputs, concat_outputs,
+                      full_kl_per_token, model_inputs, policy_outputs, warn_if_start_token_included)
 from .stats import mean_over_processes, reward_stats, step_stats
 from .utils import keep_freed_memory_for_reuse, set_seed
 from .zero import (fill_config, gathered, gathered_for_generation, is_sharded, is_zero3, prepare_reference,
@@ -276,16 +275,10 @@ class PPOTrainer:
 
     def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:
         """``query + response`` sequences, or for an encoder-decoder the queries and ``start + response``."""
-        pad = self.tokenizer.pad_token_id
-        if not self.config.is_encoder_decoder:
-            return build_model_inputs(queries, responses, pad)
-        starts = torch.stack([r[0] for r in responses])
-        if not self._warned_start_token and bool((starts == self.decoder_start_token_id).all()):
-            self._warned_start_token = True
-            warnings.warn(f"step: every response starts with the decoder start token ({self.decoder_start_token_id}). "
-                          "ppo_core's responses are the generated tokens without it (generate strips it and step "
-                          "prepends it); strip it from responses built the legacy TRL way, or it is scored as a token.")
-        return build_seq2seq_inputs(queries, responses, self.decoder_start_token_id, pad)
+        start = self.decoder_start_token_id
+        if start is not None and not self._warned_start_token:
+            self._warned_start_token = warn_if_start_token_included(responses, start)
+        return model_inputs(queries, responses, self.tokenizer.pad_token_id, start)
 
     # ---- the PPO step --------------------------------------------------------------------------------
     @quiet_deepspeed_collectives
@@ -296,56 +289,53 @@ class PPOTrainer:
         # 1. check inputs (a bad input on any process raises on all), move them to the device, scale and clip scores
         queries, responses, scores, response_masks = self._checked_inputs(queries, responses, scores, response_masks)
         scores = self._scale_scores(scores)
+        # 2. legacy push_to_hub_if_best_kwargs: the policy that sampled these responses, if they score best so far
         self._maybe_push_to_hub(scores)
+        # 3. no-grad passes of policy and reference
         inputs = self._model_inputs(queries, responses)
         mask = build_response_masks(response_masks, inputs)
-
-        # 2. no-grad passes of policy and reference
-        t = time.perf_counter()
-        old, ref = self._rollout_passes(inputs)
-        timing["time/ppo/forward_pass"] = time.perf_counter() - t
-
-        # 3. KL-shaped rewards
-        t = time.perf_counter()
-        if cfg.kl_penalty == "full":
-            with self._reference() as ref_model:
-                kls = full_kl_per_token(self.model, old.hidden, ref_model, ref.hidden, inputs)
-        else:
-            kls = kl_penalty(old.logprobs, ref.logprobs, cfg.kl_penalty)
-        shaped = shape_rewards(scores, kls, mask, self.kl_ctl.value)
-        timing["time/ppo/compute_rewards"] = time.perf_counter() - t
-
-        # 4. advantages and returns
-        t = time.perf_counter()
-        adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
-                             sum_across=self._group.sum_across)  # whitened over the global batch
-        timing["time/ppo/compute_advantages"] = time.perf_counter() - t
-
-        # 5. PPO epochs over shuffled mini-batches
-        t = time.perf_counter()
-        train_stats = self._optimize(inputs, mask, old.logprobs, old.values, adv.advantages, adv.returns)
-        timing["time/ppo/optimize_step"] = time.perf_counter() - t
-
-        # 6. statistics, KL controller, scheduler
-        t = time.perf_counter()
-        stats = self.record_step_stats(
-            kl_coef=self.kl_ctl.value, scores=scores, logprobs=old.logprobs, ref_logprobs=ref.logprobs,
-            non_score_reward=shaped.non_score_rewards, kls=shaped.kls, masks=mask, queries=queries,
-            responses=responses, train_stats=train_stats, advantages=adv.advantages)
-        stats = self.gather_stats(stats)
-        stats = stats_to_np(stats)
-        timing["time/ppo/calc_stats"] = time.perf_counter() - t
+        with _timed(timing, "time/ppo/forward_pass"):
+            old, ref = self._rollout_passes(inputs)
+        # 4. KL-shaped rewards
+        with _timed(timing, "time/ppo/compute_rewards"):
+            shaped = shape_rewards(scores, self._kl_per_token(inputs, old, ref), mask, self.kl_ctl.value)
+        # 5. advantages and returns, whitened over the global batch
+        with _timed(timing, "time/ppo/compute_advantages"):
+            adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
+                                 sum_across=self._group.sum_across)
+        rollout = Rollout(inputs, mask, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)
+        # 6. PPO epochs over shuffled mini-batches
+        with _timed(timing, "time/ppo/optimize_step"):
+            train_stats = self._optimize(rollout)
+        # 7. statistics
+        with _timed(timing, "time/ppo/calc_stats"):
+            stats = stats_to_np(self.gather_stats(self.record_step_stats(
+                kl_coef=self.kl_ctl.value, scores=scores, logprobs=rollout.old_logprobs,
+                ref_logprobs=rollout.ref_logprobs, non_score_reward=shaped.non_score_rewards, kls=shaped.kls,
+                masks=mask, queries=queries, responses=responses, train_stats=train_stats,
+                advantages=rollout.advantages)))
+        # 8. KL controller, scheduler, step counter
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
-        self.kl_ctl.update(float(stats["objective/kl"]), cfg.batch_size * self.accelerator.num_processes)
+        self._end_step(float(stats["objective/kl"]))
+        timing["time/ppo/total"] = time.perf_counter() - t_start
+        return convert_to_scalar(stats | timing)
+
+    def _kl_per_token(self, inputs: ModelInputs, old: PolicyOutputs, ref: PolicyOutputs) -> torch.Tensor:
+        """``(B, R)`` the KL penalty of each response token: from the sampled tokens' log-probabilities, or over the
+        whole vocabulary (``kl_penalty="full"``)."""
+        if self.config.kl_penalty != "full":
+            return kl_penalty(old.logprobs, ref.logprobs, self.config.kl_penalty)
+        with self._reference() as ref_model:
+            return full_kl_per_token(self.model, old.hidden, ref_model, ref.hidden, inputs)
+
+    def _end_step(self, mean_kl: float) -> None:
+        self.kl_ctl.update(mean_kl, self.config.batch_size * self.accelerator.num_processes)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
-        timing["time/ppo/total"] = time.perf_counter() - t_start
-        stats.update(timing)
-        if cfg.optimize_device_cache:
+        if self.config.optimize_device_cache:
             gc.collect()
             _empty_device_cache()
-        return convert_to_scalar(stats)
 
     def _checked_inputs(self, queries, responses, scores, response_masks):
         """``_step_safety_checker`` on every process, before any collective: an error on one raises on all, so
@@ -360,25 +350,7 @@ class PPOTrainer:
 
     def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
         """Validate lengths, types and shapes; return device tensors (scores as one ``(B,)`` tensor)."""
-        for name, items in (("queries", queries), ("responses", responses), ("scores", scores)):
-            if not isinstance(items, list):
-                raise ValueError(f"step: {name} must be a list of tensors, got {type(items).__name__}.")
-            if len(items) != batch_size:
-                raise ValueError(f"step: batch size ({batch_size}) does not match number of {name} ({len(items)}); "
-                                 "pass exactly config.batch_size samples (drop_last=True in your dataloader).")
-        if masks is not None and len(masks) != batch_size:
-            raise ValueError(f"step: response_masks has {len(masks)} entries, expected {batch_size}.")
-        device = self.current_device
-        queries = [_token_tensor(q, "queries", i).to(device) for i, q in enumerate(queries)]
-        responses = [_token_tensor(r, "responses", i).to(device) for i, r in enumerate(responses)]
-        scores = torch.stack([_scalar_score(s, i) for i, s in enumerate(scores)]).to(device)
-        if masks is not None:
-            masks = [torch.as_tensor(m).to(device) for m in masks]
-            for i, (m, r) in enumerate(zip(masks, responses)):
-                if m.shape != r.shape:
-                    raise ValueError(f"step: response_masks[{i}] has shape {tuple(m.shape)}, "
-                                     f"but responses[{i}] has shape {tuple(r.shape)}.")
-        return queries, responses, scores, masks
+        return checked_step_inputs(batch_size, queries, responses, scores, masks, self.current_device)
 
     def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -403,30 +375,27 @@ class PPOTrainer:
         def outputs(model):
             with self._forward_precision():
                 parts = [policy_outputs(model, inputs.index(idx), keep_hidden=full) for idx in chunks]
-            return _concat_outputs(parts, inputs)
+            return concat_outputs(parts, inputs)
 
         old = outputs(self.model)
         with self._reference() as ref_model:
             return old, outputs(ref_model)
 
-    def _optimize(self, inputs, mask, old_logprobs, old_values, advantages, returns) -> list[dict]:
-        """``ppo_epochs`` passes over shuffled mini-batches; returns the per-mini-batch stats."""
+    def _optimize(self, rollout: Rollout) -> list[dict]:
+        """``ppo_epochs`` passes over shuffled mini-batches of ``rollout``; returns the per-mini-batch stats."""
         cfg, all_stats = self.config, []
-        batch_size = len(inputs.query_lens)
+        batch_size = len(rollout.mask)
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(batch_size, generator=self._shuffle).to(inputs.input_ids.device)
+            order = torch.randperm(batch_size, generator=self._shuffle).to(rollout.inputs.input_ids.device)
             for start in range(0, batch_size, cfg.mini_batch_size):
-                idx = order[start:start + cfg.mini_batch_size]
-                mb_inputs = inputs.index(idx)
-                width = int(mb_inputs.response_lens.max())  # trim response-aligned tensors to this mini-batch
+                mb = rollout.minibatch(order[start:start + cfg.mini_batch_size])  # (b, R_b)
                 self._minibatches_done = len(all_stats)  # for error messages
                 with self.accelerator.accumulate(self.model):
                     self.model.train()
                     with self._forward_precision():
-                        out = policy_outputs(self.model, mb_inputs, with_entropy=True)
-                    stats = self.train_minibatch(
-                        old_logprobs[idx, :width], old_values[idx, :width], out.logprobs, None, out.values,
-                        mask[idx, :width], advantages[idx, :width], returns[idx, :width], entropy=out.entropy)
+                        out = policy_outputs(self.model, mb.inputs, with_entropy=True)
+                    stats = self.train_minibatch(mb.old_logprobs, mb.old_values, out.logprobs, None, out.values,
+                                                 mb.mask, mb.advantages, mb.returns, entropy=out.entropy)
                 all_stats.append(stats)
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
@@ -728,37 +697,12 @@ def _decoder_start_token_id(model: PreTrainedModelWrapper) -> int:
     return int(start)
 
 
-def _token_tensor(x, name: str, i: int) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.ndim != 1:
-        raise ValueError(f"step: {name}[{i}] must be a 1-D tensor of token ids, "
-                         f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))}.")
-    if x.numel() == 0:
-        raise ValueError(f"step: {name}[{i}] is empty; every query and response needs at least one token.")
-    return x.long()
-
-
-def _scalar_score(s, i: int) -> torch.Tensor:
-    if not isinstance(s, (torch.Tensor, numbers.Real)) or isinstance(s, bool):
-        raise ValueError(f"step: scores[{i}] must be a number (a 0-d tensor), got {type(s).__name__} {s!r}.")
-    s = torch.as_tensor(s)
-    if s.numel() != 1 or s.ndim > 1:
-        raise ValueError(f"step: scores[{i}] must be a scalar (0-d tensor), got shape {tuple(s.shape)}.")
-    if not s.is_floating_point() and s.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"step: scores[{i}] must be a number, got dtype {s.dtype}.")
-    s = s.reshape(()).float()
-    if not torch.isfinite(s):
-        raise ValueError(f"step: scores[{i}] is {s.item()}; scores must be finite numbers.")
-    return s
-
-
-def _concat_outputs(parts, inputs: ModelInputs):
-    """Concatenate chunked ``PolicyOutputs`` along the batch, re-padding to the batch's response length."""
-    width = int(inputs.response_lens.max())
-    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
-    logprobs = torch.cat([pad(p.logprobs) for p in parts])
-    values = torch.cat([pad(p.values) for p in parts])
-    hidden = torch.cat([p.hidden for p in parts]) if parts[0].hidden is not None else None
-    return type(parts[0])(logprobs, values, None, hidden)
+@contextlib.contextmanager
+def _timed(timing: dict[str, float], key: str) -> Iterator[None]:
+    """``timing[key]``: the block's wall-clock seconds."""
+    start = time.perf_counter()
+    yield
+    timing[key] = time.perf_counter() - start
 
 
 def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:

@@ -768,3 +768,23 @@ def test_malloc_tuning_is_a_default_the_environment_turns_off(monkeypatch):
     monkeypatch.setenv("PPO_CORE_TUNE_MALLOC", "0")
     make_trainer()
     assert applied == [platform.libc_ver()[0] == "glibc", False]  # on glibc by default; never when turned off
+
+
+def test_a_rollout_mini_batch_is_every_tensor_sliced_by_hand():
+    """``Rollout.minibatch(idx)``: the rows ``idx`` of every field, the response-aligned ones cut to the longest
+    response among those rows (the optimiser's one indexing call)."""
+    from ppo_core.rollout import Rollout
+
+    queries, responses, _ = make_batch(n=6, seed=3)
+    inputs = build_model_inputs(queries, responses, PAD)
+    width = int(inputs.response_lens.max())
+    gen = torch.Generator().manual_seed(0)
+    rollout = Rollout(inputs, inputs.response_mask().float(), *(torch.randn(6, width, generator=gen) for _ in range(5)))
+    idx = torch.tensor([4, 0, 3])  # responses of 5, 4 and 3 tokens, the longest has 6
+    mb = rollout.minibatch(idx)
+    cut = max(len(responses[i]) for i in idx.tolist())
+    assert cut < width  # the trimming is exercised
+    for got, given in zip(mb.inputs, inputs):
+        assert got is given is None or torch.equal(got, given[idx])
+    for name in ("mask", "old_logprobs", "old_values", "ref_logprobs", "advantages", "returns"):
+        assert torch.equal(getattr(mb, name), getattr(rollout, name)[idx][:, :cut]), name
