@@ -37,18 +37,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import math
 import os
 import shutil
 import time
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
-from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import checkpoint
@@ -60,23 +58,19 @@ from .distributed import (ProcessGroup, SingleProcess, check_process_count, depr
                           reset_single_process_accelerate_state, tokens_per_process)
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
+from .legacy import LegacyMethods, default_optimizer
 from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
-                       create_reference_model)
+                       create_reference_model, decoder_start_token_id, disable_dropout)
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, token_mean, value_loss
 from .rollout import (ModelInputs, PolicyOutputs, Rollout, build_response_masks, checked_step_inputs, concat_outputs,
                       full_kl_per_token, model_inputs, policy_outputs, warn_if_start_token_included)
-from .stats import mean_over_processes, reward_stats, step_stats
+from .stats import mean_over_processes, step_stats
 from .utils import keep_freed_memory_for_reuse, set_seed
-from .zero import (fill_config, gathered, gathered_for_generation, is_sharded, is_zero3, prepare_reference,
+from .zero import (check_reference_copy, fill_config, gathered, gathered_for_generation, is_zero3, prepare_reference,
                    register_lm_head)
 
 
-def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """``[{k: v}, ...] -> {k: [v, ...]}``: keeps variable-length queries as a list of tensors."""
-    return {key: [row[key] for row in rows] for key in rows[0]}
-
-
-class PPOTrainer:
+class PPOTrainer(LegacyMethods):
     """Proximal Policy Optimisation for language models, with TRL's legacy ``PPOTrainer`` API.
 
     Args: as the legacy class. ``model`` is an :class:`AutoModelForCausalLMWithValueHead` or an
@@ -144,17 +138,17 @@ class PPOTrainer:
             warnings.warn("PPOTrainer: the tokenizer has no pad token; using its EOS token as pad token.")
             tokenizer.pad_token = tokenizer.eos_token
         if config.disable_dropout:
-            _disable_dropout(model)
+            disable_dropout(model)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.decoder_start_token_id = _decoder_start_token_id(model) if model.is_encoder_decoder else None
+        self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
         if ref_model is None and model.is_peft_model:
             if num_shared_layers is not None:
                 warnings.warn("PPOTrainer: num_shared_layers is ignored for a PEFT policy (its reference is the "
                               "adapter-disabled model, which shares every base weight).")
         elif ref_model is None:
             if self._zero3:
-                _check_zero3_copy(model, num_shared_layers)
+                check_reference_copy(model, num_shared_layers)
             ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
         elif num_shared_layers is not None:
             warnings.warn("PPOTrainer: num_shared_layers is ignored when a ref_model is passed.")
@@ -197,21 +191,6 @@ class PPOTrainer:
         self._best_score = -math.inf
 
     # ---- data --------------------------------------------------------------------------------------
-    def prepare_dataloader(self, dataset, data_collator=None) -> DataLoader:
-        """Shuffled ``DataLoader`` of ``batch_size`` rows per process (last ragged batch dropped)."""
-        if hasattr(dataset, "remove_columns") and self.config.remove_unused_columns:
-            dataset = self._remove_unused_columns(dataset)
-        generator = torch.Generator().manual_seed(self.config.seed)
-        return DataLoader(dataset, batch_size=self.config.batch_size, collate_fn=data_collator or ragged_collator,
-                          shuffle=True, drop_last=True, generator=generator)
-
-    def _remove_unused_columns(self, dataset):
-        # Called before the model is prepared: the columns the value-head model's forward takes.
-        keep = set(inspect.signature(AutoModelForCausalLMWithValueHead.forward).parameters)
-        keep |= {"label", "query", "response", "input_ids", "attention_mask"}
-        drop = [c for c in dataset.column_names if c not in keep]
-        return dataset.remove_columns(drop) if drop else dataset
-
     # ---- generation --------------------------------------------------------------------------------
     @quiet_deepspeed_collectives
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
@@ -290,7 +269,7 @@ class PPOTrainer:
         queries, responses, scores, response_masks = self._checked_inputs(queries, responses, scores, response_masks)
         scores = self._scale_scores(scores)
         # 2. legacy push_to_hub_if_best_kwargs: the policy that sampled these responses, if they score best so far
-        self._maybe_push_to_hub(scores)
+        self._push_to_hub_if_best(scores)
         # 3. no-grad passes of policy and reference
         inputs = self._model_inputs(queries, responses)
         mask = build_response_masks(response_masks, inputs)
@@ -342,15 +321,12 @@ class PPOTrainer:
         that no process waits in a collective for one that has stopped."""
         checked, error = None, None
         try:
-            checked = self._step_safety_checker(self.config.batch_size, queries, responses, scores, response_masks)
+            checked = checked_step_inputs(self.config.batch_size, queries, responses, scores, response_masks,
+                                          self.current_device)
         except Exception as exc:  # noqa: BLE001 - raised by raise_if_any, on every process
             error = exc
         raise_if_any(error, self._group)
         return checked
-
-    def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
-        """Validate lengths, types and shapes; return device tensors (scores as one ``(B,)`` tensor)."""
-        return checked_step_inputs(batch_size, queries, responses, scores, masks, self.current_device)
 
     def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -522,25 +498,6 @@ class PPOTrainer:
         """The 0-d tensor stats averaged over processes (:func:`ppo_core.stats.mean_over_processes`)."""
         return mean_over_processes(stats, self._group)
 
-    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Iterable[str] = ("query", "response")):
-        """Send ``stats`` plus ``env/reward_mean|std|dist`` (raw rewards, all processes) to the trackers."""
-        logs = dict(stats) | reward_stats(rewards, self._group)
-        self.current_step += 1
-        if self.config.log_with is not None and self.accelerator.is_main_process:
-            scalars = {k: v for k, v in logs.items() if isinstance(v, (int, float)) or getattr(v, "size", 2) == 1}
-            self.accelerator.log(scalars, step=self.current_step)
-        return logs
-
-    def _maybe_push_to_hub(self, scores: torch.Tensor) -> None:
-        kwargs = self.config.push_to_hub_if_best_kwargs
-        if not kwargs or self.current_step % self.config.compare_steps:
-            return
-        mean = self._group.gather(scores).mean().item()
-        if mean > self._best_score:
-            self._best_score = mean
-            if self.accelerator.is_main_process:
-                self.accelerator.unwrap_model(self.model).push_to_hub(**kwargs)
-
     # ---- checkpoints (not in legacy TRL: resume was its most requested missing feature) ----------------
     @quiet_deepspeed_collectives
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
@@ -636,65 +593,6 @@ class PPOTrainer:
                              f"{name[stage]}; launch it as the checkpoint's run was to resume, or delete it to start "
                              "fresh.")
 
-    # ---- legacy helpers kept for API compatibility ------------------------------------------------------
-    def prepare_model_inputs(self, queries: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{"input_ids", "attention_mask", "query_lens", "response_lens"}``, right-padded; for an
-        encoder-decoder, the queries as ``input_ids`` and ``start + response`` as ``decoder_input_ids``."""
-        inputs = self._model_inputs(list(queries), list(responses))
-        lengths = inputs.query_lens + inputs.response_lens
-        attention_mask = torch.arange(inputs.input_ids.shape[1], device=lengths.device)[None] < lengths[:, None]
-        if self.config.is_encoder_decoder:
-            return {"input_ids": inputs.encoder_input_ids, "attention_mask": inputs.encoder_attention_mask,
-                    "decoder_input_ids": inputs.input_ids, "decoder_attention_mask": attention_mask.long()}
-        return {"input_ids": inputs.input_ids, "attention_mask": attention_mask.long(),
-                "query_lens": inputs.query_lens, "response_lens": inputs.response_lens}
-
-    @quiet_deepspeed_collectives
-    @torch.no_grad()
-    def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
-                             response_masks=None):
-        """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``)."""
-        inputs = self._model_inputs(list(queries), list(responses))
-        model.eval()
-        with self._forward_precision():
-            out = policy_outputs(model, inputs, keep_hidden=return_logits)
-        logits = None
-        if return_logits:
-            valid = inputs.response_mask()
-            unwrapped = self.accelerator.unwrap_model(model)
-            with gathered(unwrapped.lm_head_parameters()):  # under ZeRO-3: read outside any forward
-                head = unwrapped.lm_head()
-                logits = torch.zeros(*valid.shape, head.weight.shape[0], device=valid.device)
-                logits[valid] = head.logits(out.hidden)
-        return out.logprobs, logits, out.values, build_response_masks(response_masks, inputs)
-
-    def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
-        """``(rewards, non_score_rewards, kls)``, each ``(B, R)`` (``kl_penalty`` ``full`` needs ``step``)."""
-        mode = "kl" if self.config.kl_penalty == "full" else self.config.kl_penalty
-        return tuple(shape_rewards(scores, kl_penalty(logprobs, ref_logprobs, mode), masks, self.kl_ctl.value))
-
-    def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
-        """Write a short model card (``README.md``) into ``path``."""
-        os.makedirs(path, exist_ok=True)
-        card = (f"---\nlicense: apache-2.0\ntags:\n- ppo_core\n- reinforcement-learning\n- rlhf\n---\n\n"
-                f"# {model_name}\n\nA language model fine-tuned with PPO (ppo_core, the legacy TRL PPOTrainer API).\n\n"
-                "```python\nfrom ppo_core import AutoModelForCausalLMWithValueHead\n"
-                f"model = AutoModelForCausalLMWithValueHead.from_pretrained({path!r})\n```\n")
-        with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as fh:
-            fh.write(card)
-
-
-
-
-def _decoder_start_token_id(model: PreTrainedModelWrapper) -> int:
-    lm = model.transformers_model
-    start = getattr(lm.config, "decoder_start_token_id", None)
-    if start is None:
-        start = getattr(lm.generation_config, "decoder_start_token_id", None)
-    if start is None:
-        raise ValueError(f"PPOTrainer: the encoder-decoder policy ({type(lm).__name__}) has no decoder_start_token_id "
-                         "in its config or generation_config; set model.config.decoder_start_token_id.")
-    return int(start)
 
 
 @contextlib.contextmanager
@@ -703,42 +601,6 @@ def _timed(timing: dict[str, float], key: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timing[key] = time.perf_counter() - start
-
-
-def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """Adam over the trainable parameters, as legacy TRL, with torch's fused kernel where it has one.
-
-    The fused kernel updates each tensor in one pass, where the default (foreach) Adam makes about ten
-    elementwise passes: on a 2-core CPU and 10M parameters that is 3x faster per optimizer step.
-    """
-    params = [p for p in params if p.requires_grad]
-    try:
-        return torch.optim.Adam(params, lr=lr, fused=True)
-    except RuntimeError:  # a device or dtype without a fused kernel
-        return torch.optim.Adam(params, lr=lr)
-
-
-def _check_zero3_copy(model: PreTrainedModelWrapper, num_shared_layers: int | None) -> None:
-    """Under ZeRO-3 the reference must be a separate, whole copy before it is sharded in its own engine."""
-    if is_sharded(model.parameters()):
-        raise ValueError("PPOTrainer: the policy's weights are already ZeRO-3 shards (built under deepspeed.zero.Init: "
-                         "transformers does so for every model built once an Accelerator runs ZeRO-3 in the process), "
-                         "so no reference copy can be made from it; build the policy before the first PPOTrainer, or "
-                         "pass a ref_model built the same way as the policy.")
-    if num_shared_layers is not None:
-        raise ValueError("PPOTrainer: num_shared_layers is not supported under ZeRO-3 (policy and reference are "
-                         "sharded in separate DeepSpeed engines, which cannot share weights); drop it.")
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    """Zero every dropout: ``nn.Dropout`` modules and the float rates that attention implementations
-    read at call time (e.g. Llama's and GPT-NeoX's ``attention_dropout``)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
 
 
 def _empty_device_cache() -> None:

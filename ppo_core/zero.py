@@ -42,6 +42,19 @@ def is_sharded(params: Iterable[torch.Tensor]) -> bool:
     return any(hasattr(p, "ds_id") for p in params)
 
 
+def check_reference_copy(model: torch.nn.Module, num_shared_layers: int | None) -> None:
+    """Under ZeRO-3 the reference must be a separate, whole copy of ``model`` before it is sharded in its own
+    engine: raise if ``model`` is sharded already, or if layers are to be shared."""
+    if is_sharded(model.parameters()):
+        raise ValueError("PPOTrainer: the policy's weights are already ZeRO-3 shards (built under deepspeed.zero.Init: "
+                         "transformers does so for every model built once an Accelerator runs ZeRO-3 in the process), "
+                         "so no reference copy can be made from it; build the policy before the first PPOTrainer, or "
+                         "pass a ref_model built the same way as the policy.")
+    if num_shared_layers is not None:
+        raise ValueError("PPOTrainer: num_shared_layers is not supported under ZeRO-3 (policy and reference are "
+                         "sharded in separate DeepSpeed engines, which cannot share weights); drop it.")
+
+
 def fill_config(ds_config: dict, mini_batch_size: int, gradient_accumulation_steps: int,
                 max_grad_norm: float | None, num_processes: int) -> None:
     """Fill the ``"auto"`` (or absent) entries of a DeepSpeed config dict from ``PPOConfig``, in place.

@@ -721,15 +721,15 @@ def test_deepspeed_config_takes_accumulation_and_clipping_from_ppo_config():
 
 def test_zero3_refuses_a_reference_copy_it_cannot_make():
     """Under ZeRO-3 the reference is copied from the whole policy and sharded in its own engine."""
-    from ppo_core.trainer import _check_zero3_copy
+    from ppo_core.zero import check_reference_copy
 
     model = tiny_value_model()
-    _check_zero3_copy(model, None)  # whole weights, no shared layers: fine
+    check_reference_copy(model, None)  # whole weights, no shared layers: fine
     with pytest.raises(ValueError, match="num_shared_layers is not supported under ZeRO-3"):
-        _check_zero3_copy(model, 1)
+        check_reference_copy(model, 1)
     next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init tags its shards with
     with pytest.raises(ValueError, match="already ZeRO-3 shards.*build the policy before the first PPOTrainer"):
-        _check_zero3_copy(model, None)
+        check_reference_copy(model, None)
 
 
 def test_reference_model_holds_no_optimizer_state():
@@ -788,3 +788,20 @@ def test_a_rollout_mini_batch_is_every_tensor_sliced_by_hand():
         assert got is given is None or torch.equal(got, given[idx])
     for name in ("mask", "old_logprobs", "old_values", "ref_logprobs", "advantages", "returns"):
         assert torch.equal(getattr(mb, name), getattr(rollout, name)[idx][:, :cut]), name
+
+
+def test_the_legacy_trainer_api_is_all_there(tmp_path):
+    """What a TRL 0.11 loop calls or reads on its PPOTrainer, whichever module now holds it."""
+    trainer = make_trainer()
+    for name in ("prepare_dataloader", "generate", "step", "log_stats", "batched_forward_pass", "prepare_model_inputs",
+                 "compute_rewards", "loss", "train_minibatch", "record_step_stats", "gather_stats",
+                 "create_model_card", "_step_safety_checker"):
+        assert callable(getattr(trainer, name)), name
+    for name in ("config", "model", "ref_model", "tokenizer", "optimizer", "lr_scheduler", "dataloader", "dataset",
+                 "data_collator", "accelerator", "current_device", "kl_ctl", "current_step", "is_distributed"):
+        assert hasattr(trainer, name), name
+    queries, responses, scores = make_batch()
+    checked = trainer._step_safety_checker(4, queries, responses, scores)
+    assert checked[2].shape == (4,) and checked[3] is None
+    trainer.create_model_card(str(tmp_path), model_name="tiny")
+    assert "# tiny" in (tmp_path / "README.md").read_text()
