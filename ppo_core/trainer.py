@@ -1,7 +1,11 @@
 """``PPOTrainer``: the legacy TRL user-loop API (``generate`` -> score anything -> ``step``) on accelerate.
 
-``step`` orchestrates in numbered steps; the math lives in ``ppo_math`` (pure functions), the
-log-probabilities in ``rollout``/``logprobs``. Differences from legacy TRL, all deliberate fixes:
+This module is the loop: building the trainer, ``generate``, and ``step`` in numbered steps with its PPO epochs
+over mini-batches (``train_minibatch``, ``loss``). The rest lives beside it: the math in ``ppo_math`` (pure
+functions), the batching, input checks, log-probabilities and the :class:`~ppo_core.rollout.Rollout` the epochs
+consume in ``rollout``/``logprobs``, the statistics in ``stats``, the other processes in ``distributed``, the
+checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, and the legacy methods the loop
+does not use in ``legacy``. Differences from legacy TRL, all deliberate fixes:
 
 * the loss forward runs in train mode (legacy called ``model.eval()`` before it, so dropout was never
   active there); dropout itself is disabled by default (``PPOConfig.disable_dropout``) so that the
@@ -29,8 +33,9 @@ same offset), and a bad input or a non-finite loss on any process raises on all 
 Under DeepSpeed (accelerate's DeepSpeed plugin, ZeRO-2 or ZeRO-3) the same holds, and the engine accumulates,
 clips (``max_grad_norm``) and steps inside ``accelerator.backward``, with the settings of ``PPOConfig``. Under
 ZeRO-3 the LM head is gathered for the scoring forward, generation gathers the policy once per call and the
-reference is sharded too: see ``ppo_core.zero``. A checkpoint (``save_checkpoint``) is then a directory holding
-DeepSpeed's own checkpoint of the engine (every process's shards) beside the trainer's state.
+reference is sharded too: see ``ppo_core.zero``. A checkpoint (``save_checkpoint``) has the same layout then, with
+DeepSpeed's own checkpoint of the engine (every process's shards) in place of the state dicts: see
+``ppo_core.checkpoint``.
 """
 
 from __future__ import annotations
@@ -38,8 +43,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import os
-import shutil
 import time
 import warnings
 from typing import Any, Callable, Iterator
@@ -501,76 +504,28 @@ class PPOTrainer(LegacyMethods):
     # ---- checkpoints (not in legacy TRL: resume was its most requested missing feature) ----------------
     @quiet_deepspeed_collectives
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        """Write the whole training state to ``path`` atomically; see ``load_checkpoint``. Every process calls it.
+        """Write the whole training state to the directory ``path`` atomically (layout: ``ppo_core.checkpoint``);
+        see ``load_checkpoint``. Every process calls it, and returns once the directory is in place.
 
-        The main process writes; under N processes the file also holds every process's mini-batch shuffling
-        and RNG states (``processes``, by process index), and every process returns once the file is complete.
-        ``extra`` is stored as given (plain Python values or tensors), e.g. the caller's data position.
-
-        Under DeepSpeed ``path`` is a directory: DeepSpeed's checkpoint of the engine in ``engine/`` (each process
-        writes its shards of the weights and the optimizer state), and the rest in ``trainer.pt``, written by the
-        main process. It is assembled under a temporary name and renamed into place once every process is done.
+        It holds the weights, the optimizer and the scheduler (under DeepSpeed, DeepSpeed's checkpoint of the
+        engine, each process writing its shards), the KL controller, the score moments, the step counters, every
+        process's mini-batch shuffling and RNG states, and ``extra`` as given (plain Python values or tensors),
+        e.g. the caller's data position.
         """
         self.accelerator.wait_for_everyone()
-        own = {"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()}
-        processes = self._group.gather_object(own)
-        if self.is_deepspeed:
-            self._write_deepspeed_checkpoint(path, extra, processes)
-        elif self.accelerator.is_main_process:
-            state = {"model": self.accelerator.unwrap_model(self.model).state_dict(),
-                     "optimizer": self.optimizer.state_dict(),
-                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
-            checkpoint.atomic_torch_save(self._trainer_state(extra, processes) | state, path)
-        self.accelerator.wait_for_everyone()  # every process may read the checkpoint once this returns
-
-    def _trainer_state(self, extra: dict[str, Any] | None, processes: list[dict] | None) -> dict[str, Any]:
-        """What a checkpoint holds beside the weights, the optimizer and the scheduler."""
-        state = {
-            "format_version": checkpoint.FORMAT_VERSION, "zero_stage": self._zero_stage(),
-            "kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
-            "shuffle": self._shuffle.get_state(), "current_step": self.current_step, "step_count": self.step_count,
-            "rng": checkpoint.rng_state(), "config": flatten_dict(self.config.to_dict()), "extra": extra or {},
-        }
-        return state | ({"processes": processes} if processes is not None else {})
-
-    def _write_deepspeed_checkpoint(self, path: str, extra: dict[str, Any] | None,
-                                    processes: list[dict] | None) -> None:
-        tmp = checkpoint.temporary_dir(path, str(self.step_count))  # the same name on every process
-        if self.accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a writer killed at this very step
-            os.makedirs(tmp)
-        self.accelerator.wait_for_everyone()
-        self.model.save_checkpoint(tmp, tag=checkpoint.ENGINE_TAG, save_latest=False)  # a collective
-        if self.accelerator.is_main_process:
-            checkpoint.atomic_torch_save(self._trainer_state(extra, processes),
-                                         os.path.join(tmp, checkpoint.TRAINER_FILE))
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            checkpoint.replace_dir(tmp, path)
-
-    def _zero_stage(self) -> int | None:
-        return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed else None
+        processes = self._group.gather_object({"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()})
+        state = {"kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
+                 "current_step": self.current_step, "step_count": self.step_count,
+                 "config": flatten_dict(self.config.to_dict()), "extra": extra or {}, "processes": processes}
+        checkpoint.save(path, state, self._checkpointed_engine(), self.accelerator, tag=str(self.step_count))
 
     @quiet_deepspeed_collectives
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Restore what ``save_checkpoint`` wrote (model, optimizer, scheduler, KL controller, score
-        moments, shuffling, step counter, RNG states; under N processes, each its own shuffling and RNG
-        states); return its ``extra`` dict. Every process calls it; the number of processes, and DeepSpeed and
-        its ZeRO stage (or their absence), must be the checkpoint's."""
-        state = checkpoint.load(os.path.join(path, checkpoint.TRAINER_FILE) if os.path.isdir(path) else path)
-        self._check_checkpoint_run(path, state)
-        own = state["processes"][self.accelerator.process_index] if "processes" in state else state
-        if self.is_deepspeed:
-            loaded, _ = self.model.load_checkpoint(path, tag=checkpoint.ENGINE_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
-            if loaded is None:  # DeepSpeed warns and returns None for a missing checkpoint
-                raise ValueError(f"checkpoint {path}: DeepSpeed found no engine state in it; delete it to start "
-                                 "fresh.")
-        else:
-            self.accelerator.unwrap_model(self.model).load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        """Restore what ``save_checkpoint`` wrote (each process its own shuffling and RNG states); return its
+        ``extra`` dict. Every process calls it; the number of processes, and DeepSpeed and its ZeRO stage (or their
+        absence), must be the checkpoint's (a ValueError says what to do otherwise)."""
+        state = checkpoint.load(path, self._checkpointed_engine(), self.accelerator.num_processes)
+        own = state["processes"][self.accelerator.process_index]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.running.load_state_dict(state["running"])
         self._shuffle.set_state(own["shuffle"])
@@ -578,21 +533,8 @@ class PPOTrainer(LegacyMethods):
         checkpoint.set_rng_state(own["rng"])
         return state["extra"]
 
-    def _check_checkpoint_run(self, path: str, state: dict[str, Any]) -> None:
-        """Raise unless this run can continue the checkpoint's: as many processes (they define the global batch),
-        and the same DeepSpeed ZeRO stage, or none (the weights and optimizer state are laid out by it)."""
-        saved = state["config"].get("world_size") or 1
-        if saved != self.accelerator.num_processes:
-            raise ValueError(f"checkpoint {path}: written by a run of {saved} process(es), this one has "
-                             f"{self.accelerator.num_processes}; the global batch (batch_size * processes) would "
-                             f"change. Launch {saved} process(es) to resume, or delete it to start fresh.")
-        stage, saved_stage = self._zero_stage(), state.get("zero_stage")
-        if stage != saved_stage:
-            name = {None: "without DeepSpeed"} | {s: f"under DeepSpeed ZeRO-{s}" for s in (0, 1, 2, 3)}
-            raise ValueError(f"checkpoint {path}: written by a run {name[saved_stage]}, this one runs "
-                             f"{name[stage]}; launch it as the checkpoint's run was to resume, or delete it to start "
-                             "fresh.")
-
+    def _checkpointed_engine(self):
+        return checkpoint.engine_state(self.accelerator, self.model, self.optimizer, self.lr_scheduler)
 
 
 @contextlib.contextmanager

@@ -267,7 +267,7 @@ def test_two_processes_shuffle_their_own_samples_and_resume_from_one_checkpoint(
     out_dir, results = two_process_run
     ranks = [r["shuffled"] for r in results]
     assert [r["shuffle_seed"] for r in ranks] == [0, 1]  # config.seed + process_index
-    assert len(torch.load(out_dir / "ckpt.pt", weights_only=True)["processes"]) == 2
+    assert len(torch.load(out_dir / "ckpt.pt" / "trainer.pt", weights_only=True)["processes"]) == 2
     for rank in ranks:  # every process resumed its own state: same weights and stats as never stopping
         for key, param in rank["params"].items():
             assert torch.equal(param, rank["resumed_params"][key]), key
