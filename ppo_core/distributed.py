@@ -26,10 +26,12 @@ import io
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,25 @@ class SingleProcess:
 
     def gather_object(self, obj: Any) -> list[Any]:
         return [obj]
+
+
+def process_group(accelerator) -> ProcessGroup | SingleProcess:
+    """The run's processes as ``accelerator`` counts them: torch.distributed's default group, or this one alone."""
+    if accelerator.num_processes > 1:
+        return ProcessGroup.current(accelerator.device)
+    return SingleProcess(accelerator.device)
+
+
+def on_every_process(group, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, on every process: an exception it raises on any process raises on all (:func:`raise_if_any`),
+    so that none is left waiting in a later collective for one that has stopped."""
+    result, error = None, None
+    try:
+        result = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - raised again by raise_if_any, on every process
+        error = exc
+    raise_if_any(error, group)
+    return result
 
 
 def mean_across(x: torch.Tensor, group) -> torch.Tensor:
@@ -186,6 +207,22 @@ def process_group_kwargs(accelerator_kwargs: dict) -> dict:
     return {**accelerator_kwargs, "kwargs_handlers": [*handlers, InitProcessGroupKwargs(backend=backend)]}
 
 
+def accelerator_for(config):
+    """The run's ``Accelerator`` from ``PPOConfig``'s settings: built after
+    :func:`reset_single_process_accelerate_state`, with the backend accelerate does not pick under DeepSpeed on CPUs
+    (:func:`process_group_kwargs`), and checked to count every process (:func:`check_process_count`)."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    reset_single_process_accelerate_state()
+    accelerator = Accelerator(log_with=config.log_with, gradient_accumulation_steps=config.gradient_accumulation_steps,
+                              project_config=ProjectConfiguration(**config.project_kwargs),
+                              **process_group_kwargs(config.accelerator_kwargs))
+    if accelerator.state.deepspeed_plugin is not None:
+        check_process_count(accelerator)
+    return accelerator
+
+
 def check_process_count(accelerator) -> None:
     """Raise if accelerate counts fewer processes than torch.distributed runs (see :func:`process_group_kwargs`:
     a state created without a backend, before the trainer's): every process would train as if it were alone."""
@@ -195,6 +232,10 @@ def check_process_count(accelerator) -> None:
                          "as happens on CPUs before the trainer's Accelerator; create the first Accelerator with "
                          "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (a PartialState with "
                          "backend='gloo'), or none.")
+
+
+# the message of torch's FutureWarning on the collectives DeepSpeed calls, as a warnings filter regex
+DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 
 @contextlib.contextmanager
@@ -207,8 +248,7 @@ def deprecated_collectives_ignored(enabled: bool = True) -> Iterator[None]:
         yield
         return
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-                                "is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
         yield
 
 

@@ -1,25 +1,44 @@
-"""The methods of TRL 0.11's ``PPOTrainer`` that its users call but ``step`` does not need: kept, thin.
+"""TRL 0.11's ``PPOTrainer`` API beyond the loop, kept thin: the methods its users call that ``step`` does not need,
+and the legacy-named entry points to the statistics (``record_step_stats``, ``gather_stats``, ``log_stats``).
 
 :class:`LegacyMethods` is mixed into :class:`~ppo_core.trainer.PPOTrainer` and reads its attributes (``config``,
-``accelerator``, ``model``, ``kl_ctl``, ...). Beside it, the legacy defaults the trainer starts from: the data
-collator of ``prepare_dataloader`` and the Adam optimizer.
+``accelerator``, ``model``, ``kl_ctl``, ...). Beside it, what the legacy constructor starts from: the checks of its
+arguments, the data collator of ``prepare_dataloader`` and the default Adam optimizer.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from typing import Any, Iterable
 
 import torch
 from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
 
 from .distributed import quiet_deepspeed_collectives
-from .modeling import AutoModelForCausalLMWithValueHead
+from .config import PPOConfig
+from .modeling import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
 from .ppo_math import kl_penalty, shape_rewards
 from .rollout import build_response_masks, checked_step_inputs, policy_outputs
-from .stats import reward_stats
+from .stats import mean_over_processes, reward_stats, step_stats
 from .zero import gathered
+
+
+def check_arguments(config, model, ref_model, tokenizer) -> None:
+    """Raise a ValueError saying what to pass instead, for a constructor argument ``PPOTrainer`` cannot use."""
+    if not isinstance(config, PPOConfig):
+        raise ValueError(f"PPOTrainer: config must be a PPOConfig, got {type(config).__name__}.")
+    if not isinstance(model, PreTrainedModelWrapper):
+        raise ValueError("PPOTrainer: model must be an AutoModelForCausalLMWithValueHead or an "
+                         f"AutoModelForSeq2SeqLMWithValueHead (got {type(model).__name__}); wrap it with "
+                         "AutoModelForCausalLMWithValueHead.from_pretrained.")
+    if ref_model is not None and ref_model is model:
+        raise ValueError("PPOTrainer: ref_model is the policy itself; pass ref_model=None for a frozen copy "
+                         "(or, for a PEFT policy, the adapter-disabled model).")
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise ValueError("PPOTrainer: tokenizer must be a transformers PreTrainedTokenizerBase.")
 
 
 def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -97,6 +116,27 @@ class LegacyMethods:
         """``(rewards, non_score_rewards, kls)``, each ``(B, R)`` (``kl_penalty`` ``full`` needs ``step``)."""
         mode = "kl" if self.config.kl_penalty == "full" else self.config.kl_penalty
         return tuple(shape_rewards(scores, kl_penalty(logprobs, ref_logprobs, mode), masks, self.kl_ctl.value))
+
+    def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
+        """The legacy stats dict of one step (see :func:`ppo_core.stats.step_stats`), from ``step``'s tensors:
+        ``scores``, ``logprobs``, ``ref_logprobs``, ``non_score_reward``, ``kls``, ``masks``, ``advantages``,
+        ``queries``, ``responses`` and ``train_stats``."""
+        stats = step_stats(
+            kl_coef, data["scores"], data["logprobs"], data["ref_logprobs"], data["non_score_reward"], data["kls"],
+            data["masks"], torch.tensor([len(q) for q in data["queries"]], dtype=torch.float),
+            torch.tensor([len(r) for r in data["responses"]], dtype=torch.float), data["advantages"],
+            data["train_stats"], self.config.mini_batch_size, self._group)
+        mean_kl = stats["objective/kl"].item()
+        if mean_kl < -1.0 and not self._warned_negative_kl:
+            self._warned_negative_kl = True
+            warnings.warn(f"KL divergence is negative ({mean_kl:.2f}): usually generation kwargs that change "
+                          "the sampling distribution (top_k, top_p, min_length, temperature...). Sample with "
+                          "top_k=0, top_p=1.0, do_sample=True and no min_length/repetition penalty.")
+        return stats
+
+    def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The 0-d tensor stats averaged over processes (:func:`ppo_core.stats.mean_over_processes`)."""
+        return mean_over_processes(stats, self._group)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Iterable[str] = ("query", "response")):
         """Send ``stats`` plus ``env/reward_mean|std|dist`` (raw rewards, all processes) to the trackers."""

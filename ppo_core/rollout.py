@@ -205,6 +205,14 @@ def concat_outputs(parts: list[PolicyOutputs], inputs: ModelInputs) -> PolicyOut
     return PolicyOutputs(logprobs, values, None, hidden)
 
 
+def chunked_outputs(model, inputs: ModelInputs, chunk_size: int, keep_hidden: bool = False) -> PolicyOutputs:
+    """:func:`policy_outputs` of ``inputs``, ``chunk_size`` samples at a time (the activations of one chunk alive at
+    once), concatenated: ``(B, R)`` each."""
+    n = len(inputs.query_lens)
+    chunks = [torch.arange(s, min(s + chunk_size, n), device=inputs.input_ids.device) for s in range(0, n, chunk_size)]
+    return concat_outputs([policy_outputs(model, inputs.index(idx), keep_hidden=keep_hidden) for idx in chunks], inputs)
+
+
 class Rollout(NamedTuple):
     """What the no-grad passes of a step produce and its PPO epochs consume: ``B`` samples, response-aligned.
 

@@ -18,8 +18,9 @@ from typing import Any, Iterable
 
 import torch
 
-from .core import masked_mean
+from .core import masked_mean, masked_var
 from .distributed import gather_ragged, mean_across
+from .ppo_math import PolicyLoss, ValueLoss, token_mean
 
 
 def _common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
@@ -42,6 +43,43 @@ def gather_tokens(group, *per_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
     dtype = _common_dtype(per_token)
     gathered = gather_ragged(torch.stack([x.to(dtype) for x in per_token]), group).unbind(0)  # k x (n,)
     return tuple(g.to(x.dtype) for g, x in zip(gathered, per_token))
+
+
+def minibatch_stats(pg: PolicyLoss, vf: ValueLoss, vf_coef: float, mask: torch.Tensor, advantages: torch.Tensor,
+                    returns: torch.Tensor, vpreds: torch.Tensor, values: torch.Tensor, entropy: torch.Tensor | None,
+                    n_tokens: torch.Tensor | None, group) -> dict[str, torch.Tensor]:
+    """The legacy stats of one mini-batch's loss (0-d, names without ``ppo/``); call it without gradients.
+
+    Args:
+        pg, vf: the mini-batch's policy and value losses; ``vf_coef`` weighs the value loss in ``loss/total``.
+        mask: ``(b, R)`` 1 = response token that counts.
+        advantages, returns, vpreds, values, entropy: ``(b, R)``; ``entropy`` may be None (no ``policy/entropy``).
+        n_tokens: the token count the losses' means divide by (``distributed.tokens_per_process``): the token
+            means are this process's shares of the global mini-batch's (see ``PPOTrainer.loss``).
+        group: the run's processes; the variances are over the global mini-batch.
+    """
+    mean = lambda x: token_mean(x, mask, n_tokens)  # noqa: E731
+    var = lambda x: masked_var(x, mask, sum_across=group.sum_across)  # noqa: E731
+    stats = {
+        "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
+        "loss/total": (pg.loss + vf_coef * vf.loss).detach(),
+        "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
+        "policy/advantages_mean": mean(advantages), "policy/ratio_mean": pg.ratio_mean,
+        "returns/mean": mean(returns), "returns/var": var(returns),
+        "val/vpred": mean(vpreds), "val/error": mean((vpreds - returns) ** 2),
+        "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": var(values),
+    }
+    if entropy is not None:  # absent only when a caller passes neither logits nor entropy
+        stats["policy/entropy"] = mean(entropy)
+    return stats
+
+
+def non_finite_stat(stats: dict[str, torch.Tensor]) -> str | None:
+    """``"ppo/NAME (VALUE)"`` for the first of a mini-batch's ``stats`` with a non-finite element, or None."""
+    for key, value in stats.items():
+        if not bool(torch.isfinite(value).all()):
+            return f"ppo/{key} ({value.item() if value.numel() == 1 else value})"
+    return None
 
 
 def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

@@ -41,36 +41,31 @@ DeepSpeed's own checkpoint of the engine (every process's shards) in place of th
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from . import checkpoint
 from .config import PPOConfig
 from .cpu_attention import float32_attention_on_cpu
-from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_var, stats_to_np
-from .distributed import (ProcessGroup, SingleProcess, check_process_count, deprecated_collectives_ignored,
-                          mean_across, process_group_kwargs, quiet_deepspeed_collectives, raise_if_any,
-                          reset_single_process_accelerate_state, tokens_per_process)
+from .core import convert_to_scalar, entropy_from_logits, flatten_dict, stats_to_np
+from .distributed import (accelerator_for, deprecated_collectives_ignored, mean_across, on_every_process,
+                          process_group, quiet_deepspeed_collectives, raise_if_any, tokens_per_process)
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
-from .legacy import LegacyMethods, default_optimizer
-from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
-                       create_reference_model, decoder_start_token_id, disable_dropout)
-from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, token_mean, value_loss
-from .rollout import (ModelInputs, PolicyOutputs, Rollout, build_response_masks, checked_step_inputs, concat_outputs,
+from .legacy import LegacyMethods, check_arguments, default_optimizer
+from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
+from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
+from .reference import frozen_reference, placed_reference, reference_policy
+from .rollout import (ModelInputs, PolicyOutputs, Rollout, build_response_masks, checked_step_inputs, chunked_outputs,
                       full_kl_per_token, model_inputs, policy_outputs, warn_if_start_token_included)
-from .stats import mean_over_processes, step_stats
-from .utils import keep_freed_memory_for_reuse, set_seed
-from .zero import (check_reference_copy, fill_config, gathered, gathered_for_generation, is_zero3, prepare_reference,
-                   register_lm_head)
+from .stats import minibatch_stats, non_finite_stat
+from .utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
+from .zero import configure_engine, gathered, gathered_for_generation, is_zero3
 
 
 class PPOTrainer(LegacyMethods):
@@ -96,26 +91,12 @@ class PPOTrainer(LegacyMethods):
                  dataset=None, optimizer: torch.optim.Optimizer | None = None, data_collator: Callable | None = None,
                  num_shared_layers: int | None = None, lr_scheduler=None, training_data_collator=None):
         config = config if config is not None else PPOConfig()
-        if not isinstance(config, PPOConfig):
-            raise ValueError(f"PPOTrainer: config must be a PPOConfig, got {type(config).__name__}.")
-        if not isinstance(model, PreTrainedModelWrapper):
-            raise ValueError("PPOTrainer: model must be an AutoModelForCausalLMWithValueHead or an "
-                             f"AutoModelForSeq2SeqLMWithValueHead (got {type(model).__name__}); wrap it with "
-                             "AutoModelForCausalLMWithValueHead.from_pretrained.")
-        if ref_model is not None and ref_model is model:
-            raise ValueError("PPOTrainer: ref_model is the policy itself; pass ref_model=None for a frozen copy "
-                             "(or, for a PEFT policy, the adapter-disabled model).")
-        if not isinstance(tokenizer, PreTrainedTokenizerBase):
-            raise ValueError("PPOTrainer: tokenizer must be a transformers PreTrainedTokenizerBase.")
+        check_arguments(config, model, ref_model, tokenizer)
         self.config = config
         set_seed(config.seed)  # legacy behaviour: the trainer seeds the global RNGs (sampling uses them)
 
-        # 1. accelerator and derived batch sizes
-        reset_single_process_accelerate_state()  # see its docstring: why, and when it does nothing
-        self.accelerator = Accelerator(log_with=config.log_with,
-                                       gradient_accumulation_steps=config.gradient_accumulation_steps,
-                                       project_config=ProjectConfiguration(**config.project_kwargs),
-                                       **process_group_kwargs(config.accelerator_kwargs))
+        # 1. accelerator, derived batch sizes, the other processes
+        self.accelerator = accelerator_for(config)
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
@@ -124,11 +105,7 @@ class PPOTrainer(LegacyMethods):
         # DeepSpeed accumulates, clips and steps the optimizer inside accelerator.backward (see ``train_minibatch``)
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None
         self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``ppo_core.zero``)
-        if self.is_deepspeed:
-            check_process_count(self.accelerator)
-        # the one path to the other processes; alone, its collectives return their input (accelerate's count decides)
-        self._group = (ProcessGroup.current(self.accelerator.device) if self.is_distributed
-                       else SingleProcess(self.accelerator.device))
+        self._group = process_group(self.accelerator)  # the one path to the other processes (alone: to itself)
         if self.is_distributed:  # independent sampling noise per process (the weights are synced by DDP)
             set_seed(config.seed + self.accelerator.process_index)
         if config.log_with is not None:
@@ -145,21 +122,7 @@ class PPOTrainer(LegacyMethods):
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
-        if ref_model is None and model.is_peft_model:
-            if num_shared_layers is not None:
-                warnings.warn("PPOTrainer: num_shared_layers is ignored for a PEFT policy (its reference is the "
-                              "adapter-disabled model, which shares every base weight).")
-        elif ref_model is None:
-            if self._zero3:
-                check_reference_copy(model, num_shared_layers)
-            ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
-        elif num_shared_layers is not None:
-            warnings.warn("PPOTrainer: num_shared_layers is ignored when a ref_model is passed.")
-        if isinstance(ref_model, PreTrainedModel):
-            ref_model = (AutoModelForSeq2SeqLMWithValueHead if model.is_encoder_decoder
-                         else AutoModelForCausalLMWithValueHead)(ref_model)
-        if ref_model is not None:
-            ref_model.requires_grad_(False).eval()
+        ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
 
         # 3. data, optimiser, KL controller
         self.dataset = dataset
@@ -172,16 +135,12 @@ class PPOTrainer(LegacyMethods):
         self.running = RunningMoments()
 
         # 4. accelerate: device placement, mixed precision, DDP or DeepSpeed
-        if self.is_deepspeed:
-            fill_config(self.accelerator.state.deepspeed_plugin.deepspeed_config, config.mini_batch_size,
-                        config.gradient_accumulation_steps, config.max_grad_norm, self.accelerator.num_processes)
-        if self._zero3:
-            register_lm_head(model)  # the scoring forward reads the LM head outside the head module's forward
+        configure_engine(self.accelerator, model, config.mini_batch_size, config.gradient_accumulation_steps,
+                         config.max_grad_norm)
         with deprecated_collectives_ignored(self.is_deepspeed):
             (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
                 model, optimizer, self.dataloader, lr_scheduler)
-            # frozen, never optimised; None for a PEFT policy (see ``_reference``)
-            self.ref_model = self._place_reference(ref_model)
+            self.ref_model = placed_reference(ref_model, self.accelerator, self._zero3)
         self.current_device = self.accelerator.device
         if self.current_device.type == "cpu":  # (N, V) blocks reused, not page-faulted in at every mini-batch
             keep_freed_memory_for_reuse()
@@ -193,7 +152,6 @@ class PPOTrainer(LegacyMethods):
         self._window_has_gradients = False  # a backward ran in the current gradient-accumulation window
         self._best_score = -math.inf
 
-    # ---- data --------------------------------------------------------------------------------------
     # ---- generation --------------------------------------------------------------------------------
     @quiet_deepspeed_collectives
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
@@ -237,23 +195,9 @@ class PPOTrainer(LegacyMethods):
         with self.accelerator.autocast(), float32_attention_on_cpu(self.current_device.type == "cpu"):
             yield
 
-    @contextlib.contextmanager
     def _reference(self):
-        """The reference policy: ``ref_model``, or the policy with its PEFT adapter disabled (same weights)."""
-        if self.ref_model is not None:
-            yield self.ref_model
-            return
-        with self.accelerator.unwrap_model(self.model).pretrained_model.disable_adapter():
-            yield self.model
-
-    def _place_reference(self, ref_model: torch.nn.Module | None):
-        """The frozen reference on this process: whole on its device (DDP, ZeRO-2, whose policy weights are whole
-        too), or under ZeRO-3 sharded as the policy is (a DeepSpeed engine without optimizer)."""
-        if ref_model is None:
-            return None
-        if self._zero3:
-            return prepare_reference(ref_model, self.accelerator.state.deepspeed_plugin.deepspeed_config)
-        return ref_model.to(self.accelerator.device)
+        """The reference policy, for a block (see ``ppo_core.reference``)."""
+        return reference_policy(self.model, self.ref_model, self.accelerator.unwrap_model)
 
     def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:
         """``query + response`` sequences, or for an encoder-decoder the queries and ``start + response``."""
@@ -269,28 +213,30 @@ class PPOTrainer(LegacyMethods):
         """One PPO update from ``batch_size`` (query, response, score) triples; returns the stats."""
         cfg, timing, t_start = self.config, {}, time.perf_counter()
         # 1. check inputs (a bad input on any process raises on all), move them to the device, scale and clip scores
-        queries, responses, scores, response_masks = self._checked_inputs(queries, responses, scores, response_masks)
+        queries, responses, scores, response_masks = on_every_process(
+            self._group, checked_step_inputs, cfg.batch_size, queries, responses, scores, response_masks,
+            self.current_device)
         scores = self._scale_scores(scores)
         # 2. legacy push_to_hub_if_best_kwargs: the policy that sampled these responses, if they score best so far
         self._push_to_hub_if_best(scores)
         # 3. no-grad passes of policy and reference
         inputs = self._model_inputs(queries, responses)
         mask = build_response_masks(response_masks, inputs)
-        with _timed(timing, "time/ppo/forward_pass"):
+        with timed(timing, "time/ppo/forward_pass"):
             old, ref = self._rollout_passes(inputs)
         # 4. KL-shaped rewards
-        with _timed(timing, "time/ppo/compute_rewards"):
+        with timed(timing, "time/ppo/compute_rewards"):
             shaped = shape_rewards(scores, self._kl_per_token(inputs, old, ref), mask, self.kl_ctl.value)
         # 5. advantages and returns, whitened over the global batch
-        with _timed(timing, "time/ppo/compute_advantages"):
+        with timed(timing, "time/ppo/compute_advantages"):
             adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
                                  sum_across=self._group.sum_across)
         rollout = Rollout(inputs, mask, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)
         # 6. PPO epochs over shuffled mini-batches
-        with _timed(timing, "time/ppo/optimize_step"):
+        with timed(timing, "time/ppo/optimize_step"):
             train_stats = self._optimize(rollout)
         # 7. statistics
-        with _timed(timing, "time/ppo/calc_stats"):
+        with timed(timing, "time/ppo/calc_stats"):
             stats = stats_to_np(self.gather_stats(self.record_step_stats(
                 kl_coef=self.kl_ctl.value, scores=scores, logprobs=rollout.old_logprobs,
                 ref_logprobs=rollout.ref_logprobs, non_score_reward=shaped.non_score_rewards, kls=shaped.kls,
@@ -311,27 +257,17 @@ class PPOTrainer(LegacyMethods):
             return full_kl_per_token(self.model, old.hidden, ref_model, ref.hidden, inputs)
 
     def _end_step(self, mean_kl: float) -> None:
+        """After a step's update: the KL controller and the lr scheduler move on, the step is counted."""
         self.kl_ctl.update(mean_kl, self.config.batch_size * self.accelerator.num_processes)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
         if self.config.optimize_device_cache:
-            gc.collect()
-            _empty_device_cache()
-
-    def _checked_inputs(self, queries, responses, scores, response_masks):
-        """``_step_safety_checker`` on every process, before any collective: an error on one raises on all, so
-        that no process waits in a collective for one that has stopped."""
-        checked, error = None, None
-        try:
-            checked = checked_step_inputs(self.config.batch_size, queries, responses, scores, response_masks,
-                                          self.current_device)
-        except Exception as exc:  # noqa: BLE001 - raised by raise_if_any, on every process
-            error = exc
-        raise_if_any(error, self._group)
-        return checked
+            free_device_cache()
 
     def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` scores, with ``use_score_scaling`` divided by the running std of every score so far, this step's
+        too (minus their running mean first with ``use_score_norm``), then clipped to ``score_clip``."""
         cfg = self.config
         scores = scores.float()
         if cfg.use_score_scaling:
@@ -343,18 +279,14 @@ class PPOTrainer(LegacyMethods):
         return scores
 
     @torch.no_grad()
-    def _rollout_passes(self, inputs: ModelInputs):
-        """Old log-probs and values of the policy, and reference log-probs, in eval mode, in chunks."""
-        full = self.config.kl_penalty == "full"
+    def _rollout_passes(self, inputs: ModelInputs) -> tuple[PolicyOutputs, PolicyOutputs]:
+        """The policy's and the reference's outputs on ``inputs``, in eval mode, ``mini_batch_size`` samples at a
+        time (with the hidden states for ``kl_penalty="full"``)."""
         self.model.eval()
-        chunks = [torch.arange(s, min(s + self.config.mini_batch_size, len(inputs.query_lens)),
-                               device=inputs.input_ids.device)
-                  for s in range(0, len(inputs.query_lens), self.config.mini_batch_size)]
 
         def outputs(model):
             with self._forward_precision():
-                parts = [policy_outputs(model, inputs.index(idx), keep_hidden=full) for idx in chunks]
-            return concat_outputs(parts, inputs)
+                return chunked_outputs(model, inputs, self.config.mini_batch_size, self.config.kl_penalty == "full")
 
         old = outputs(self.model)
         with self._reference() as ref_model:
@@ -386,7 +318,8 @@ class PPOTrainer(LegacyMethods):
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
                                           entropy=entropy)
-        raise_if_any(self._non_finite_error(stats), self._group)
+        bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None
+        raise_if_any(None if bad is None else self._failed(f"non-finite {bad}"), self._group)
         # decided on the global mini-batch, so that every process skips (or backpropagates) together
         ratio_mean = mean_across(stats["policy/ratio_mean"], self._group)
         skipped = ratio_mean > self.config.ratio_threshold
@@ -410,30 +343,20 @@ class PPOTrainer(LegacyMethods):
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or math.inf)
             if norm is not None and not torch.isfinite(torch.as_tensor(norm)):
                 self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"{self._where()}: non-finite gradient norm ({float(norm)}) before the "
-                                         f"update; {self._applied()}. Lower learning_rate, set max_grad_norm, or "
-                                         "check the scores.")
+                raise self._failed(f"non-finite gradient norm ({float(norm)})",
+                                   " Lower learning_rate, set max_grad_norm, or check the scores.")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
 
-    def _where(self) -> str:
-        return f"PPO step {self.step_count + 1}, mini-batch {self._minibatches_done + 1}"
-
-    def _applied(self) -> str:
-        """What the weights hold when a mini-batch of this step fails before its update."""
+    def _failed(self, what: str, advice: str = "") -> FloatingPointError:
+        """The error of this step's current mini-batch failing before its update: where, what, and what the weights
+        hold (the updates of the step's earlier mini-batches)."""
         done = self._minibatches_done
-        return "the weights were not updated" if done == 0 else \
+        held = "the weights were not updated" if done == 0 else \
             f"the weights hold this step's first {done} mini-batch update{'s' if done > 1 else ''}, not this one"
-
-    def _non_finite_error(self, stats: dict[str, torch.Tensor]) -> FloatingPointError | None:
-        """A ``FloatingPointError`` naming the first non-finite statistic (legacy names, ``ppo/`` prefix), or None."""
-        for key, value in stats.items():
-            if not bool(torch.isfinite(value).all()):
-                return FloatingPointError(f"{self._where()}: non-finite ppo/{key} "
-                                          f"({value.item() if value.numel() == 1 else value}) before the update; "
-                                          f"{self._applied()}.")
-        return None
+        return FloatingPointError(f"PPO step {self.step_count + 1}, mini-batch {done + 1}: {what} before the update; "
+                                  f"{held}.{advice}")
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
         """Clipped policy loss and ``vf_coef`` times the clipped value loss, with legacy stats.
@@ -456,19 +379,8 @@ class PPOTrainer(LegacyMethods):
         if entropy is None and logits is not None:
             entropy = entropy_from_logits(logits)
         with torch.no_grad():
-            mean = lambda x: token_mean(x, mask, n_tokens)  # noqa: E731
-            var = lambda x: masked_var(x, mask, sum_across=self._group.sum_across)  # noqa: E731
-            stats = {
-                "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
-                "loss/total": (pg.loss + cfg.vf_coef * vf.loss).detach(),
-                "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
-                "policy/advantages_mean": mean(advantages), "policy/ratio_mean": pg.ratio_mean,
-                "returns/mean": mean(returns), "returns/var": var(returns),
-                "val/vpred": mean(vpreds), "val/error": mean((vpreds - returns) ** 2),
-                "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": var(values),
-            }
-            if entropy is not None:  # absent only when a caller passes neither logits nor entropy
-                stats["policy/entropy"] = mean(entropy)
+            stats = minibatch_stats(pg, vf, cfg.vf_coef, mask, advantages, returns, vpreds, values, entropy, n_tokens,
+                                    self._group)
         return pg.loss, cfg.vf_coef * vf.loss, stats
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
@@ -479,39 +391,12 @@ class PPOTrainer(LegacyMethods):
             return True
         return False
 
-    # ---- statistics ----------------------------------------------------------------------------------
-    def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
-        """The legacy stats dict of one step (see :func:`ppo_core.stats.step_stats`), from ``step``'s tensors:
-        ``scores``, ``logprobs``, ``ref_logprobs``, ``non_score_reward``, ``kls``, ``masks``, ``advantages``,
-        ``queries``, ``responses`` and ``train_stats``."""
-        stats = step_stats(
-            kl_coef, data["scores"], data["logprobs"], data["ref_logprobs"], data["non_score_reward"], data["kls"],
-            data["masks"], torch.tensor([len(q) for q in data["queries"]], dtype=torch.float),
-            torch.tensor([len(r) for r in data["responses"]], dtype=torch.float), data["advantages"],
-            data["train_stats"], self.config.mini_batch_size, self._group)
-        mean_kl = stats["objective/kl"].item()
-        if mean_kl < -1.0 and not self._warned_negative_kl:
-            self._warned_negative_kl = True
-            warnings.warn(f"KL divergence is negative ({mean_kl:.2f}): usually generation kwargs that change "
-                          "the sampling distribution (top_k, top_p, min_length, temperature...). Sample with "
-                          "top_k=0, top_p=1.0, do_sample=True and no min_length/repetition penalty.")
-        return stats
-
-    def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """The 0-d tensor stats averaged over processes (:func:`ppo_core.stats.mean_over_processes`)."""
-        return mean_over_processes(stats, self._group)
-
     # ---- checkpoints (not in legacy TRL: resume was its most requested missing feature) ----------------
     @quiet_deepspeed_collectives
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        """Write the whole training state to the directory ``path`` atomically (layout: ``ppo_core.checkpoint``);
-        see ``load_checkpoint``. Every process calls it, and returns once the directory is in place.
-
-        It holds the weights, the optimizer and the scheduler (under DeepSpeed, DeepSpeed's checkpoint of the
-        engine, each process writing its shards), the KL controller, the score moments, the step counters, every
-        process's mini-batch shuffling and RNG states, and ``extra`` as given (plain Python values or tensors),
-        e.g. the caller's data position.
-        """
+        """Write the whole training state to the directory ``path`` atomically (what it holds and its layout:
+        ``ppo_core.checkpoint``), with ``extra`` as given (plain Python values or tensors, e.g. the caller's data
+        position); see ``load_checkpoint``. Every process calls it, and returns once the directory is in place."""
         self.accelerator.wait_for_everyone()
         processes = self._group.gather_object({"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()})
         state = {"kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
@@ -536,15 +421,3 @@ class PPOTrainer(LegacyMethods):
     def _checkpointed_engine(self):
         return checkpoint.engine_state(self.accelerator, self.model, self.optimizer, self.lr_scheduler)
 
-
-@contextlib.contextmanager
-def _timed(timing: dict[str, float], key: str) -> Iterator[None]:
-    """``timing[key]``: the block's wall-clock seconds."""
-    start = time.perf_counter()
-    yield
-    timing[key] = time.perf_counter() - start
-
-
-def _empty_device_cache() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

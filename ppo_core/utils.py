@@ -1,13 +1,16 @@
-"""Small utilities: seeding (legacy API), the CPU allocator setting the trainer applies by default, and a scoped
-swap of a library function (the CPU fast paths of ``generation`` and ``cpu_attention``)."""
+"""Small utilities: seeding (legacy API), the CPU allocator setting the trainer applies by default, freeing the
+device cache, a block timer, and a scoped swap of a library function (the CPU fast paths of ``generation`` and
+``cpu_attention``)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
+import gc
 import os
 import random
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -46,6 +49,21 @@ def keep_freed_memory_for_reuse() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+
+
+def free_device_cache() -> None:
+    """Collect garbage and return the cached blocks of the GPU allocator to the device (``optimize_device_cache``)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def timed(timing: dict[str, float], key: str) -> Iterator[None]:
+    """``timing[key]``: the block's wall-clock seconds (not set when the block raises)."""
+    start = time.perf_counter()
+    yield
+    timing[key] = time.perf_counter() - start
 
 
 @contextlib.contextmanager

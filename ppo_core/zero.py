@@ -83,6 +83,20 @@ def fill_config(ds_config: dict, mini_batch_size: int, gradient_accumulation_ste
                                          * num_processes)
 
 
+def configure_engine(accelerator, model: torch.nn.Module, mini_batch_size: int, gradient_accumulation_steps: int,
+                     max_grad_norm: float | None) -> None:
+    """Before ``accelerator.prepare`` under DeepSpeed: its config filled from ``PPOConfig`` (:func:`fill_config`), and
+    under ZeRO-3 the LM head of the value-head ``model`` registered (:func:`register_lm_head`: the scoring forward
+    reads it outside the head module's own forward). A no-op without DeepSpeed."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    fill_config(plugin.deepspeed_config, mini_batch_size, gradient_accumulation_steps, max_grad_norm,
+                accelerator.num_processes)
+    if plugin.zero_stage == 3:
+        register_lm_head(model)
+
+
 def register_lm_head(model: torch.nn.Module) -> None:
     """Register the LM-head parameters of a value-head ``model`` as external parameters of ``model``, so that
     ZeRO-3 gathers them for its whole forward and backward (the scoring path reads them outside the head

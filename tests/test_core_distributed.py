@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ppo_core.core import masked_mean, masked_var, masked_whiten
-from ppo_core.distributed import (ProcessGroup, SingleProcess, gather_ragged, mean_across, raise_if_any,
-                                  tokens_per_process)
+from ppo_core.distributed import (ProcessGroup, SingleProcess, gather_ragged, mean_across, on_every_process,
+                                  raise_if_any, tokens_per_process)
 from ppo_core.ppo_math import gae_advantages, policy_loss, token_mean, value_loss
 from tests import distributed_step, launching
 
@@ -186,6 +186,17 @@ def test_an_error_on_one_process_raises_on_all_with_its_message():
     with pytest.raises(FloatingPointError) as info:  # one process: the error itself
         raise_if_any(error, SingleProcess(torch.device("cpu")))
     assert info.value is error
+
+
+def test_a_check_run_on_every_process_raises_on_all_or_returns_its_result():
+    def check(index):
+        if index == 1:
+            raise ValueError("bad input")
+        return index
+
+    got = in_threads(lambda g: on_every_process(g, check, g.process_index))
+    assert all(isinstance(r, ValueError) and str(r) == "process 1 of 2: bad input" for r in got)
+    assert in_threads(lambda g: on_every_process(g, lambda x: x + 1, g.process_index)) == [1, 2]
 
 
 def test_a_single_process_group_returns_what_it_is_given():

@@ -748,10 +748,14 @@ def test_a_trainer_does_not_inherit_an_earlier_accelerators_settings():
     in bf16 too (and one asking for another precision would be refused). Alone, each starts from its own settings."""
     from accelerate import Accelerator
 
+    from ppo_core.distributed import SingleProcess
+
     bf16 = make_trainer(accelerator_kwargs={"mixed_precision": "bf16"})
     assert bf16.accelerator.mixed_precision == "bf16"
     assert Accelerator().mixed_precision == "bf16"  # accelerate's own behaviour: the process's first settings stay
-    assert make_trainer().accelerator.mixed_precision == "no"
+    plain = make_trainer()
+    assert plain.accelerator.mixed_precision == "no"
+    assert isinstance(plain._group, SingleProcess)  # one path to the other processes, alone too
 
 
 def test_malloc_tuning_is_a_default_the_environment_turns_off(monkeypatch):
