@@ -11,9 +11,10 @@ The trainer talks to the other processes through one object with three collectiv
 their input; the helpers below take either (or any object with the three methods: tests use threads standing
 in for processes). Alone they give exactly the numbers of a one-process run: where the N-process way would round
 differently or reword an error (:func:`tokens_per_process`, :func:`raise_if_any`, ``stats.gather_samples``), they
-return early and say why. The rest is launch plumbing: the process-group backend accelerate does not pick under
-DeepSpeed on CPUs, the check that accelerate counts every process, torch's deprecation warning on
-DeepSpeed's collectives (ignored within a block), and accelerate's process-wide state.
+return early and say why. The rest is launch plumbing: building the run's ``Accelerator`` (:func:`accelerator_for`:
+accelerate's process-wide state, the process-group backend accelerate does not pick under DeepSpeed on CPUs, the
+check that accelerate counts every process) and torch's deprecation warning on DeepSpeed's collectives (ignored
+within a block).
 
 Notation: ``N`` processes, ``n_p`` valid tokens on process ``p``, ``n = sum_p n_p``.
 """
@@ -30,6 +31,13 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+
+__all__ = [
+    "DEPRECATED_COLLECTIVES", "ProcessGroup", "SingleProcess", "accelerator_for", "check_process_count", "cpu_backend",
+    "deepspeed_launched", "deprecated_collectives_ignored", "gather_ragged", "mean_across", "on_every_process",
+    "process_group", "process_group_kwargs", "quiet_deepspeed_collectives", "raise_if_any",
+    "reset_single_process_accelerate_state", "tokens_per_process",
+]
 
 T = TypeVar("T")
 

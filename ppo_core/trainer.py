@@ -3,9 +3,10 @@
 This module is the loop: building the trainer, ``generate``, and ``step`` in numbered steps with its PPO epochs
 over mini-batches (``train_minibatch``, ``loss``). The rest lives beside it: the math in ``ppo_math`` (pure
 functions), the batching, input checks, log-probabilities and the :class:`~ppo_core.rollout.Rollout` the epochs
-consume in ``rollout``/``logprobs``, the statistics in ``stats``, the other processes in ``distributed``, the
-checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, and the legacy methods the loop
-does not use in ``legacy``. Differences from legacy TRL, all deliberate fixes:
+consume in ``rollout``/``logprobs``, the statistics in ``stats``, the other processes and the Accelerator in
+``distributed``, the checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, the
+reference policy in ``reference``, and the legacy methods in ``legacy``. Differences from legacy TRL, all
+deliberate fixes:
 
 * the loss forward runs in train mode (legacy called ``model.eval()`` before it, so dropout was never
   active there); dropout itself is disabled by default (``PPOConfig.disable_dropout``) so that the

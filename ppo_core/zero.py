@@ -15,11 +15,12 @@ it registered as an *external* parameter. Hence, under ZeRO-3:
   ``unwrap_model_for_generation``); the weights must fit whole on a device for that long;
 * the frozen reference model is sharded too, as a DeepSpeed engine without optimizer
   (:func:`prepare_reference`): whole, it would cost every process a full copy of the weights, which is what
-  ZeRO-3 is used to avoid.
+  ZeRO-3 is used to avoid. It is copied from the policy before the policy is sharded (:func:`check_reference_copy`).
 
 Under DeepSpeed the engine, not the trainer, accumulates gradients, clips them and steps the optimizer (inside
-``accelerator.backward``); :func:`fill_config` takes those settings from ``PPOConfig`` so that there is one
-source for them. deepspeed is imported only where one of these runs under DeepSpeed.
+``accelerator.backward``); :func:`fill_config` (through :func:`configure_engine`, before ``accelerator.prepare``)
+takes those settings from ``PPOConfig`` so that there is one source for them. deepspeed is imported only where one
+of these runs under DeepSpeed. Launching and connecting the processes is ``ppo_core.distributed``'s.
 """
 
 from __future__ import annotations
