@@ -97,7 +97,7 @@ def warn_if_start_token_included(responses: list[torch.Tensor], decoder_start_to
 
 def checked_step_inputs(batch_size: int, queries, responses, scores, masks, device: torch.device):
     """``step``'s inputs validated (lengths, types, shapes) and on ``device``: ``(queries, responses, scores (B,)
-    float32, masks or None)``; a ValueError saying which input is wrong and how otherwise."""
+    float32, masks or None)``; otherwise a ValueError saying which input is wrong, and how."""
     for name, items in (("queries", queries), ("responses", responses), ("scores", scores)):
         if not isinstance(items, list):
             raise ValueError(f"step: {name} must be a list of tensors, got {type(items).__name__}.")
