@@ -1,13 +1,20 @@
-"""Resumable PPO state: everything a step depends on, in one file written atomically (under DeepSpeed, one
-directory renamed into place).
+"""Resumable PPO state: everything a step depends on, in one directory written atomically.
 
-A checkpoint holds the policy and value head, the optimizer, the lr scheduler, the KL controller, the
-running score moments, the trainer's shuffling generator and step counter, the RNG states of Python,
-NumPy and torch (CPU and CUDA), the resolved config, and a caller's ``extra`` dict (e.g. the data
-position); under N processes, every process's shuffling and RNG states. Under DeepSpeed the weights, the
-optimizer and the scheduler are DeepSpeed's own checkpoint of the engine (each process writes its shards), in
-``ENGINE_TAG/`` beside the trainer's file ``TRAINER_FILE``. Restoring it and continuing gives the same run as
-never stopping (on CPU, bit for bit).
+A checkpoint is a directory with one layout, with or without DeepSpeed:
+
+* ``trainer.pt`` (:data:`TRAINER_FILE`): the KL controller, the running score moments, the step counters, the
+  resolved config, a caller's ``extra`` dict (e.g. the data position), the DeepSpeed ZeRO stage (or None), and
+  every process's mini-batch shuffling state and RNG states (Python, NumPy, torch CPU and CUDA), by process index;
+* ``engine/`` (:data:`ENGINE_DIR`): the weights (policy and value head), the optimizer and the lr scheduler, as
+  the engine that trains them writes them: ``state.pt`` (:data:`PLAIN_FILE`, their state dicts, written by the
+  main process), or under DeepSpeed its own checkpoint directory (each process writes its shards, in the tag
+  :data:`DEEPSPEED_TAG`, beside DeepSpeed's recovery scripts).
+
+It is assembled under a temporary name beside its path and renamed into place once every process is done
+(:func:`replace_dir`), so a reader sees the previous checkpoint or the new one, never a partial one. Restoring it
+and continuing gives the same run as never stopping (on CPU, bit for bit); it is refused, with a message saying
+what to do, when the run has another number of processes or another ZeRO stage (or none), which lay out the
+global batch and the engine's state.
 """
 
 from __future__ import annotations
@@ -15,15 +22,16 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
-TRAINER_FILE = "trainer.pt"  # under DeepSpeed: the trainer's state, beside the engine's
-ENGINE_TAG = "engine"  # under DeepSpeed: the tag (subdirectory) of DeepSpeed's checkpoint of the engine
+FORMAT_VERSION = 2  # 1: one file without DeepSpeed, a directory of another layout with it
+TRAINER_FILE = "trainer.pt"
+ENGINE_DIR = "engine"  # the engine's state: the weights, the optimizer and the scheduler
+PLAIN_FILE = "state.pt"  # without DeepSpeed, in engine/: the model's, optimizer's and scheduler's state dicts
+DEEPSPEED_TAG = "shards"  # under DeepSpeed, in engine/: the tag (subdirectory) of DeepSpeed's checkpoint
 
 
 def rng_state() -> dict[str, Any]:
@@ -49,35 +57,120 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary file in the same directory, fsync, then rename over ``path``:
-    a reader (or a killed writer) sees the old file or the new one, never a truncated one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+class PlainEngine:
+    """The engine's state without DeepSpeed: the state dicts of the (unwrapped) model, the optimizer and the lr
+    scheduler (None: none), in one file the main process writes."""
+
+    zero_stage = None
+
+    def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler):
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+
+    def save(self, directory: str, is_main_process: bool) -> None:
+        if is_main_process:  # the weights and the optimizer state are the same on every process
+            os.makedirs(os.path.join(directory, ENGINE_DIR))
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None},
+                       os.path.join(directory, ENGINE_DIR, PLAIN_FILE))
+
+    def load(self, directory: str) -> None:
+        state = _read(os.path.join(directory, ENGINE_DIR, PLAIN_FILE), directory)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
 
-def load(path: str) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`atomic_torch_save`; a clear error for anything else."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same actionable message
-        raise ValueError(f"checkpoint {path}: cannot be read ({exc.__class__.__name__}); delete it to start fresh.") \
-            from exc
+class DeepSpeedEngine:
+    """The state of a DeepSpeed engine (weights, optimizer, scheduler): DeepSpeed's own checkpoint directory, each
+    process writing and reading its shards (a collective)."""
+
+    def __init__(self, engine, zero_stage: int):
+        self.engine, self.zero_stage = engine, zero_stage
+
+    def save(self, directory: str, is_main_process: bool) -> None:
+        self.engine.save_checkpoint(os.path.join(directory, ENGINE_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+
+    def load(self, directory: str) -> None:
+        loaded, _ = self.engine.load_checkpoint(os.path.join(directory, ENGINE_DIR), tag=DEEPSPEED_TAG,
+                                                load_optimizer_states=True, load_lr_scheduler_states=True)
+        if loaded is None:  # DeepSpeed warns and returns None for a missing checkpoint
+            raise ValueError(f"checkpoint {directory}: DeepSpeed found no engine state in it; delete it to start "
+                             "fresh.")
+
+
+def engine_state(accelerator, model, optimizer, lr_scheduler) -> PlainEngine | DeepSpeedEngine:
+    """How a checkpoint holds the trainer's (prepared) ``model``, ``optimizer`` and ``lr_scheduler``: DeepSpeed's own
+    checkpoint of the engine under DeepSpeed, else their state dicts."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        return DeepSpeedEngine(model, plugin.zero_stage)
+    return PlainEngine(accelerator.unwrap_model(model), optimizer, lr_scheduler)
+
+
+def save(path: str, trainer_state: dict[str, Any], engine: PlainEngine | DeepSpeedEngine, accelerator,
+         tag: str) -> None:
+    """Write the checkpoint directory ``path`` (see the module docstring); every process calls it, and returns
+    once the directory is in place.
+
+    ``trainer_state`` is what :data:`TRAINER_FILE` holds (the main process writes it); ``tag`` names the temporary
+    directory, the same on every process (e.g. the step count). ``accelerator`` gives ``is_main_process`` and
+    ``wait_for_everyone``.
+    """
+    tmp, main = temporary_dir(path, tag), accelerator.is_main_process
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a writer killed at this very step
+        os.makedirs(tmp)
+    accelerator.wait_for_everyone()
+    engine.save(tmp, main)
+    if main:
+        torch.save(trainer_state | {"format_version": FORMAT_VERSION, "zero_stage": engine.zero_stage},
+                   os.path.join(tmp, TRAINER_FILE))
+    accelerator.wait_for_everyone()
+    if main:
+        replace_dir(tmp, path)
+    accelerator.wait_for_everyone()  # every process may read the checkpoint once this returns
+
+
+def load(path: str, engine: PlainEngine | DeepSpeedEngine, num_processes: int) -> dict[str, Any]:
+    """Restore the engine's state from the checkpoint directory ``path`` and return the trainer's (what
+    :func:`save` was given); every process calls it. Raises a ValueError saying what to do when ``path`` is not
+    a checkpoint of this format, or was written by a run of another number of processes or ZeRO stage (or none)."""
+    if not os.path.isdir(path):
+        what = ("a file: ppo_core's old one-file format (checkpoints are directories now), or not a checkpoint"
+                if os.path.exists(path) else "no such directory")
+        raise ValueError(f"checkpoint {path}: cannot be read ({what}); delete it to start fresh.")
+    state = _read(os.path.join(path, TRAINER_FILE), path)
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path}: not a ppo_core checkpoint (format {FORMAT_VERSION}); delete it to "
-                         "start fresh.")
+        raise ValueError(f"checkpoint {path}: not a ppo_core checkpoint of format {FORMAT_VERSION} (written by "
+                         "another version?); delete it to start fresh.")
+    check_run(path, state, num_processes, engine.zero_stage)
+    engine.load(path)
     return state
+
+
+def check_run(path: str, state: dict[str, Any], num_processes: int, zero_stage: int | None) -> None:
+    """Raise unless this run can continue the checkpoint's: as many processes (they define the global batch),
+    and the same DeepSpeed ZeRO stage, or none (the weights and optimizer state are laid out by it)."""
+    saved = len(state["processes"])
+    if saved != num_processes:
+        raise ValueError(f"checkpoint {path}: written by a run of {saved} process(es), this one has {num_processes}; "
+                         f"the global batch (batch_size * processes) would change. Launch {saved} process(es) to "
+                         "resume, or delete it to start fresh.")
+    saved_stage = state["zero_stage"]
+    if zero_stage != saved_stage:
+        name = {None: "without DeepSpeed"} | {s: f"under DeepSpeed ZeRO-{s}" for s in (0, 1, 2, 3)}
+        raise ValueError(f"checkpoint {path}: written by a run {name[saved_stage]}, this one runs {name[zero_stage]}; "
+                         "launch it as the checkpoint's run was to resume, or delete it to start fresh.")
+
+
+def _read(file: str, path: str) -> Any:
+    """``torch.load`` of one of the checkpoint's files (tensors and plain values only), or a clear error."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same actionable message
+        raise ValueError(f"checkpoint {path}: cannot be read ({os.path.basename(file)}: {exc.__class__.__name__}); "
+                         "delete it to start fresh.") from exc
 
 
 def temporary_dir(path: str, tag: str) -> str:
@@ -90,14 +183,22 @@ def temporary_dir(path: str, tag: str) -> str:
 def replace_dir(tmp: str, path: str) -> None:
     """Move the complete directory ``tmp`` onto ``path`` (its files fsynced first): the old ``path`` aside, ``tmp``
     in, the old one deleted. A reader sees the old checkpoint or the new one, never a partial one; a kill between
-    the two renames leaves none (both lie under ``.tmp-`` names), so the run starts over rather than resuming."""
+    the two renames leaves none (both lie under ``.tmp-`` names), so the run starts over rather than resuming.
+    A file at ``path`` (a checkpoint of the old one-file format) is replaced the same way."""
     for folder, _, files in os.walk(tmp):
         for name in files:
             with open(os.path.join(folder, name), "rb+") as fh:
                 os.fsync(fh.fileno())
     old = f"{tmp}-old"
-    shutil.rmtree(old, ignore_errors=True)  # left by a writer killed while deleting it
-    if os.path.isdir(path):
+    _remove(old)  # left by a writer killed while deleting it
+    if os.path.lexists(path):
         os.replace(path, old)
     os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)

@@ -416,3 +416,26 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     for param in ref_model.parameters():
         param.requires_grad_(False)
     return ref_model.eval()
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Zero every dropout: ``nn.Dropout`` modules and the float rates that attention implementations
+    read at call time (e.g. Llama's and GPT-NeoX's ``attention_dropout``)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
+def decoder_start_token_id(model: PreTrainedModelWrapper) -> int:
+    """The token an encoder-decoder ``model``'s decoder starts from: its config's, else its generation config's."""
+    lm = model.transformers_model
+    start = getattr(lm.config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(lm.generation_config, "decoder_start_token_id", None)
+    if start is None:
+        raise ValueError(f"PPOTrainer: the encoder-decoder policy ({type(lm).__name__}) has no decoder_start_token_id "
+                         "in its config or generation_config; set model.config.decoder_start_token_id.")
+    return int(start)

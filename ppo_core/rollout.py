@@ -1,4 +1,5 @@
-"""Batching of ragged queries and responses, and the policy's log-probabilities and values on them.
+"""Batching of ragged queries and responses, the checks ``step`` applies to them, the policy's log-probabilities
+and values on them, and the :class:`Rollout` that a step's no-grad passes fill and its PPO epochs consume.
 
 Sequences are packed *right-padded* (``query + response + pad``): with causal attention, padding at the
 end cannot influence real tokens, so no attention mask and no position-id bookkeeping is needed, and
@@ -13,6 +14,8 @@ encoder, right-padded with an attention mask (``encoder_input_ids``, ``encoder_a
 
 from __future__ import annotations
 
+import numbers
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -71,6 +74,73 @@ def build_seq2seq_inputs(queries: list[torch.Tensor], responses: list[torch.Tens
     return ModelInputs(decoder_ids, query_lens, response_lens, encoder_input_ids, encoder_attention_mask)
 
 
+def model_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int | None,
+                 decoder_start_token_id: int | None = None) -> ModelInputs:
+    """``query + response`` sequences; for an encoder-decoder (a ``decoder_start_token_id``), the queries and
+    ``start + response``."""
+    if decoder_start_token_id is None:
+        return build_model_inputs(queries, responses, pad_token_id)
+    return build_seq2seq_inputs(queries, responses, decoder_start_token_id, pad_token_id)
+
+
+def warn_if_start_token_included(responses: list[torch.Tensor], decoder_start_token_id: int) -> bool:
+    """Warn, and return True, when every response starts with the decoder start token: a response built the legacy
+    TRL way, whose start token would be scored as a response token."""
+    starts = torch.stack([r[0] for r in responses])
+    if not bool((starts == decoder_start_token_id).all()):
+        return False
+    warnings.warn(f"step: every response starts with the decoder start token ({decoder_start_token_id}). "
+                  "ppo_core's responses are the generated tokens without it (generate strips it and step "
+                  "prepends it); strip it from responses built the legacy TRL way, or it is scored as a token.")
+    return True
+
+
+def checked_step_inputs(batch_size: int, queries, responses, scores, masks, device: torch.device):
+    """``step``'s inputs validated (lengths, types, shapes) and on ``device``: ``(queries, responses, scores (B,)
+    float32, masks or None)``; otherwise a ValueError saying which input is wrong, and how."""
+    for name, items in (("queries", queries), ("responses", responses), ("scores", scores)):
+        if not isinstance(items, list):
+            raise ValueError(f"step: {name} must be a list of tensors, got {type(items).__name__}.")
+        if len(items) != batch_size:
+            raise ValueError(f"step: batch size ({batch_size}) does not match number of {name} ({len(items)}); "
+                             "pass exactly config.batch_size samples (drop_last=True in your dataloader).")
+    if masks is not None and len(masks) != batch_size:
+        raise ValueError(f"step: response_masks has {len(masks)} entries, expected {batch_size}.")
+    queries = [_token_tensor(q, "queries", i).to(device) for i, q in enumerate(queries)]
+    responses = [_token_tensor(r, "responses", i).to(device) for i, r in enumerate(responses)]
+    scores = torch.stack([_scalar_score(s, i) for i, s in enumerate(scores)]).to(device)
+    if masks is not None:
+        masks = [torch.as_tensor(m).to(device) for m in masks]
+        for i, (m, r) in enumerate(zip(masks, responses)):
+            if m.shape != r.shape:
+                raise ValueError(f"step: response_masks[{i}] has shape {tuple(m.shape)}, "
+                                 f"but responses[{i}] has shape {tuple(r.shape)}.")
+    return queries, responses, scores, masks
+
+
+def _token_tensor(x, name: str, i: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.ndim != 1:
+        raise ValueError(f"step: {name}[{i}] must be a 1-D tensor of token ids, "
+                         f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))}.")
+    if x.numel() == 0:
+        raise ValueError(f"step: {name}[{i}] is empty; every query and response needs at least one token.")
+    return x.long()
+
+
+def _scalar_score(s, i: int) -> torch.Tensor:
+    if not isinstance(s, (torch.Tensor, numbers.Real)) or isinstance(s, bool):
+        raise ValueError(f"step: scores[{i}] must be a number (a 0-d tensor), got {type(s).__name__} {s!r}.")
+    s = torch.as_tensor(s)
+    if s.numel() != 1 or s.ndim > 1:
+        raise ValueError(f"step: scores[{i}] must be a scalar (0-d tensor), got shape {tuple(s.shape)}.")
+    if not s.is_floating_point() and s.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"step: scores[{i}] must be a number, got dtype {s.dtype}.")
+    s = s.reshape(()).float()
+    if not torch.isfinite(s):
+        raise ValueError(f"step: scores[{i}] is {s.item()}; scores must be finite numbers.")
+    return s
+
+
 def build_response_masks(response_masks: list[torch.Tensor] | None, inputs: ModelInputs) -> torch.Tensor:
     """The ``(B, R)`` float mask of tokens that count: real response tokens times the user's masks."""
     mask = inputs.response_mask().float()
@@ -123,6 +193,45 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
         entropy = torch.zeros(valid.shape, dtype=out.entropy.dtype, device=valid.device)
         entropy[rows, cols] = out.entropy
     return PolicyOutputs(logprobs, values, entropy, out.hidden)
+
+
+def concat_outputs(parts: list[PolicyOutputs], inputs: ModelInputs) -> PolicyOutputs:
+    """Concatenate chunked ``PolicyOutputs`` along the batch, re-padding to the batch's response length."""
+    width = int(inputs.response_lens.max())
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+    logprobs = torch.cat([pad(p.logprobs) for p in parts])
+    values = torch.cat([pad(p.values) for p in parts])
+    hidden = torch.cat([p.hidden for p in parts]) if parts[0].hidden is not None else None
+    return PolicyOutputs(logprobs, values, None, hidden)
+
+
+def chunked_outputs(model, inputs: ModelInputs, chunk_size: int, keep_hidden: bool = False) -> PolicyOutputs:
+    """:func:`policy_outputs` of ``inputs``, ``chunk_size`` samples at a time (the activations of one chunk alive at
+    once), concatenated: ``(B, R)`` each."""
+    n = len(inputs.query_lens)
+    chunks = [torch.arange(s, min(s + chunk_size, n), device=inputs.input_ids.device) for s in range(0, n, chunk_size)]
+    return concat_outputs([policy_outputs(model, inputs.index(idx), keep_hidden=keep_hidden) for idx in chunks], inputs)
+
+
+class Rollout(NamedTuple):
+    """What the no-grad passes of a step produce and its PPO epochs consume: ``B`` samples, response-aligned.
+
+    ``R`` is the longest response; every ``(B, R)`` tensor is zero (or ignored) past a sample's response.
+    """
+
+    inputs: ModelInputs  # the (query, response) sequences, (B, T)
+    mask: torch.Tensor  # (B, R) float, 1 = response token that counts
+    old_logprobs: torch.Tensor  # (B, R) log-probabilities of the response tokens under the rollout policy
+    old_values: torch.Tensor  # (B, R) the rollout policy's value predictions
+    ref_logprobs: torch.Tensor  # (B, R) log-probabilities under the reference policy
+    advantages: torch.Tensor  # (B, R) GAE advantages, whitened over the (global) batch
+    returns: torch.Tensor  # (B, R) advantages + values, the value target
+
+    def minibatch(self, idx: torch.Tensor) -> Rollout:
+        """The samples ``idx`` ``(b,)``, each ``(B, R)`` tensor trimmed to their longest response: ``(b, R_b)``."""
+        inputs = self.inputs.index(idx)
+        width = int(inputs.response_lens.max())
+        return Rollout(inputs, *(t[idx, :width] for t in self[1:]))
 
 
 def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.Tensor,

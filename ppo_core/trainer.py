@@ -1,7 +1,12 @@
 """``PPOTrainer``: the legacy TRL user-loop API (``generate`` -> score anything -> ``step``) on accelerate.
 
-``step`` orchestrates in numbered steps; the math lives in ``ppo_math`` (pure functions), the
-log-probabilities in ``rollout``/``logprobs``. Differences from legacy TRL, all deliberate fixes:
+This module is the loop: building the trainer, ``generate``, and ``step`` in numbered steps with its PPO epochs
+over mini-batches (``train_minibatch``, ``loss``). The rest lives beside it: the math in ``ppo_math`` (pure
+functions), the batching, input checks, log-probabilities and the :class:`~ppo_core.rollout.Rollout` the epochs
+consume in ``rollout``/``logprobs``, the statistics in ``stats``, the other processes and the Accelerator in
+``distributed``, the checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, the
+reference policy in ``reference``, and the legacy methods in ``legacy``. Differences from legacy TRL, all
+deliberate fixes:
 
 * the loss forward runs in train mode (legacy called ``model.eval()`` before it, so dropout was never
   active there); dropout itself is disabled by default (``PPOConfig.disable_dropout``) so that the
@@ -29,52 +34,42 @@ same offset), and a bad input or a non-finite loss on any process raises on all 
 Under DeepSpeed (accelerate's DeepSpeed plugin, ZeRO-2 or ZeRO-3) the same holds, and the engine accumulates,
 clips (``max_grad_norm``) and steps inside ``accelerator.backward``, with the settings of ``PPOConfig``. Under
 ZeRO-3 the LM head is gathered for the scoring forward, generation gathers the policy once per call and the
-reference is sharded too: see ``ppo_core.zero``. A checkpoint (``save_checkpoint``) is then a directory holding
-DeepSpeed's own checkpoint of the engine (every process's shards) beside the trainer's state.
+reference is sharded too: see ``ppo_core.zero``. A checkpoint (``save_checkpoint``) has the same layout then, with
+DeepSpeed's own checkpoint of the engine (every process's shards) in place of the state dicts: see
+``ppo_core.checkpoint``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import inspect
 import math
-import numbers
-import os
-import shutil
 import time
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
-from torch.utils.data import DataLoader
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from . import checkpoint
 from .config import PPOConfig
 from .cpu_attention import float32_attention_on_cpu
-from .core import convert_to_scalar, entropy_from_logits, flatten_dict, masked_mean, masked_var, stats_to_np
-from .distributed import ProcessGroup, gather_ragged, mean_across, raise_if_any, tokens_per_process
+from .core import convert_to_scalar, entropy_from_logits, flatten_dict, stats_to_np
+from .distributed import (accelerator_for, deprecated_collectives_ignored, mean_across, on_every_process,
+                          process_group, quiet_deepspeed_collectives, raise_if_any, tokens_per_process)
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
-from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
-                       create_reference_model)
-from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, token_mean, value_loss
-from .rollout import (ModelInputs, build_model_inputs, build_response_masks, build_seq2seq_inputs, full_kl_per_token,
-                      policy_outputs)
-from .utils import keep_freed_memory_for_reuse, set_seed
-from .zero import (check_process_count, fill_config, gathered, gathered_for_generation, ignore_deprecated_collectives,
-                   is_sharded, is_zero3, prepare_reference, process_group_kwargs, register_lm_head)
+from .legacy import LegacyMethods, check_arguments, default_optimizer
+from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
+from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
+from .reference import frozen_reference, placed_reference, reference_policy
+from .rollout import (ModelInputs, PolicyOutputs, Rollout, build_response_masks, checked_step_inputs, chunked_outputs,
+                      full_kl_per_token, model_inputs, policy_outputs, warn_if_start_token_included)
+from .stats import minibatch_stats, non_finite_stat
+from .utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
+from .zero import configure_engine, gathered, gathered_for_generation, is_zero3
 
 
-def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """``[{k: v}, ...] -> {k: [v, ...]}``: keeps variable-length queries as a list of tensors."""
-    return {key: [row[key] for row in rows] for key in rows[0]}
-
-
-class PPOTrainer:
+class PPOTrainer(LegacyMethods):
     """Proximal Policy Optimisation for language models, with TRL's legacy ``PPOTrainer`` API.
 
     Args: as the legacy class. ``model`` is an :class:`AutoModelForCausalLMWithValueHead` or an
@@ -82,6 +77,14 @@ class PPOTrainer:
     with its adapter disabled when it is a PEFT model (``ref_model`` stays None: one copy of the base
     weights, and only the adapter and the value head are optimised), else a frozen copy sharing its
     first ``num_shared_layers`` layers.
+
+    Process-wide effects of building one: it seeds the global RNGs (legacy behaviour; ``seed + process_index``
+    under N processes); alone, it resets accelerate's process-wide state left by an earlier ``Accelerator``
+    (:func:`~ppo_core.distributed.reset_single_process_accelerate_state` says why); on the CPU it lets glibc's
+    malloc keep large freed blocks for reuse (:func:`~ppo_core.utils.keep_freed_memory_for_reuse`: a faster
+    mini-batch, and the process keeps its peak heap), which ``PPO_CORE_TUNE_MALLOC=0`` in the environment turns
+    off. The warnings filters are left as they are: under DeepSpeed, torch's deprecation warning on DeepSpeed's
+    collectives is ignored only while a trainer method runs.
     """
 
     def __init__(self, config: PPOConfig | None = None, model: PreTrainedModelWrapper | None = None,
@@ -89,26 +92,12 @@ class PPOTrainer:
                  dataset=None, optimizer: torch.optim.Optimizer | None = None, data_collator: Callable | None = None,
                  num_shared_layers: int | None = None, lr_scheduler=None, training_data_collator=None):
         config = config if config is not None else PPOConfig()
-        if not isinstance(config, PPOConfig):
-            raise ValueError(f"PPOTrainer: config must be a PPOConfig, got {type(config).__name__}.")
-        if not isinstance(model, PreTrainedModelWrapper):
-            raise ValueError("PPOTrainer: model must be an AutoModelForCausalLMWithValueHead or an "
-                             f"AutoModelForSeq2SeqLMWithValueHead (got {type(model).__name__}); wrap it with "
-                             "AutoModelForCausalLMWithValueHead.from_pretrained.")
-        if ref_model is not None and ref_model is model:
-            raise ValueError("PPOTrainer: ref_model is the policy itself; pass ref_model=None for a frozen copy "
-                             "(or, for a PEFT policy, the adapter-disabled model).")
-        if not isinstance(tokenizer, PreTrainedTokenizerBase):
-            raise ValueError("PPOTrainer: tokenizer must be a transformers PreTrainedTokenizerBase.")
+        check_arguments(config, model, ref_model, tokenizer)
         self.config = config
         set_seed(config.seed)  # legacy behaviour: the trainer seeds the global RNGs (sampling uses them)
 
-        # 1. accelerator and derived batch sizes
-        _reset_single_process_accelerate_state()
-        self.accelerator = Accelerator(log_with=config.log_with,
-                                       gradient_accumulation_steps=config.gradient_accumulation_steps,
-                                       project_config=ProjectConfiguration(**config.project_kwargs),
-                                       **process_group_kwargs(config.accelerator_kwargs))
+        # 1. accelerator, derived batch sizes, the other processes
+        self.accelerator = accelerator_for(config)
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
@@ -117,12 +106,7 @@ class PPOTrainer:
         # DeepSpeed accumulates, clips and steps the optimizer inside accelerator.backward (see ``train_minibatch``)
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None
         self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``ppo_core.zero``)
-        if self.is_deepspeed:
-            check_process_count(self.accelerator)
-            ignore_deprecated_collectives()
-        # None on one process: every cross-process path below is skipped and the numbers are the one-process ones
-        self._group = ProcessGroup.current(self.accelerator.device) if self.is_distributed else None
-        self._sum_across = self._group.sum_across if self._group is not None else None
+        self._group = process_group(self.accelerator)  # the one path to the other processes (alone: to itself)
         if self.is_distributed:  # independent sampling noise per process (the weights are synced by DDP)
             set_seed(config.seed + self.accelerator.process_index)
         if config.log_with is not None:
@@ -135,25 +119,11 @@ class PPOTrainer:
             warnings.warn("PPOTrainer: the tokenizer has no pad token; using its EOS token as pad token.")
             tokenizer.pad_token = tokenizer.eos_token
         if config.disable_dropout:
-            _disable_dropout(model)
+            disable_dropout(model)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.decoder_start_token_id = _decoder_start_token_id(model) if model.is_encoder_decoder else None
-        if ref_model is None and model.is_peft_model:
-            if num_shared_layers is not None:
-                warnings.warn("PPOTrainer: num_shared_layers is ignored for a PEFT policy (its reference is the "
-                              "adapter-disabled model, which shares every base weight).")
-        elif ref_model is None:
-            if self._zero3:
-                _check_zero3_copy(model, num_shared_layers)
-            ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
-        elif num_shared_layers is not None:
-            warnings.warn("PPOTrainer: num_shared_layers is ignored when a ref_model is passed.")
-        if isinstance(ref_model, PreTrainedModel):
-            ref_model = (AutoModelForSeq2SeqLMWithValueHead if model.is_encoder_decoder
-                         else AutoModelForCausalLMWithValueHead)(ref_model)
-        if ref_model is not None:
-            ref_model.requires_grad_(False).eval()
+        self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
+        ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
 
         # 3. data, optimiser, KL controller
         self.dataset = dataset
@@ -166,15 +136,12 @@ class PPOTrainer:
         self.running = RunningMoments()
 
         # 4. accelerate: device placement, mixed precision, DDP or DeepSpeed
-        if self.is_deepspeed:
-            fill_config(self.accelerator.state.deepspeed_plugin.deepspeed_config, config.mini_batch_size,
-                        config.gradient_accumulation_steps, config.max_grad_norm, self.accelerator.num_processes)
-        if self._zero3:
-            register_lm_head(model)  # the scoring forward reads the LM head outside the head module's forward
-        (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
-            model, optimizer, self.dataloader, lr_scheduler)
-        # frozen, never optimised; None for a PEFT policy (see ``_reference``)
-        self.ref_model = self._place_reference(ref_model)
+        configure_engine(self.accelerator, model, config.mini_batch_size, config.gradient_accumulation_steps,
+                         config.max_grad_norm)
+        with deprecated_collectives_ignored(self.is_deepspeed):
+            (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
+                model, optimizer, self.dataloader, lr_scheduler)
+            self.ref_model = placed_reference(ref_model, self.accelerator, self._zero3)
         self.current_device = self.accelerator.device
         if self.current_device.type == "cpu":  # (N, V) blocks reused, not page-faulted in at every mini-batch
             keep_freed_memory_for_reuse()
@@ -186,23 +153,8 @@ class PPOTrainer:
         self._window_has_gradients = False  # a backward ran in the current gradient-accumulation window
         self._best_score = -math.inf
 
-    # ---- data --------------------------------------------------------------------------------------
-    def prepare_dataloader(self, dataset, data_collator=None) -> DataLoader:
-        """Shuffled ``DataLoader`` of ``batch_size`` rows per process (last ragged batch dropped)."""
-        if hasattr(dataset, "remove_columns") and self.config.remove_unused_columns:
-            dataset = self._remove_unused_columns(dataset)
-        generator = torch.Generator().manual_seed(self.config.seed)
-        return DataLoader(dataset, batch_size=self.config.batch_size, collate_fn=data_collator or ragged_collator,
-                          shuffle=True, drop_last=True, generator=generator)
-
-    def _remove_unused_columns(self, dataset):
-        # Called before the model is prepared: the columns the value-head model's forward takes.
-        keep = set(inspect.signature(AutoModelForCausalLMWithValueHead.forward).parameters)
-        keep |= {"label", "query", "response", "input_ids", "attention_mask"}
-        drop = [c for c in dataset.column_names if c not in keep]
-        return dataset.remove_columns(drop) if drop else dataset
-
     # ---- generation --------------------------------------------------------------------------------
+    @quiet_deepspeed_collectives
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
                  return_prompt: bool = True, generate_ref_response: bool = False, **generation_kwargs):
         """Sample responses: a 1-D query tensor gives a ``(1, L)`` tensor; a list gives a list of 1-D tensors.
@@ -233,7 +185,7 @@ class PPOTrainer:
         to save it; read-only. Under ZeRO-3 the shards are gathered from every process: every process must enter
         the block, even where only one of them saves."""
         model = self.accelerator.unwrap_model(self.model)
-        with gathered(model.parameters()):
+        with deprecated_collectives_ignored(self.is_deepspeed), gathered(model.parameters()):
             yield model
 
     @contextlib.contextmanager
@@ -244,134 +196,83 @@ class PPOTrainer:
         with self.accelerator.autocast(), float32_attention_on_cpu(self.current_device.type == "cpu"):
             yield
 
-    @contextlib.contextmanager
     def _reference(self):
-        """The reference policy: ``ref_model``, or the policy with its PEFT adapter disabled (same weights)."""
-        if self.ref_model is not None:
-            yield self.ref_model
-            return
-        with self.accelerator.unwrap_model(self.model).pretrained_model.disable_adapter():
-            yield self.model
-
-    def _place_reference(self, ref_model: torch.nn.Module | None):
-        """The frozen reference on this process: whole on its device (DDP, ZeRO-2, whose policy weights are whole
-        too), or under ZeRO-3 sharded as the policy is (a DeepSpeed engine without optimizer)."""
-        if ref_model is None:
-            return None
-        if self._zero3:
-            return prepare_reference(ref_model, self.accelerator.state.deepspeed_plugin.deepspeed_config)
-        return ref_model.to(self.accelerator.device)
+        """The reference policy, for a block (see ``ppo_core.reference``)."""
+        return reference_policy(self.model, self.ref_model, self.accelerator.unwrap_model)
 
     def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:
         """``query + response`` sequences, or for an encoder-decoder the queries and ``start + response``."""
-        pad = self.tokenizer.pad_token_id
-        if not self.config.is_encoder_decoder:
-            return build_model_inputs(queries, responses, pad)
-        starts = torch.stack([r[0] for r in responses])
-        if not self._warned_start_token and bool((starts == self.decoder_start_token_id).all()):
-            self._warned_start_token = True
-            warnings.warn(f"step: every response starts with the decoder start token ({self.decoder_start_token_id}). "
-                          "ppo_core's responses are the generated tokens without it (generate strips it and step "
-                          "prepends it); strip it from responses built the legacy TRL way, or it is scored as a token.")
-        return build_seq2seq_inputs(queries, responses, self.decoder_start_token_id, pad)
+        start = self.decoder_start_token_id
+        if start is not None and not self._warned_start_token:
+            self._warned_start_token = warn_if_start_token_included(responses, start)
+        return model_inputs(queries, responses, self.tokenizer.pad_token_id, start)
 
     # ---- the PPO step --------------------------------------------------------------------------------
+    @quiet_deepspeed_collectives
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list[torch.Tensor],
              response_masks: list[torch.Tensor] | None = None) -> dict[str, Any]:
         """One PPO update from ``batch_size`` (query, response, score) triples; returns the stats."""
         cfg, timing, t_start = self.config, {}, time.perf_counter()
         # 1. check inputs (a bad input on any process raises on all), move them to the device, scale and clip scores
-        queries, responses, scores, response_masks = self._checked_inputs(queries, responses, scores, response_masks)
+        queries, responses, scores, response_masks = on_every_process(
+            self._group, checked_step_inputs, cfg.batch_size, queries, responses, scores, response_masks,
+            self.current_device)
         scores = self._scale_scores(scores)
-        self._maybe_push_to_hub(scores)
+        # 2. legacy push_to_hub_if_best_kwargs: the policy that sampled these responses, if they score best so far
+        self._push_to_hub_if_best(scores)
+        # 3. no-grad passes of policy and reference
         inputs = self._model_inputs(queries, responses)
         mask = build_response_masks(response_masks, inputs)
-
-        # 2. no-grad passes of policy and reference
-        t = time.perf_counter()
-        old, ref = self._rollout_passes(inputs)
-        timing["time/ppo/forward_pass"] = time.perf_counter() - t
-
-        # 3. KL-shaped rewards
-        t = time.perf_counter()
-        if cfg.kl_penalty == "full":
-            with self._reference() as ref_model:
-                kls = full_kl_per_token(self.model, old.hidden, ref_model, ref.hidden, inputs)
-        else:
-            kls = kl_penalty(old.logprobs, ref.logprobs, cfg.kl_penalty)
-        shaped = shape_rewards(scores, kls, mask, self.kl_ctl.value)
-        timing["time/ppo/compute_rewards"] = time.perf_counter() - t
-
-        # 4. advantages and returns
-        t = time.perf_counter()
-        adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
-                             sum_across=self._sum_across)  # whitened over the global batch
-        timing["time/ppo/compute_advantages"] = time.perf_counter() - t
-
-        # 5. PPO epochs over shuffled mini-batches
-        t = time.perf_counter()
-        train_stats = self._optimize(inputs, mask, old.logprobs, old.values, adv.advantages, adv.returns)
-        timing["time/ppo/optimize_step"] = time.perf_counter() - t
-
-        # 6. statistics, KL controller, scheduler
-        t = time.perf_counter()
-        stats = self.record_step_stats(
-            kl_coef=self.kl_ctl.value, scores=scores, logprobs=old.logprobs, ref_logprobs=ref.logprobs,
-            non_score_reward=shaped.non_score_rewards, kls=shaped.kls, masks=mask, queries=queries,
-            responses=responses, train_stats=train_stats, advantages=adv.advantages)
-        stats = self.gather_stats(stats)
-        stats = stats_to_np(stats)
-        timing["time/ppo/calc_stats"] = time.perf_counter() - t
+        with timed(timing, "time/ppo/forward_pass"):
+            old, ref = self._rollout_passes(inputs)
+        # 4. KL-shaped rewards
+        with timed(timing, "time/ppo/compute_rewards"):
+            shaped = shape_rewards(scores, self._kl_per_token(inputs, old, ref), mask, self.kl_ctl.value)
+        # 5. advantages and returns, whitened over the global batch
+        with timed(timing, "time/ppo/compute_advantages"):
+            adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
+                                 sum_across=self._group.sum_across)
+        rollout = Rollout(inputs, mask, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)
+        # 6. PPO epochs over shuffled mini-batches
+        with timed(timing, "time/ppo/optimize_step"):
+            train_stats = self._optimize(rollout)
+        # 7. statistics
+        with timed(timing, "time/ppo/calc_stats"):
+            stats = stats_to_np(self.gather_stats(self.record_step_stats(
+                kl_coef=self.kl_ctl.value, scores=scores, logprobs=rollout.old_logprobs,
+                ref_logprobs=rollout.ref_logprobs, non_score_reward=shaped.non_score_rewards, kls=shaped.kls,
+                masks=mask, queries=queries, responses=responses, train_stats=train_stats,
+                advantages=rollout.advantages)))
+        # 8. KL controller, scheduler, step counter
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
-        self.kl_ctl.update(float(stats["objective/kl"]), cfg.batch_size * self.accelerator.num_processes)
+        self._end_step(float(stats["objective/kl"]))
+        timing["time/ppo/total"] = time.perf_counter() - t_start
+        return convert_to_scalar(stats | timing)
+
+    def _kl_per_token(self, inputs: ModelInputs, old: PolicyOutputs, ref: PolicyOutputs) -> torch.Tensor:
+        """``(B, R)`` the KL penalty of each response token: from the sampled tokens' log-probabilities, or over the
+        whole vocabulary (``kl_penalty="full"``)."""
+        if self.config.kl_penalty != "full":
+            return kl_penalty(old.logprobs, ref.logprobs, self.config.kl_penalty)
+        with self._reference() as ref_model:
+            return full_kl_per_token(self.model, old.hidden, ref_model, ref.hidden, inputs)
+
+    def _end_step(self, mean_kl: float) -> None:
+        """After a step's update: the KL controller and the lr scheduler move on, the step is counted."""
+        self.kl_ctl.update(mean_kl, self.config.batch_size * self.accelerator.num_processes)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
-        timing["time/ppo/total"] = time.perf_counter() - t_start
-        stats.update(timing)
-        if cfg.optimize_device_cache:
-            gc.collect()
-            _empty_device_cache()
-        return convert_to_scalar(stats)
-
-    def _checked_inputs(self, queries, responses, scores, response_masks):
-        """``_step_safety_checker`` on every process, before any collective: an error on one raises on all, so
-        that no process waits in a collective for one that has stopped."""
-        checked, error = None, None
-        try:
-            checked = self._step_safety_checker(self.config.batch_size, queries, responses, scores, response_masks)
-        except Exception as exc:  # noqa: BLE001 - raised by raise_if_any, on every process
-            error = exc
-        raise_if_any(error, self._group)
-        return checked
-
-    def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
-        """Validate lengths, types and shapes; return device tensors (scores as one ``(B,)`` tensor)."""
-        for name, items in (("queries", queries), ("responses", responses), ("scores", scores)):
-            if not isinstance(items, list):
-                raise ValueError(f"step: {name} must be a list of tensors, got {type(items).__name__}.")
-            if len(items) != batch_size:
-                raise ValueError(f"step: batch size ({batch_size}) does not match number of {name} ({len(items)}); "
-                                 "pass exactly config.batch_size samples (drop_last=True in your dataloader).")
-        if masks is not None and len(masks) != batch_size:
-            raise ValueError(f"step: response_masks has {len(masks)} entries, expected {batch_size}.")
-        device = self.current_device
-        queries = [_token_tensor(q, "queries", i).to(device) for i, q in enumerate(queries)]
-        responses = [_token_tensor(r, "responses", i).to(device) for i, r in enumerate(responses)]
-        scores = torch.stack([_scalar_score(s, i) for i, s in enumerate(scores)]).to(device)
-        if masks is not None:
-            masks = [torch.as_tensor(m).to(device) for m in masks]
-            for i, (m, r) in enumerate(zip(masks, responses)):
-                if m.shape != r.shape:
-                    raise ValueError(f"step: response_masks[{i}] has shape {tuple(m.shape)}, "
-                                     f"but responses[{i}] has shape {tuple(r.shape)}.")
-        return queries, responses, scores, masks
+        if self.config.optimize_device_cache:
+            free_device_cache()
 
     def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` scores, with ``use_score_scaling`` divided by the running std of every score so far, this step's
+        too (minus their running mean first with ``use_score_norm``), then clipped to ``score_clip``."""
         cfg = self.config
         scores = scores.float()
         if cfg.use_score_scaling:
-            self.running.update(self.accelerator.gather(scores))
+            self.running.update(self._group.gather(scores))
             factor = self.running.std + torch.finfo(scores.dtype).eps
             scores = (scores - self.running.mean) / factor if cfg.use_score_norm else scores / factor
         if cfg.score_clip is not None:
@@ -379,41 +280,34 @@ class PPOTrainer:
         return scores
 
     @torch.no_grad()
-    def _rollout_passes(self, inputs: ModelInputs):
-        """Old log-probs and values of the policy, and reference log-probs, in eval mode, in chunks."""
-        full = self.config.kl_penalty == "full"
+    def _rollout_passes(self, inputs: ModelInputs) -> tuple[PolicyOutputs, PolicyOutputs]:
+        """The policy's and the reference's outputs on ``inputs``, in eval mode, ``mini_batch_size`` samples at a
+        time (with the hidden states for ``kl_penalty="full"``)."""
         self.model.eval()
-        chunks = [torch.arange(s, min(s + self.config.mini_batch_size, len(inputs.query_lens)),
-                               device=inputs.input_ids.device)
-                  for s in range(0, len(inputs.query_lens), self.config.mini_batch_size)]
 
         def outputs(model):
             with self._forward_precision():
-                parts = [policy_outputs(model, inputs.index(idx), keep_hidden=full) for idx in chunks]
-            return _concat_outputs(parts, inputs)
+                return chunked_outputs(model, inputs, self.config.mini_batch_size, self.config.kl_penalty == "full")
 
         old = outputs(self.model)
         with self._reference() as ref_model:
             return old, outputs(ref_model)
 
-    def _optimize(self, inputs, mask, old_logprobs, old_values, advantages, returns) -> list[dict]:
-        """``ppo_epochs`` passes over shuffled mini-batches; returns the per-mini-batch stats."""
+    def _optimize(self, rollout: Rollout) -> list[dict]:
+        """``ppo_epochs`` passes over shuffled mini-batches of ``rollout``; returns the per-mini-batch stats."""
         cfg, all_stats = self.config, []
-        batch_size = len(inputs.query_lens)
+        batch_size = len(rollout.mask)
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(batch_size, generator=self._shuffle).to(inputs.input_ids.device)
+            order = torch.randperm(batch_size, generator=self._shuffle).to(rollout.inputs.input_ids.device)
             for start in range(0, batch_size, cfg.mini_batch_size):
-                idx = order[start:start + cfg.mini_batch_size]
-                mb_inputs = inputs.index(idx)
-                width = int(mb_inputs.response_lens.max())  # trim response-aligned tensors to this mini-batch
+                mb = rollout.minibatch(order[start:start + cfg.mini_batch_size])  # (b, R_b)
                 self._minibatches_done = len(all_stats)  # for error messages
                 with self.accelerator.accumulate(self.model):
                     self.model.train()
                     with self._forward_precision():
-                        out = policy_outputs(self.model, mb_inputs, with_entropy=True)
-                    stats = self.train_minibatch(
-                        old_logprobs[idx, :width], old_values[idx, :width], out.logprobs, None, out.values,
-                        mask[idx, :width], advantages[idx, :width], returns[idx, :width], entropy=out.entropy)
+                        out = policy_outputs(self.model, mb.inputs, with_entropy=True)
+                    stats = self.train_minibatch(mb.old_logprobs, mb.old_values, out.logprobs, None, out.values,
+                                                 mb.mask, mb.advantages, mb.returns, entropy=out.entropy)
                 all_stats.append(stats)
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
@@ -425,10 +319,10 @@ class PPOTrainer:
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
                                           entropy=entropy)
-        raise_if_any(self._non_finite_error(stats), self._group)
+        bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None
+        raise_if_any(None if bad is None else self._failed(f"non-finite {bad}"), self._group)
         # decided on the global mini-batch, so that every process skips (or backpropagates) together
-        ratio_mean = stats["policy/ratio_mean"] if self._group is None else mean_across(stats["policy/ratio_mean"],
-                                                                                        self._group)
+        ratio_mean = mean_across(stats["policy/ratio_mean"], self._group)
         skipped = ratio_mean > self.config.ratio_threshold
         stats["policy/skipped"] = skipped.float()
         if skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
@@ -450,30 +344,20 @@ class PPOTrainer:
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or math.inf)
             if norm is not None and not torch.isfinite(torch.as_tensor(norm)):
                 self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"{self._where()}: non-finite gradient norm ({float(norm)}) before the "
-                                         f"update; {self._applied()}. Lower learning_rate, set max_grad_norm, or "
-                                         "check the scores.")
+                raise self._failed(f"non-finite gradient norm ({float(norm)})",
+                                   " Lower learning_rate, set max_grad_norm, or check the scores.")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
 
-    def _where(self) -> str:
-        return f"PPO step {self.step_count + 1}, mini-batch {self._minibatches_done + 1}"
-
-    def _applied(self) -> str:
-        """What the weights hold when a mini-batch of this step fails before its update."""
+    def _failed(self, what: str, advice: str = "") -> FloatingPointError:
+        """The error of this step's current mini-batch failing before its update: where, what, and what the weights
+        hold (the updates of the step's earlier mini-batches)."""
         done = self._minibatches_done
-        return "the weights were not updated" if done == 0 else \
+        held = "the weights were not updated" if done == 0 else \
             f"the weights hold this step's first {done} mini-batch update{'s' if done > 1 else ''}, not this one"
-
-    def _non_finite_error(self, stats: dict[str, torch.Tensor]) -> FloatingPointError | None:
-        """A ``FloatingPointError`` naming the first non-finite statistic (legacy names, ``ppo/`` prefix), or None."""
-        for key, value in stats.items():
-            if not bool(torch.isfinite(value).all()):
-                return FloatingPointError(f"{self._where()}: non-finite ppo/{key} "
-                                          f"({value.item() if value.numel() == 1 else value}) before the update; "
-                                          f"{self._applied()}.")
-        return None
+        return FloatingPointError(f"PPO step {self.step_count + 1}, mini-batch {done + 1}: {what} before the update; "
+                                  f"{held}.{advice}")
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
         """Clipped policy loss and ``vf_coef`` times the clipped value loss, with legacy stats.
@@ -490,208 +374,44 @@ class PPOTrainer:
         into the global values.
         """
         cfg = self.config
-        n_tokens = None if self._group is None else tokens_per_process(mask, self._group)
+        n_tokens = tokens_per_process(mask, self._group)
         pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens)
         vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens)
         if entropy is None and logits is not None:
             entropy = entropy_from_logits(logits)
         with torch.no_grad():
-            mean = lambda x: token_mean(x, mask, n_tokens)  # noqa: E731
-            var = lambda x: masked_var(x, mask, sum_across=self._sum_across)  # noqa: E731
-            stats = {
-                "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
-                "loss/total": (pg.loss + cfg.vf_coef * vf.loss).detach(),
-                "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
-                "policy/advantages_mean": mean(advantages), "policy/ratio_mean": pg.ratio_mean,
-                "returns/mean": mean(returns), "returns/var": var(returns),
-                "val/vpred": mean(vpreds), "val/error": mean((vpreds - returns) ** 2),
-                "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": var(values),
-            }
-            if entropy is not None:  # absent only when a caller passes neither logits nor entropy
-                stats["policy/entropy"] = mean(entropy)
+            stats = minibatch_stats(pg, vf, cfg.vf_coef, mask, advantages, returns, vpreds, values, entropy, n_tokens,
+                                    self._group)
         return pg.loss, cfg.vf_coef * vf.loss, stats
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
         """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""
-        policykl = self.accelerator.reduce(policykl.detach().clone(), reduction="mean")
+        policykl = mean_across(policykl, self._group)
         if policykl > 1.5 * self.config.target_kl:
             self.optimizer.zero_grad(set_to_none=True)
             return True
         return False
 
-    # ---- statistics ----------------------------------------------------------------------------------
-    def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
-        """The legacy stats dict of one step; every token statistic is masked.
-
-        Under N processes the sample and token statistics and histograms are those of the global batch (every
-        process's samples, process 0's first), and the training statistics are per-process shares that
-        ``gather_stats`` averages into the global values (see ``loss``).
-        """
-        mask, logprobs = data["masks"], data["logprobs"]
-        valid = mask.bool()
-        kl_per_sample, entropy, scores, query_lens, response_lens = self._gather_samples(
-            (data["kls"] * mask).sum(-1), (-logprobs * mask).sum(-1), data["scores"],
-            torch.tensor([len(q) for q in data["queries"]], dtype=torch.float),
-            torch.tensor([len(r) for r in data["responses"]], dtype=torch.float))
-        token_logprobs, token_ref_logprobs, token_advantages = self._gather_tokens(
-            logprobs[valid], data["ref_logprobs"][valid], data["advantages"][valid])
-        mean_kl = kl_per_sample.mean()
-        if mean_kl.item() < -1.0 and not self._warned_negative_kl:
-            self._warned_negative_kl = True
-            warnings.warn(f"KL divergence is negative ({mean_kl.item():.2f}): usually generation kwargs that change "
-                          "the sampling distribution (top_k, top_p, min_length, temperature...). Sample with "
-                          "top_k=0, top_p=1.0, do_sample=True and no min_length/repetition penalty.")
-        stats = {
-            "objective/kl": mean_kl, "objective/kl_dist": kl_per_sample,
-            "objective/logprobs": token_logprobs, "objective/ref_logprobs": token_ref_logprobs,
-            "objective/kl_coef": torch.tensor(kl_coef), "objective/entropy": entropy.mean(),
-            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask, sum_across=self._sum_across),
-            "ppo/mean_scores": scores.mean(), "ppo/std_scores": scores.std(),
-            "tokens/queries_len_mean": query_lens.mean(), "tokens/queries_len_std": query_lens.std(),
-            "tokens/queries_dist": query_lens,
-            "tokens/responses_len_mean": response_lens.mean(), "tokens/responses_len_std": response_lens.std(),
-            "tokens/responses_dist": response_lens,
-            "ppo/policy/advantages": token_advantages,
-        }
-        train = data["train_stats"]
-        for key in train[0]:
-            if key == "policy/skipped":
-                continue
-            stats[f"ppo/{key}"] = torch.stack([s[key] for s in train]).float().mean()
-        ratios = torch.stack([s["policy/ratio_mean"] for s in train]).float()
-        stats["ppo/policy/ratio"] = ratios if self._group is None else mean_across(ratios, self._group)
-        stats["ppo/policy/skipped_minibatches"] = torch.stack([s["policy/skipped"] for s in train]).sum()
-        stats["ppo/epochs"] = torch.tensor(len(train) / math.ceil(len(data["queries"]) / self.config.mini_batch_size))
-        # linear in the per-process val/error share (returns/var is global), so its mean over processes is global
-        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
-        return stats
-
-    def _gather_samples(self, *per_sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(B,)`` tensors of this process -> ``(N * B,)`` of the global batch (as they are on one process)."""
-        if self._group is None:
-            return per_sample
-        stacked = torch.stack([x.to(self.current_device).float() for x in per_sample], dim=-1)  # (B, k)
-        return self._group.gather(stacked).unbind(-1)
-
-    def _gather_tokens(self, *per_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(n_p,)`` tensors (this process's valid tokens) -> ``(n,)`` of the global batch."""
-        if self._group is None:
-            return per_token
-        return gather_ragged(torch.stack([x.float() for x in per_token]), self._group).unbind(0)
-
-    def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """Average the 0-d tensor stats over processes (in one collective); other values are kept as they are.
-
-        The 0-d stats of ``step`` are either already global (identical on every process) or per-process shares
-        whose mean over processes is the one-process value over the global batch: sample means over the
-        equal per-process batches, and token means divided by the global token count over N (see ``loss``).
-        ``record_step_stats`` gathers the histograms.
-        """
-        if not self.is_distributed:
-            return stats
-        keys = [key for key, value in stats.items() if isinstance(value, torch.Tensor) and value.ndim == 0]
-        out = dict(stats)
-        if keys:
-            values = torch.stack([stats[key].detach().to(self.current_device).float() for key in keys])
-            out.update(zip(keys, self.accelerator.reduce(values, reduction="mean").unbind()))
-        return out
-
-    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Iterable[str] = ("query", "response")):
-        """Send ``stats`` plus ``env/reward_mean|std|dist`` (raw rewards, all processes) to the trackers."""
-        rewards = torch.stack([torch.as_tensor(r).float().reshape(()) for r in rewards]) if isinstance(rewards, list) \
-            else torch.as_tensor(rewards).float()
-        rewards = self.accelerator.gather(rewards.to(self.current_device)).flatten().cpu()
-        logs = dict(stats)
-        logs["env/reward_mean"] = rewards.mean().item()
-        logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
-        logs["env/reward_dist"] = rewards.numpy()
-        self.current_step += 1
-        if self.config.log_with is not None and self.accelerator.is_main_process:
-            scalars = {k: v for k, v in logs.items() if isinstance(v, (int, float)) or getattr(v, "size", 2) == 1}
-            self.accelerator.log(scalars, step=self.current_step)
-        return logs
-
-    def _maybe_push_to_hub(self, scores: torch.Tensor) -> None:
-        kwargs = self.config.push_to_hub_if_best_kwargs
-        if not kwargs or self.current_step % self.config.compare_steps:
-            return
-        mean = self.accelerator.gather(scores).mean().item()
-        if mean > self._best_score:
-            self._best_score = mean
-            if self.accelerator.is_main_process:
-                self.accelerator.unwrap_model(self.model).push_to_hub(**kwargs)
-
     # ---- checkpoints (not in legacy TRL: resume was its most requested missing feature) ----------------
+    @quiet_deepspeed_collectives
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        """Write the whole training state to ``path`` atomically; see ``load_checkpoint``. Every process calls it.
-
-        The main process writes; under N processes the file also holds every process's mini-batch shuffling
-        and RNG states (``processes``, by process index), and every process returns once the file is complete.
-        ``extra`` is stored as given (plain Python values or tensors), e.g. the caller's data position.
-
-        Under DeepSpeed ``path`` is a directory: DeepSpeed's checkpoint of the engine in ``engine/`` (each process
-        writes its shards of the weights and the optimizer state), and the rest in ``trainer.pt``, written by the
-        main process. It is assembled under a temporary name and renamed into place once every process is done.
-        """
+        """Write the whole training state to the directory ``path`` atomically (what it holds and its layout:
+        ``ppo_core.checkpoint``), with ``extra`` as given (plain Python values or tensors, e.g. the caller's data
+        position); see ``load_checkpoint``. Every process calls it, and returns once the directory is in place."""
         self.accelerator.wait_for_everyone()
-        own = {"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()}
-        processes = self._group.gather_object(own) if self._group is not None else None
-        if self.is_deepspeed:
-            self._write_deepspeed_checkpoint(path, extra, processes)
-        elif self.accelerator.is_main_process:
-            state = {"model": self.accelerator.unwrap_model(self.model).state_dict(),
-                     "optimizer": self.optimizer.state_dict(),
-                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
-            checkpoint.atomic_torch_save(self._trainer_state(extra, processes) | state, path)
-        self.accelerator.wait_for_everyone()  # every process may read the checkpoint once this returns
+        processes = self._group.gather_object({"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()})
+        state = {"kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
+                 "current_step": self.current_step, "step_count": self.step_count,
+                 "config": flatten_dict(self.config.to_dict()), "extra": extra or {}, "processes": processes}
+        checkpoint.save(path, state, self._checkpointed_engine(), self.accelerator, tag=str(self.step_count))
 
-    def _trainer_state(self, extra: dict[str, Any] | None, processes: list[dict] | None) -> dict[str, Any]:
-        """What a checkpoint holds beside the weights, the optimizer and the scheduler."""
-        state = {
-            "format_version": checkpoint.FORMAT_VERSION, "zero_stage": self._zero_stage(),
-            "kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
-            "shuffle": self._shuffle.get_state(), "current_step": self.current_step, "step_count": self.step_count,
-            "rng": checkpoint.rng_state(), "config": flatten_dict(self.config.to_dict()), "extra": extra or {},
-        }
-        return state | ({"processes": processes} if processes is not None else {})
-
-    def _write_deepspeed_checkpoint(self, path: str, extra: dict[str, Any] | None,
-                                    processes: list[dict] | None) -> None:
-        tmp = checkpoint.temporary_dir(path, str(self.step_count))  # the same name on every process
-        if self.accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a writer killed at this very step
-            os.makedirs(tmp)
-        self.accelerator.wait_for_everyone()
-        self.model.save_checkpoint(tmp, tag=checkpoint.ENGINE_TAG, save_latest=False)  # a collective
-        if self.accelerator.is_main_process:
-            checkpoint.atomic_torch_save(self._trainer_state(extra, processes),
-                                         os.path.join(tmp, checkpoint.TRAINER_FILE))
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            checkpoint.replace_dir(tmp, path)
-
-    def _zero_stage(self) -> int | None:
-        return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed else None
-
+    @quiet_deepspeed_collectives
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Restore what ``save_checkpoint`` wrote (model, optimizer, scheduler, KL controller, score
-        moments, shuffling, step counter, RNG states; under N processes, each its own shuffling and RNG
-        states); return its ``extra`` dict. Every process calls it; the number of processes, and DeepSpeed and
-        its ZeRO stage (or their absence), must be the checkpoint's."""
-        state = checkpoint.load(os.path.join(path, checkpoint.TRAINER_FILE) if os.path.isdir(path) else path)
-        self._check_checkpoint_run(path, state)
-        own = state["processes"][self.accelerator.process_index] if "processes" in state else state
-        if self.is_deepspeed:
-            loaded, _ = self.model.load_checkpoint(path, tag=checkpoint.ENGINE_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
-            if loaded is None:  # DeepSpeed warns and returns None for a missing checkpoint
-                raise ValueError(f"checkpoint {path}: DeepSpeed found no engine state in it; delete it to start "
-                                 "fresh.")
-        else:
-            self.accelerator.unwrap_model(self.model).load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        """Restore what ``save_checkpoint`` wrote (each process its own shuffling and RNG states); return its
+        ``extra`` dict. Every process calls it; the number of processes, and DeepSpeed and its ZeRO stage (or their
+        absence), must be the checkpoint's (a ValueError says what to do otherwise)."""
+        state = checkpoint.load(path, self._checkpointed_engine(), self.accelerator.num_processes)
+        own = state["processes"][self.accelerator.process_index]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.running.load_state_dict(state["running"])
         self._shuffle.set_state(own["shuffle"])
@@ -699,160 +419,6 @@ class PPOTrainer:
         checkpoint.set_rng_state(own["rng"])
         return state["extra"]
 
-    def _check_checkpoint_run(self, path: str, state: dict[str, Any]) -> None:
-        """Raise unless this run can continue the checkpoint's: as many processes (they define the global batch),
-        and the same DeepSpeed ZeRO stage, or none (the weights and optimizer state are laid out by it)."""
-        saved = state["config"].get("world_size") or 1
-        if saved != self.accelerator.num_processes:
-            raise ValueError(f"checkpoint {path}: written by a run of {saved} process(es), this one has "
-                             f"{self.accelerator.num_processes}; the global batch (batch_size * processes) would "
-                             f"change. Launch {saved} process(es) to resume, or delete it to start fresh.")
-        stage, saved_stage = self._zero_stage(), state.get("zero_stage")
-        if stage != saved_stage:
-            name = {None: "without DeepSpeed"} | {s: f"under DeepSpeed ZeRO-{s}" for s in (0, 1, 2, 3)}
-            raise ValueError(f"checkpoint {path}: written by a run {name[saved_stage]}, this one runs "
-                             f"{name[stage]}; launch it as the checkpoint's run was to resume, or delete it to start "
-                             "fresh.")
+    def _checkpointed_engine(self):
+        return checkpoint.engine_state(self.accelerator, self.model, self.optimizer, self.lr_scheduler)
 
-    # ---- legacy helpers kept for API compatibility ------------------------------------------------------
-    def prepare_model_inputs(self, queries: torch.Tensor, responses: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{"input_ids", "attention_mask", "query_lens", "response_lens"}``, right-padded; for an
-        encoder-decoder, the queries as ``input_ids`` and ``start + response`` as ``decoder_input_ids``."""
-        inputs = self._model_inputs(list(queries), list(responses))
-        lengths = inputs.query_lens + inputs.response_lens
-        attention_mask = torch.arange(inputs.input_ids.shape[1], device=lengths.device)[None] < lengths[:, None]
-        if self.config.is_encoder_decoder:
-            return {"input_ids": inputs.encoder_input_ids, "attention_mask": inputs.encoder_attention_mask,
-                    "decoder_input_ids": inputs.input_ids, "decoder_attention_mask": attention_mask.long()}
-        return {"input_ids": inputs.input_ids, "attention_mask": attention_mask.long(),
-                "query_lens": inputs.query_lens, "response_lens": inputs.response_lens}
-
-    @torch.no_grad()
-    def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
-                             response_masks=None):
-        """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``)."""
-        inputs = self._model_inputs(list(queries), list(responses))
-        model.eval()
-        with self._forward_precision():
-            out = policy_outputs(model, inputs, keep_hidden=return_logits)
-        logits = None
-        if return_logits:
-            valid = inputs.response_mask()
-            unwrapped = self.accelerator.unwrap_model(model)
-            with gathered(unwrapped.lm_head_parameters()):  # under ZeRO-3: read outside any forward
-                head = unwrapped.lm_head()
-                logits = torch.zeros(*valid.shape, head.weight.shape[0], device=valid.device)
-                logits[valid] = head.logits(out.hidden)
-        return out.logprobs, logits, out.values, build_response_masks(response_masks, inputs)
-
-    def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
-        """``(rewards, non_score_rewards, kls)``, each ``(B, R)`` (``kl_penalty`` ``full`` needs ``step``)."""
-        mode = "kl" if self.config.kl_penalty == "full" else self.config.kl_penalty
-        return tuple(shape_rewards(scores, kl_penalty(logprobs, ref_logprobs, mode), masks, self.kl_ctl.value))
-
-    def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
-        """Write a short model card (``README.md``) into ``path``."""
-        os.makedirs(path, exist_ok=True)
-        card = (f"---\nlicense: apache-2.0\ntags:\n- ppo_core\n- reinforcement-learning\n- rlhf\n---\n\n"
-                f"# {model_name}\n\nA language model fine-tuned with PPO (ppo_core, the legacy TRL PPOTrainer API).\n\n"
-                "```python\nfrom ppo_core import AutoModelForCausalLMWithValueHead\n"
-                f"model = AutoModelForCausalLMWithValueHead.from_pretrained({path!r})\n```\n")
-        with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as fh:
-            fh.write(card)
-
-
-
-
-def _decoder_start_token_id(model: PreTrainedModelWrapper) -> int:
-    lm = model.transformers_model
-    start = getattr(lm.config, "decoder_start_token_id", None)
-    if start is None:
-        start = getattr(lm.generation_config, "decoder_start_token_id", None)
-    if start is None:
-        raise ValueError(f"PPOTrainer: the encoder-decoder policy ({type(lm).__name__}) has no decoder_start_token_id "
-                         "in its config or generation_config; set model.config.decoder_start_token_id.")
-    return int(start)
-
-
-def _token_tensor(x, name: str, i: int) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.ndim != 1:
-        raise ValueError(f"step: {name}[{i}] must be a 1-D tensor of token ids, "
-                         f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))}.")
-    if x.numel() == 0:
-        raise ValueError(f"step: {name}[{i}] is empty; every query and response needs at least one token.")
-    return x.long()
-
-
-def _scalar_score(s, i: int) -> torch.Tensor:
-    if not isinstance(s, (torch.Tensor, numbers.Real)) or isinstance(s, bool):
-        raise ValueError(f"step: scores[{i}] must be a number (a 0-d tensor), got {type(s).__name__} {s!r}.")
-    s = torch.as_tensor(s)
-    if s.numel() != 1 or s.ndim > 1:
-        raise ValueError(f"step: scores[{i}] must be a scalar (0-d tensor), got shape {tuple(s.shape)}.")
-    if not s.is_floating_point() and s.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"step: scores[{i}] must be a number, got dtype {s.dtype}.")
-    s = s.reshape(()).float()
-    if not torch.isfinite(s):
-        raise ValueError(f"step: scores[{i}] is {s.item()}; scores must be finite numbers.")
-    return s
-
-
-def _concat_outputs(parts, inputs: ModelInputs):
-    """Concatenate chunked ``PolicyOutputs`` along the batch, re-padding to the batch's response length."""
-    width = int(inputs.response_lens.max())
-    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
-    logprobs = torch.cat([pad(p.logprobs) for p in parts])
-    values = torch.cat([pad(p.values) for p in parts])
-    hidden = torch.cat([p.hidden for p in parts]) if parts[0].hidden is not None else None
-    return type(parts[0])(logprobs, values, None, hidden)
-
-
-def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """Adam over the trainable parameters, as legacy TRL, with torch's fused kernel where it has one.
-
-    The fused kernel updates each tensor in one pass, where the default (foreach) Adam makes about ten
-    elementwise passes: on a 2-core CPU and 10M parameters that is 3x faster per optimizer step.
-    """
-    params = [p for p in params if p.requires_grad]
-    try:
-        return torch.optim.Adam(params, lr=lr, fused=True)
-    except RuntimeError:  # a device or dtype without a fused kernel
-        return torch.optim.Adam(params, lr=lr)
-
-
-def _reset_single_process_accelerate_state() -> None:
-    """accelerate keeps its state in process-wide singletons that refuse a second ``Accelerator`` with
-    other settings (e.g. fp32 then bf16). In a single process nothing else depends on them: reset."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    if AcceleratorState._shared_state and PartialState().num_processes == 1:
-        AcceleratorState._reset_state()
-        GradientState._reset_state()
-
-
-def _check_zero3_copy(model: PreTrainedModelWrapper, num_shared_layers: int | None) -> None:
-    """Under ZeRO-3 the reference must be a separate, whole copy before it is sharded in its own engine."""
-    if is_sharded(model.parameters()):
-        raise ValueError("PPOTrainer: the policy's weights are already ZeRO-3 shards (built under deepspeed.zero.Init: "
-                         "transformers does so for every model built once an Accelerator runs ZeRO-3 in the process), "
-                         "so no reference copy can be made from it; build the policy before the first PPOTrainer, or "
-                         "pass a ref_model built the same way as the policy.")
-    if num_shared_layers is not None:
-        raise ValueError("PPOTrainer: num_shared_layers is not supported under ZeRO-3 (policy and reference are "
-                         "sharded in separate DeepSpeed engines, which cannot share weights); drop it.")
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    """Zero every dropout: ``nn.Dropout`` modules and the float rates that attention implementations
-    read at call time (e.g. Llama's and GPT-NeoX's ``attention_dropout``)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
-
-
-def _empty_device_cache() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -1,13 +1,16 @@
-"""Small utilities: seeding (legacy API), the CPU allocator setting the trainer applies, and a scoped swap of a
-library function (the CPU fast paths of ``generation`` and ``cpu_attention``)."""
+"""Small utilities: seeding (legacy API), the CPU allocator setting the trainer applies by default, freeing the
+device cache, a block timer, and a scoped swap of a library function (the CPU fast paths of ``generation`` and
+``cpu_attention``)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
+import gc
 import os
 import random
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -34,7 +37,8 @@ def keep_freed_memory_for_reuse() -> bool:
     is faulted in again, page by page, each time a PPO mini-batch allocates it: 1.7 s of a 6.7 s step on
     two cores. Raising the mmap and trim thresholds to 1 GiB keeps such blocks in the heap for the next
     use (what PyTorch's CPU tuning guide gets from jemalloc or tcmalloc). The process keeps its peak heap
-    (+90 MiB of RSS on the 32k benchmark). No-op off glibc, or with ``PPO_CORE_TUNE_MALLOC=0``.
+    (+90 MiB of RSS on the 32k benchmark). ``PPOTrainer`` applies it on the CPU by default, for the whole process
+    (malloc has no per-object setting); ``PPO_CORE_TUNE_MALLOC=0`` in the environment turns it off. No-op off glibc.
     """
     if os.environ.get("PPO_CORE_TUNE_MALLOC", "1") == "0":
         return False
@@ -45,6 +49,21 @@ def keep_freed_memory_for_reuse() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+
+
+def free_device_cache() -> None:
+    """Collect garbage and return the cached blocks of the GPU allocator to the device (``optimize_device_cache``)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def timed(timing: dict[str, float], key: str) -> Iterator[None]:
+    """``timing[key]``: the block's wall-clock seconds (not set when the block raises)."""
+    start = time.perf_counter()
+    yield
+    timing[key] = time.perf_counter() - start
 
 
 @contextlib.contextmanager

@@ -15,19 +15,18 @@ it registered as an *external* parameter. Hence, under ZeRO-3:
   ``unwrap_model_for_generation``); the weights must fit whole on a device for that long;
 * the frozen reference model is sharded too, as a DeepSpeed engine without optimizer
   (:func:`prepare_reference`): whole, it would cost every process a full copy of the weights, which is what
-  ZeRO-3 is used to avoid.
+  ZeRO-3 is used to avoid. It is copied from the policy before the policy is sharded (:func:`check_reference_copy`).
 
 Under DeepSpeed the engine, not the trainer, accumulates gradients, clips them and steps the optimizer (inside
-``accelerator.backward``); :func:`fill_config` takes those settings from ``PPOConfig`` so that there is one
-source for them. deepspeed is imported only where one of these runs under DeepSpeed.
+``accelerator.backward``); :func:`fill_config` (through :func:`configure_engine`, before ``accelerator.prepare``)
+takes those settings from ``PPOConfig`` so that there is one source for them. deepspeed is imported only where one
+of these runs under DeepSpeed. Launching and connecting the processes is ``ppo_core.distributed``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import warnings
 from typing import Iterable, Iterator
 
 import torch
@@ -44,68 +43,17 @@ def is_sharded(params: Iterable[torch.Tensor]) -> bool:
     return any(hasattr(p, "ds_id") for p in params)
 
 
-def deepspeed_launched() -> bool:
-    """Whether this process was started by ``accelerate launch`` with a DeepSpeed config."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and "LOCAL_RANK" in os.environ
-
-
-def cpu_backend() -> str | None:
-    """Under a DeepSpeed launch on a machine whose DeepSpeed accelerator is the CPU: the process-group backend
-    accelerate does not pick (see :func:`process_group_kwargs`); None elsewhere, where accelerate picks it.
-
-    accelerate picks a backend for GPUs and the other devices it knows, or with ``use_cpu`` (which turns DeepSpeed
-    off); for DeepSpeed on a machine without them it picks none and then counts every process as process 0 of 1.
-    DeepSpeed's CPU accelerator names its backend (gloo; oneCCL's ccl where installed). On CPUs this also marks
-    DeepSpeed's shared-memory all-reduce op unbuildable before DeepSpeed starts its communication, which would
-    otherwise compile it (about a minute on a fresh machine): only DeepSpeed's inference all-reduce (tensor-parallel
-    inference) uses it, never ZeRO training.
-    """
-    if not deepspeed_launched():
-        return None
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        return None
-    import deepspeed.ops
-
-    shm_op = get_accelerator().get_op_builder("ShareMemCommBuilder")
-    deepspeed.ops.__compatible_ops__[shm_op.NAME] = False  # what DeepSpeed's start-up reads before building it
-    return get_accelerator().communication_backend_name()
-
-
-def process_group_kwargs(accelerator_kwargs: dict) -> dict:
-    """``accelerator_kwargs`` plus, under DeepSpeed on CPUs, the process-group backend accelerate does not pick
-    (:func:`cpu_backend`). A backend given in ``kwargs_handlers`` is kept."""
-    backend = cpu_backend()
-    if backend is None:
-        return accelerator_kwargs
-    from accelerate.utils import InitProcessGroupKwargs
-
-    handlers = list(accelerator_kwargs.get("kwargs_handlers") or [])
-    if any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
-        return accelerator_kwargs
-    return {**accelerator_kwargs, "kwargs_handlers": [*handlers, InitProcessGroupKwargs(backend=backend)]}
-
-
-def ignore_deprecated_collectives() -> None:
-    """Silence torch's FutureWarning on the collectives DeepSpeed calls (``all_gather_into_tensor``,
-    ``reduce_scatter_tensor``, renamed in torch 2.13): it comes again at every step, on every process, and only
-    a DeepSpeed release can act on it."""
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-                            "is deprecated", category=FutureWarning)
-
-
-def check_process_count(accelerator) -> None:
-    """Raise if accelerate counts fewer processes than torch.distributed runs (see :func:`process_group_kwargs`:
-    a state created without a backend, before the trainer's): every process would train as if it were alone."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() != accelerator.num_processes:
-        raise ValueError(f"PPOTrainer: accelerate counts {accelerator.num_processes} process(es) but DeepSpeed runs "
-                         f"{dist.get_world_size()}: accelerate's state was created without a process-group backend, "
-                         "as happens on CPUs before the trainer's Accelerator; create the first Accelerator with "
-                         "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (a PartialState with "
-                         "backend='gloo'), or none.")
+def check_reference_copy(model: torch.nn.Module, num_shared_layers: int | None) -> None:
+    """Under ZeRO-3 the reference must be a separate, whole copy of ``model`` before it is sharded in its own
+    engine: raise if ``model`` is sharded already, or if layers are to be shared."""
+    if is_sharded(model.parameters()):
+        raise ValueError("PPOTrainer: the policy's weights are already ZeRO-3 shards (built under deepspeed.zero.Init: "
+                         "transformers does so for every model built once an Accelerator runs ZeRO-3 in the process), "
+                         "so no reference copy can be made from it; build the policy before the first PPOTrainer, or "
+                         "pass a ref_model built the same way as the policy.")
+    if num_shared_layers is not None:
+        raise ValueError("PPOTrainer: num_shared_layers is not supported under ZeRO-3 (policy and reference are "
+                         "sharded in separate DeepSpeed engines, which cannot share weights); drop it.")
 
 
 def fill_config(ds_config: dict, mini_batch_size: int, gradient_accumulation_steps: int,
@@ -134,6 +82,20 @@ def fill_config(ds_config: dict, mini_batch_size: int, gradient_accumulation_ste
     if ds_config.get("train_batch_size", "auto") == "auto":
         ds_config["train_batch_size"] = (ds_config["train_micro_batch_size_per_gpu"] * gradient_accumulation_steps
                                          * num_processes)
+
+
+def configure_engine(accelerator, model: torch.nn.Module, mini_batch_size: int, gradient_accumulation_steps: int,
+                     max_grad_norm: float | None) -> None:
+    """Before ``accelerator.prepare`` under DeepSpeed: its config filled from ``PPOConfig`` (:func:`fill_config`), and
+    under ZeRO-3 the LM head of the value-head ``model`` registered (:func:`register_lm_head`: the scoring forward
+    reads it outside the head module's own forward). A no-op without DeepSpeed."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    fill_config(plugin.deepspeed_config, mini_batch_size, gradient_accumulation_steps, max_grad_norm,
+                accelerator.num_processes)
+    if plugin.zero_stage == 3:
+        register_lm_head(model)
 
 
 def register_lm_head(model: torch.nn.Module) -> None:

@@ -4,8 +4,8 @@ The reward source is `scorer.source` (see stages/scoring.py). The run works in d
 output, see stages/resume.py): each step writes its rollouts there (rollouts/step-NNNNN.parquet) and rewrites the
 stats table (one row of all `step()` stats per step, but the wall-clock `time/*` ones, which go to timings.csv so
 that every other artifact is byte-identical across runs) and the curves for `dvc plots`, so a run in progress (or
-one that failed) can be inspected; every `checkpoint.ppo_every` steps the whole training state goes to state.pt
-beside them (under DeepSpeed: the directory state-deepspeed, with every process's shards). Only a finished run
+one that failed) can be inspected; every `checkpoint.ppo_every` steps the whole training state goes to the
+directory state/ beside them (ppo_core's checkpoint; under DeepSpeed with every process's shards). Only a finished run
 publishes its artifacts (data/ppo/*, data/models/ppo; the timings to data/logs/ppo, outside DVC's hashes) and then
 deletes its resumable state: a failed run leaves no artifact, a finished one no state. A rerun of an interrupted
 run with the same params, inputs and code resumes from the checkpoint and ends with the same artifacts.
@@ -120,7 +120,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
         # 5. checkpoint: after the step's artifacts, so a resumed run never redoes a step it has written
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
-            trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / state_name(trainer)),
+            trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / STATE),
                                     extra={"step": step + 1, "tables": tables.state()})
     first, last = tables.curves[0], tables.curves[-1]
     if main:  # the run has finished: publish its artifacts
@@ -141,12 +141,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
             f"kl {last['kl']:.2f} -> {PPO_MODEL}")
 
 
-STATE = "state.pt"  # the trainer's checkpoint (ppo_core's one-file format)
-DEEPSPEED_STATE = "state-deepspeed"  # under DeepSpeed: a directory (DeepSpeed's sharded checkpoint and the rest)
-
-
-def state_name(trainer: PPOTrainer) -> str:
-    return DEEPSPEED_STATE if trainer.is_deepspeed else STATE
+STATE = "state"  # the trainer's checkpoint directory (ppo_core's format, with or without DeepSpeed)
 
 
 def save_policy(path: Path, policy, tokenizer) -> None:
@@ -169,8 +164,7 @@ def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTa
     are removed). Returns (the first step to run, the tables); (0, empty tables) for a fresh run."""
     accelerator = trainer.accelerator
     directory, rollouts = root / PPO_CHECKPOINTS, root / WORK_ROLLOUTS
-    state = directory / state_name(trainer)
-    other = directory / (STATE if state.name == DEEPSPEED_STATE else DEEPSPEED_STATE)
+    state = directory / STATE
     expected = fingerprint(params, TRACKED, INPUTS if params.scorer.source == "reward_model" else INPUTS[:2], root,
                            CODE)
     for kind, entries in scorer_origin(params).items():  # the user's reward code, or its package's version
@@ -178,15 +172,11 @@ def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTa
     if accelerator.is_main_process:  # the main process owns the files; the others wait for its decision
         remove_stale_temporaries(directory, rollouts, root / PPO_ROLLOUTS.parent, root / PPO_MODEL.parent,
                                  root / PPO_TIMINGS.parent)
-        if not open_checkpoint_dir(directory, expected, params, "ppo") or not (state.exists() or other.exists()):
+        if not open_checkpoint_dir(directory, expected, params, "ppo") or not state.exists():
             fresh_dir(rollouts)
             for work in WORK_TABLES.values():
                 (root / work).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
-    if other.exists():  # the same params, launched with(out) DeepSpeed: a checkpoint this run cannot read
-        ran = {STATE: "without DeepSpeed", DEEPSPEED_STATE: "under DeepSpeed"}
-        raise StageError(f"{other}: written by a run {ran[other.name]}, this one runs {ran[state.name]}; launch it "
-                         f"as that run was to resume, or delete {directory} to start fresh")
     if not state.exists():
         return 0, StepTables()
     try:

@@ -132,7 +132,9 @@ def run_deepspeed(num_processes: int) -> dict:
         rollout["step_fetches"] += fetches[0]
         rollout["stats"].append({k: v for k, v in stats.items() if not k.startswith("time/")})
     rollout["params"] = params(trainer)
-    return {**out, "rollout": rollout, "non_finite": non_finite_step(trainer)}
+    # the filter of DeepSpeed's deprecated collectives lives only as long as a trainer method runs
+    filters = [f for f in warnings.filters if f[1] is not None and "all_gather_into_tensor" in f[1].pattern]
+    return {**out, "rollout": rollout, "non_finite": non_finite_step(trainer), "collectives_filters": len(filters)}
 
 
 def non_finite_step(trainer: PPOTrainer) -> dict:

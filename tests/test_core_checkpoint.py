@@ -60,8 +60,8 @@ def test_a_deepspeed_checkpoint_is_refused_without_deepspeed(tmp_path):
     run without DeepSpeed cannot read: the message says how to resume it (tests/test_stages_distributed.py runs
     the DeepSpeed ones)."""
     trainer = make_trainer()
-    trainer.save_checkpoint(str(tmp_path / "ckpt.pt"))
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    trainer.save_checkpoint(str(tmp_path / "ckpt"))
+    state = torch.load(tmp_path / "ckpt" / "trainer.pt", weights_only=True)
     (tmp_path / "ds").mkdir()
     torch.save(state | {"zero_stage": 3}, tmp_path / "ds" / "trainer.pt")
     with pytest.raises(ValueError, match=r"ds: written by a run under DeepSpeed ZeRO-3, this one runs without "
@@ -69,9 +69,47 @@ def test_a_deepspeed_checkpoint_is_refused_without_deepspeed(tmp_path):
         trainer.load_checkpoint(str(tmp_path / "ds"))
 
 
+def test_a_checkpoint_is_one_directory_swapped_in_whole(tmp_path):
+    """Without DeepSpeed too: ``trainer.pt`` beside ``engine/`` (here the state dicts, in ``state.pt``), assembled
+    under a temporary name and renamed into place; a second save replaces the first and leaves nothing beside it."""
+    trainer = make_trainer()
+    path = tmp_path / "state"
+    trainer.save_checkpoint(str(path), extra={"at": 0})
+    run(trainer, range(1))
+    trainer.save_checkpoint(str(path), extra={"at": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["state"]
+    assert sorted(p.name for p in path.iterdir()) == ["engine", "trainer.pt"]
+    assert [p.name for p in (path / "engine").iterdir()] == ["state.pt"]
+    state = torch.load(path / "trainer.pt", weights_only=True)
+    assert state["zero_stage"] is None and state["step_count"] == 1 and state["extra"] == {"at": 1}
+    assert len(state["processes"]) == 1 and {"shuffle", "rng"} <= state["processes"][0].keys()
+    engine = torch.load(path / "engine" / "state.pt", weights_only=True)
+    assert engine.keys() == {"model", "optimizer", "lr_scheduler"}
+    assert make_trainer().load_checkpoint(str(path)) == {"at": 1}
+
+
+def test_a_checkpoint_of_the_old_one_file_format_is_refused(tmp_path):
+    """ppo_core wrote a single file without DeepSpeed before: it is not read, and the message says what to do."""
+    old = tmp_path / "state.pt"
+    torch.save({"format_version": 1, "model": {}}, old)
+    with pytest.raises(ValueError, match=r"state.pt: cannot be read \(a file: ppo_core's old one-file format.*"
+                                         r"delete it to start fresh"):
+        make_trainer().load_checkpoint(str(old))
+    old_dir = tmp_path / "old-deepspeed"  # the old DeepSpeed layout, format 1
+    old_dir.mkdir()
+    torch.save({"format_version": 1}, old_dir / "trainer.pt")
+    with pytest.raises(ValueError, match=r"not a ppo_core checkpoint of format 2.*delete it to start fresh"):
+        make_trainer().load_checkpoint(str(old_dir))
+    with pytest.raises(ValueError, match=r"missing: cannot be read \(no such directory\)"):
+        make_trainer().load_checkpoint(str(tmp_path / "missing"))
+    trainer = make_trainer()
+    trainer.save_checkpoint(str(old))  # the file is replaced by a checkpoint directory
+    assert old.is_dir() and trainer.load_checkpoint(str(old)) == {}
+
+
 def test_a_directory_checkpoint_is_swapped_in_whole(tmp_path):
-    """Under DeepSpeed a checkpoint is a directory every process writes into under a temporary name (the same on
-    every process), then renamed over the previous one; nothing else is left beside it."""
+    """A checkpoint is a directory every process may write into (under DeepSpeed) under a temporary name (the same
+    on every process), then renamed over the previous one; nothing else is left beside it."""
     from ppo_core import checkpoint
 
     target = tmp_path / "state"

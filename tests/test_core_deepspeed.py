@@ -9,8 +9,9 @@ gradients over the processes in float32, in another order than one process sums 
 ``generate`` (policy and reference) and ``step`` with the whole-vocabulary KL, and a step with an infinite
 gradient. Gradient accumulation, which DeepSpeed does itself, is checked in one process against no DeepSpeed.
 
-A launch takes about 15-25 s on 2 cores. DeepSpeed compiles nothing: on CPUs ``ppo_core.zero.cpu_backend`` keeps it
-from building its shared-memory all-reduce op (about a minute on a fresh machine), which ZeRO training never uses.
+A launch takes about 15-25 s on 2 cores. DeepSpeed compiles nothing: on CPUs ``ppo_core.distributed.cpu_backend``
+keeps it from building its shared-memory all-reduce op (about a minute on a fresh machine), which ZeRO training never
+uses.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def test_two_deepspeed_processes_equal_one_process_and_generate_from_gathered_we
         assert all(torch.isfinite(v).all() for v in after.values() if v.is_floating_point())
         assert any(not torch.equal(after[k], before[k]) for k in after)  # mini-batch 1's update only
     assert all(torch.equal(v, ranks[1]["non_finite"]["after"][k]) for k, v in ranks[0]["non_finite"]["after"].items())
+    assert [rank["collectives_filters"] for rank in ranks] == [0, 0]  # no process-wide warnings filter left
 
 
 def test_deepspeed_accumulates_and_skips_mini_batches_as_the_trainer_does(tmp_path):

@@ -10,6 +10,7 @@ one process over the same 8 samples: float32, three steps, so the stated toleran
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ import pytest
 import torch
 
 from ppo_core.core import masked_mean, masked_var, masked_whiten
-from ppo_core.distributed import gather_ragged, mean_across, raise_if_any, tokens_per_process
-from ppo_core.ppo_math import gae_advantages, policy_loss, value_loss
+from ppo_core.distributed import (ProcessGroup, SingleProcess, gather_ragged, mean_across, on_every_process,
+                                  raise_if_any, tokens_per_process)
+from ppo_core.ppo_math import gae_advantages, policy_loss, token_mean, value_loss
 from tests import distributed_step, launching
 
 torch.set_num_threads(1)
@@ -36,6 +38,7 @@ class ThreadGroup:
 
     def __init__(self, index: int, shared: dict):
         self.process_index, self.num_processes, self._shared = index, shared["n"], shared
+        self.device = torch.device("cpu")
 
     def _exchange(self, value) -> list:
         slots, barrier = self._shared["slots"], self._shared["barrier"]
@@ -181,8 +184,44 @@ def test_an_error_on_one_process_raises_on_all_with_its_message():
     assert in_threads(lambda g: raise_if_any(None, g)) == [None, None]
     error = FloatingPointError("x")
     with pytest.raises(FloatingPointError) as info:  # one process: the error itself
-        raise_if_any(error, None)
+        raise_if_any(error, SingleProcess(torch.device("cpu")))
     assert info.value is error
+
+
+def test_a_check_run_on_every_process_raises_on_all_or_returns_its_result():
+    def check(index):
+        if index == 1:
+            raise ValueError("bad input")
+        return index
+
+    got = in_threads(lambda g: on_every_process(g, check, g.process_index))
+    assert all(isinstance(r, ValueError) and str(r) == "process 1 of 2: bad input" for r in got)
+    assert in_threads(lambda g: on_every_process(g, lambda x: x + 1, g.process_index)) == [1, 2]
+
+
+def test_a_single_process_group_returns_what_it_is_given():
+    """Alone, the trainer goes the same way as with N processes: the collectives return their input (detached
+    copies, as the real ones), and the helpers give the one-process numbers exactly."""
+    group = ProcessGroup.current("cpu")  # torch.distributed is not running here
+    assert isinstance(group, SingleProcess) and (group.num_processes, group.process_index) == (1, 0)
+    x = torch.randn(3, 4, requires_grad=True)
+    for out in (group.sum_across(x), group.gather(x), mean_across(x, group), gather_ragged(x, group)):
+        assert torch.equal(out, x) and out.data_ptr() != x.data_ptr() and not out.requires_grad
+    obj = {"shuffle": torch.arange(3)}
+    assert group.gather_object(obj) == [obj]
+    raise_if_any(None, group)
+
+
+def test_one_process_divides_token_means_by_its_own_count_in_the_values_dtype():
+    """``tokens_per_process`` is None alone: ``token_mean`` then divides by the mask's sum in the values' dtype,
+    the one-process number exactly, where a float32 count would not be (float64 values, a fractional mask)."""
+    group = SingleProcess(torch.device("cpu"))
+    values = torch.randn(4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mask = torch.rand(4, 5, generator=torch.Generator().manual_seed(1)).float()  # e.g. a user's soft response_masks
+    assert tokens_per_process(mask, group) is None
+    n_tokens = mask.detach().float().sum() / group.num_processes  # what N processes would pass
+    assert token_mean(values, mask, tokens_per_process(mask, group)) == masked_mean(values, mask)
+    assert token_mean(values, mask, n_tokens) != masked_mean(values, mask)  # why it is None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -239,7 +278,7 @@ def test_two_processes_shuffle_their_own_samples_and_resume_from_one_checkpoint(
     out_dir, results = two_process_run
     ranks = [r["shuffled"] for r in results]
     assert [r["shuffle_seed"] for r in ranks] == [0, 1]  # config.seed + process_index
-    assert len(torch.load(out_dir / "ckpt.pt", weights_only=True)["processes"]) == 2
+    assert len(torch.load(out_dir / "ckpt.pt" / "trainer.pt", weights_only=True)["processes"]) == 2
     for rank in ranks:  # every process resumed its own state: same weights and stats as never stopping
         for key, param in rank["params"].items():
             assert torch.equal(param, rank["resumed_params"][key]), key
@@ -256,3 +295,22 @@ def test_a_bad_input_on_one_process_stops_both_with_its_message(tmp_path):
     assert output.count("ValueError: process 1 of 2: step: scores[0] is nan") >= 2, output[-3000:]
     assert seconds < timeout / 2, f"took {seconds:.0f} s"
     assert not (tmp_path / "rank0.pt").exists() and not (tmp_path / "rank1.pt").exists()
+
+
+def test_the_collectives_warning_is_ignored_within_the_block_only():
+    """Under DeepSpeed the trainer's methods run in ``deprecated_collectives_ignored``: the filter it adds is gone
+    once the block ends, so a trainer changes no process-wide warnings setting."""
+    from ppo_core.distributed import deprecated_collectives_ignored
+
+    message = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use all_gather_single instead."
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with deprecated_collectives_ignored():
+            warnings.warn(message, FutureWarning)
+            warnings.warn("another FutureWarning", FutureWarning)
+        with deprecated_collectives_ignored(enabled=False):
+            warnings.warn(message, FutureWarning)
+        warnings.warn(message, FutureWarning)
+    assert [str(w.message) for w in caught] == ["another FutureWarning", message, message]
+    assert warnings.filters == before

@@ -721,15 +721,15 @@ def test_deepspeed_config_takes_accumulation_and_clipping_from_ppo_config():
 
 def test_zero3_refuses_a_reference_copy_it_cannot_make():
     """Under ZeRO-3 the reference is copied from the whole policy and sharded in its own engine."""
-    from ppo_core.trainer import _check_zero3_copy
+    from ppo_core.zero import check_reference_copy
 
     model = tiny_value_model()
-    _check_zero3_copy(model, None)  # whole weights, no shared layers: fine
+    check_reference_copy(model, None)  # whole weights, no shared layers: fine
     with pytest.raises(ValueError, match="num_shared_layers is not supported under ZeRO-3"):
-        _check_zero3_copy(model, 1)
+        check_reference_copy(model, 1)
     next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init tags its shards with
     with pytest.raises(ValueError, match="already ZeRO-3 shards.*build the policy before the first PPOTrainer"):
-        _check_zero3_copy(model, None)
+        check_reference_copy(model, None)
 
 
 def test_reference_model_holds_no_optimizer_state():
@@ -741,3 +741,71 @@ def test_reference_model_holds_no_optimizer_state():
     assert ref_params and not optimized & {id(p) for p in ref_params}
     assert all(not p.requires_grad and p.grad is None for p in ref_params)
     assert all(id(p) not in {id(q) for q in ref_params} for p in trainer.optimizer.state)
+
+
+def test_a_trainer_does_not_inherit_an_earlier_accelerators_settings():
+    """accelerate's state is process-wide: without the reset, a trainer built after a bf16 one would silently run
+    in bf16 too (and one asking for another precision would be refused). Alone, each starts from its own settings."""
+    from accelerate import Accelerator
+
+    from ppo_core.distributed import SingleProcess
+
+    bf16 = make_trainer(accelerator_kwargs={"mixed_precision": "bf16"})
+    assert bf16.accelerator.mixed_precision == "bf16"
+    assert Accelerator().mixed_precision == "bf16"  # accelerate's own behaviour: the process's first settings stay
+    plain = make_trainer()
+    assert plain.accelerator.mixed_precision == "no"
+    assert isinstance(plain._group, SingleProcess)  # one path to the other processes, alone too
+
+
+def test_malloc_tuning_is_a_default_the_environment_turns_off(monkeypatch):
+    """On the CPU a trainer keeps freed memory for reuse (glibc); PPO_CORE_TUNE_MALLOC=0 turns that off."""
+    import platform
+
+    from ppo_core import trainer as trainer_module
+    from ppo_core.utils import keep_freed_memory_for_reuse
+
+    applied = []
+    monkeypatch.setattr(trainer_module, "keep_freed_memory_for_reuse",
+                        lambda: applied.append(keep_freed_memory_for_reuse()) or applied[-1])
+    make_trainer()
+    monkeypatch.setenv("PPO_CORE_TUNE_MALLOC", "0")
+    make_trainer()
+    assert applied == [platform.libc_ver()[0] == "glibc", False]  # on glibc by default; never when turned off
+
+
+def test_a_rollout_mini_batch_is_every_tensor_sliced_by_hand():
+    """``Rollout.minibatch(idx)``: the rows ``idx`` of every field, the response-aligned ones cut to the longest
+    response among those rows (the optimiser's one indexing call)."""
+    from ppo_core.rollout import Rollout
+
+    queries, responses, _ = make_batch(n=6, seed=3)
+    inputs = build_model_inputs(queries, responses, PAD)
+    width = int(inputs.response_lens.max())
+    gen = torch.Generator().manual_seed(0)
+    rollout = Rollout(inputs, inputs.response_mask().float(), *(torch.randn(6, width, generator=gen) for _ in range(5)))
+    idx = torch.tensor([4, 0, 3])  # responses of 5, 4 and 3 tokens, the longest has 6
+    mb = rollout.minibatch(idx)
+    cut = max(len(responses[i]) for i in idx.tolist())
+    assert cut < width  # the trimming is exercised
+    for got, given in zip(mb.inputs, inputs):
+        assert got is given is None or torch.equal(got, given[idx])
+    for name in ("mask", "old_logprobs", "old_values", "ref_logprobs", "advantages", "returns"):
+        assert torch.equal(getattr(mb, name), getattr(rollout, name)[idx][:, :cut]), name
+
+
+def test_the_legacy_trainer_api_is_all_there(tmp_path):
+    """What a TRL 0.11 loop calls or reads on its PPOTrainer, whichever module now holds it."""
+    trainer = make_trainer()
+    for name in ("prepare_dataloader", "generate", "step", "log_stats", "batched_forward_pass", "prepare_model_inputs",
+                 "compute_rewards", "loss", "train_minibatch", "record_step_stats", "gather_stats",
+                 "create_model_card", "_step_safety_checker"):
+        assert callable(getattr(trainer, name)), name
+    for name in ("config", "model", "ref_model", "tokenizer", "optimizer", "lr_scheduler", "dataloader", "dataset",
+                 "data_collator", "accelerator", "current_device", "kl_ctl", "current_step", "is_distributed"):
+        assert hasattr(trainer, name), name
+    queries, responses, scores = make_batch()
+    checked = trainer._step_safety_checker(4, queries, responses, scores)
+    assert checked[2].shape == (4,) and checked[3] is None
+    trainer.create_model_card(str(tmp_path), model_name="tiny")
+    assert "# tiny" in (tmp_path / "README.md").read_text()

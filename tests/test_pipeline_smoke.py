@@ -110,7 +110,7 @@ def test_killed_repro_resumes(repo):
     try:
         proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=ENV,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        state, deadline = repo / "data" / "checkpoints" / "ppo" / "state.pt", time.monotonic() + 300
+        state, deadline = repo / "data" / "checkpoints" / "ppo" / "state", time.monotonic() + 300
         while not state.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "ppo ended before its first checkpoint"
             time.sleep(0.01)
@@ -118,7 +118,7 @@ def test_killed_repro_resumes(repo):
         proc.wait()
         rerun = dvc("repro", cwd=repo)
         assert ran(rerun.stdout) == ["ppo", "evaluate"]
-        assert "resuming from data/checkpoints/ppo/state.pt at step 1" in rerun.stderr
+        assert "resuming from data/checkpoints/ppo/state at step 1" in rerun.stderr
         assert not (repo / "data" / "checkpoints" / "ppo").exists()
         resumed = contents(repo, PPO_OUTPUTS)
         forced = dvc("repro", "-f", "-s", "ppo", cwd=repo)

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stages.common import PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, SFT_METRICS, SFT_MODEL
-from stages.ppo import DEEPSPEED_STATE, WORK_ROLLOUTS, rollout_file
+from stages.ppo import STATE, WORK_ROLLOUTS, rollout_file
 from tests import launching
 from tests.conftest import ROOT
 from tests.test_stages_resume import digests, params_file, remove_outputs_as_dvc_does
@@ -119,8 +119,9 @@ def test_ppo_stage_under_deepspeed_matches_ddp(config, ppo_run):
     for name, weight in policy.items():
         assert weight.numel() > 0 and weight.shape == reference[name].shape, name
         torch.testing.assert_close(weight, reference[name], **WEIGHTS_TOL, msg=name)
-    state = root / "data" / "checkpoints" / "ppo" / DEEPSPEED_STATE
-    assert (state / "trainer.pt").is_file() and (state / "engine").is_dir()
+    state = root / "data" / "checkpoints" / "ppo" / STATE  # one layout: trainer.pt beside DeepSpeed's engine/
+    assert sorted(p.name for p in state.iterdir()) == ["engine", "trainer.pt"] and (state / "engine").is_dir()
+    assert (state / "engine" / "shards").is_dir() and not (state / "engine" / "state.pt").exists()  # DeepSpeed's own
     assert not list(root.rglob(".*tmp-*"))
 
 
@@ -147,7 +148,7 @@ def test_ppo_stage_under_deepspeed_killed_and_rerun_equals_uninterrupted(config,
     remove_outputs_as_dvc_does(root, "ppo")
     code, output = launch_stage("ppo", params, root, config=config)
     assert code == 0, output[-3000:]
-    assert f"note: ppo: resuming from data/checkpoints/ppo/{DEEPSPEED_STATE} at step" in output, where
+    assert f"note: ppo: resuming from data/checkpoints/ppo/{STATE} at step" in output, where
     assert digests(root, NOT_COMPARED) == digests(whole, NOT_COMPARED), where
     assert not list(root.rglob(".*tmp-*")), "a killed writer's temporary file was left behind"
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from ruamel.yaml import YAML
 
 from stages import ppo, resume, reward, scoring, sft
@@ -53,7 +54,7 @@ def interrupted_after_publishing(tiny_run: Path, params, root: Path, monkeypatch
     with monkeypatch.context() as patch:
         patch.setattr(ppo, "discard", lambda directory: None)
         ppo.run(params, root)
-    assert (root / PPO_CHECKPOINTS / "state.pt").exists()
+    assert (root / PPO_CHECKPOINTS / ppo.STATE).exists()
     remove_outputs_as_dvc_does(root, "ppo")
     return root
 
@@ -119,12 +120,12 @@ def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts(tiny_run, t
 
     # killed before its state was deleted (the run may have published its outputs first): the rerun resumes; killed
     # after that (published, state deleted, not yet exited): nothing to resume, the rerun trains from the start
-    interrupted = (killed / PPO_CHECKPOINTS / "state.pt").exists()
+    interrupted = (killed / PPO_CHECKPOINTS / ppo.STATE).exists()
     remove_outputs_as_dvc_does(killed, "ppo")
     rerun = run_stage("ppo", params, killed)
     _, err = rerun.communicate()
     assert rerun.returncode == 0, err[-2000:]
-    assert ("note: ppo: resuming from data/checkpoints/ppo/state.pt at step" in err) == interrupted, where
+    assert ("note: ppo: resuming from data/checkpoints/ppo/state at step" in err) == interrupted, where
     uninterrupted = run_stage("ppo", params, whole)
     _, err = uninterrupted.communicate()
     assert uninterrupted.returncode == 0, err[-2000:]
@@ -202,16 +203,16 @@ def test_checkpoint_from_other_params_restarts_or_stops(tiny_run, tiny_params, t
 
 
 def test_a_checkpoint_written_under_deepspeed_stops_a_run_without_it(tiny_run, tiny_params, tmp_path, monkeypatch):
-    """Same params and code, another launch: its checkpoint (a directory of DeepSpeed shards) cannot be read here, so
-    the stage stops, saying how to go on, and deletes nothing (tests/test_stages_distributed.py resumes real ones)."""
+    """Same params and code, another launch: its checkpoint (DeepSpeed's shards beside trainer.pt) cannot be read
+    here, so the stage stops with ppo_core's message saying how to go on, and deletes nothing
+    (tests/test_stages_distributed.py resumes real ones)."""
     root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
-    checkpoints = root / "data" / "checkpoints" / "ppo"
-    (checkpoints / ppo.STATE).unlink()
-    (checkpoints / ppo.DEEPSPEED_STATE).mkdir()
+    trainer_file = root / "data" / "checkpoints" / "ppo" / ppo.STATE / "trainer.pt"
+    torch.save(torch.load(trainer_file, weights_only=True) | {"zero_stage": 3}, trainer_file)
     before = digests(root)
-    with pytest.raises(StageError, match=r"data/checkpoints/ppo/state-deepspeed: written by a run under DeepSpeed, "
-                                         r"this one runs without DeepSpeed; launch it as that run was to resume, or "
-                                         r"delete .*data/checkpoints/ppo to start fresh"):
+    with pytest.raises(StageError, match=r"data/checkpoints/ppo/state: written by a run under DeepSpeed ZeRO-3, this "
+                                         r"one runs without DeepSpeed; launch it as the checkpoint's run was to "
+                                         r"resume, or delete it to start fresh"):
         ppo.run(tiny_params, root)
     assert digests(root) == before
 

@@ -74,7 +74,7 @@ def test_an_edit_to_the_reward_code_starts_an_interrupted_run_afresh(tiny_run, t
     shutil.copytree(tiny_run, root)
     monkeypatch.setattr(ppo, "discard", lambda directory: None)  # as if killed after publishing
     ppo.run(params, root)
-    assert (root / PPO_CHECKPOINTS / "state.pt").exists()
+    assert (root / PPO_CHECKPOINTS / ppo.STATE).exists()
 
     module.write_text("def score(texts):\n    return [float(len(t) % 5) for t in texts]\n")
     monkeypatch.delitem(__import__("sys").modules, "editable_reward")

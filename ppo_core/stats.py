@@ -1,0 +1,164 @@
+"""The statistics of a PPO step (TRL's legacy names), over the global batch when PPO runs in N processes.
+
+Pure functions of tensors and a process group (``ppo_core.distributed``: a :class:`~ppo_core.distributed.
+ProcessGroup`, or :class:`~ppo_core.distributed.SingleProcess` alone, where every gather returns its input).
+Sample and token statistics and histograms are computed over every process's samples (process 0's first); the
+training statistics of the mini-batches are per-process shares (see ``PPOTrainer.loss``) that
+:func:`mean_over_processes` averages into the global values.
+
+Notation: ``B`` samples per process, ``R`` the longest response, ``N`` processes, ``n_p`` valid tokens on
+process ``p``; ``mask`` ``(B, R)``, 1 = response token that counts.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Iterable
+
+import torch
+
+from .core import masked_mean, masked_var
+from .distributed import gather_ragged, mean_across
+from .ppo_math import PolicyLoss, ValueLoss, token_mean
+
+
+def _common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The floating dtype every one of ``tensors`` converts to exactly (float32 at least): one collective for all."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
+
+
+def gather_samples(group, *per_sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(B,)`` tensors of this process -> ``(N * B,)`` float32 of the global batch, in one collective; alone, the
+    tensors as given (stacked and split again they would be strided views, and a mean over a strided view may
+    round differently: the one-process numbers must not move)."""
+    if group.num_processes == 1:
+        return per_sample
+    stacked = torch.stack([x.to(group.device).float() for x in per_sample], dim=-1)  # (B, k)
+    return group.gather(stacked).unbind(-1)
+
+
+def gather_tokens(group, *per_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(n_p,)`` tensors (this process's valid tokens) -> ``(n,)`` of the global batch, each in its own dtype."""
+    dtype = _common_dtype(per_token)
+    gathered = gather_ragged(torch.stack([x.to(dtype) for x in per_token]), group).unbind(0)  # k x (n,)
+    return tuple(g.to(x.dtype) for g, x in zip(gathered, per_token))
+
+
+def minibatch_stats(pg: PolicyLoss, vf: ValueLoss, vf_coef: float, mask: torch.Tensor, advantages: torch.Tensor,
+                    returns: torch.Tensor, vpreds: torch.Tensor, values: torch.Tensor, entropy: torch.Tensor | None,
+                    n_tokens: torch.Tensor | None, group) -> dict[str, torch.Tensor]:
+    """The legacy stats of one mini-batch's loss (0-d, names without ``ppo/``); call it without gradients.
+
+    Args:
+        pg, vf: the mini-batch's policy and value losses; ``vf_coef`` weighs the value loss in ``loss/total``.
+        mask: ``(b, R)`` 1 = response token that counts.
+        advantages, returns, vpreds, values, entropy: ``(b, R)``; ``entropy`` may be None (no ``policy/entropy``).
+        n_tokens: the token count the losses' means divide by (``distributed.tokens_per_process``): the token
+            means are this process's shares of the global mini-batch's (see ``PPOTrainer.loss``).
+        group: the run's processes; the variances are over the global mini-batch.
+    """
+    mean = lambda x: token_mean(x, mask, n_tokens)  # noqa: E731
+    var = lambda x: masked_var(x, mask, sum_across=group.sum_across)  # noqa: E731
+    stats = {
+        "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
+        "loss/total": (pg.loss + vf_coef * vf.loss).detach(),
+        "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
+        "policy/advantages_mean": mean(advantages), "policy/ratio_mean": pg.ratio_mean,
+        "returns/mean": mean(returns), "returns/var": var(returns),
+        "val/vpred": mean(vpreds), "val/error": mean((vpreds - returns) ** 2),
+        "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": var(values),
+    }
+    if entropy is not None:  # absent only when a caller passes neither logits nor entropy
+        stats["policy/entropy"] = mean(entropy)
+    return stats
+
+
+def non_finite_stat(stats: dict[str, torch.Tensor]) -> str | None:
+    """``"ppo/NAME (VALUE)"`` for the first of a mini-batch's ``stats`` with a non-finite element, or None."""
+    for key, value in stats.items():
+        if not bool(torch.isfinite(value).all()):
+            return f"ppo/{key} ({value.item() if value.numel() == 1 else value})"
+    return None
+
+
+def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+               non_score_reward: torch.Tensor, kls: torch.Tensor, masks: torch.Tensor, query_lens: torch.Tensor,
+               response_lens: torch.Tensor, advantages: torch.Tensor, train_stats: list[dict[str, torch.Tensor]],
+               mini_batch_size: int, group) -> dict[str, torch.Tensor]:
+    """The legacy stats dict of one step; every token statistic is masked.
+
+    Args:
+        kl_coef: the KL coefficient the step's rewards were shaped with.
+        scores: ``(B,)`` the scores after scaling and clipping.
+        logprobs, ref_logprobs, non_score_reward, kls, advantages: ``(B, R)``, response-aligned.
+        masks: ``(B, R)`` 1 = response token that counts.
+        query_lens, response_lens: ``(B,)`` float token counts.
+        train_stats: the stats of each mini-batch of the step, in order (see ``PPOTrainer.loss``), each with
+            ``policy/skipped`` (1.0 for a mini-batch the ratio threshold skipped).
+        mini_batch_size: samples per mini-batch, for the number of epochs run.
+        group: the run's processes (``ppo_core.distributed``).
+    """
+    batch_size, valid = len(scores), masks.bool()
+    kl_per_sample, entropy, scores, query_lens, response_lens = gather_samples(
+        group, (kls * masks).sum(-1), (-logprobs * masks).sum(-1), scores, query_lens, response_lens)
+    token_logprobs, token_ref_logprobs, token_advantages = gather_tokens(
+        group, logprobs[valid], ref_logprobs[valid], advantages[valid])
+    stats = {
+        "objective/kl": kl_per_sample.mean(), "objective/kl_dist": kl_per_sample,
+        "objective/logprobs": token_logprobs, "objective/ref_logprobs": token_ref_logprobs,
+        "objective/kl_coef": torch.tensor(kl_coef), "objective/entropy": entropy.mean(),
+        "ppo/mean_non_score_reward": masked_mean(non_score_reward, masks, sum_across=group.sum_across),
+        "ppo/mean_scores": scores.mean(), "ppo/std_scores": scores.std(),
+        "tokens/queries_len_mean": query_lens.mean(), "tokens/queries_len_std": query_lens.std(),
+        "tokens/queries_dist": query_lens,
+        "tokens/responses_len_mean": response_lens.mean(), "tokens/responses_len_std": response_lens.std(),
+        "tokens/responses_dist": response_lens,
+        "ppo/policy/advantages": token_advantages,
+    }
+    return stats | training_stats(train_stats, batch_size, mini_batch_size, group)
+
+
+def training_stats(train_stats: list[dict[str, torch.Tensor]], batch_size: int, mini_batch_size: int,
+                   group) -> dict[str, torch.Tensor]:
+    """The mini-batches' stats averaged over the step (``ppo/`` names), the per-mini-batch ratios over the processes,
+    the skipped mini-batches and the epochs run; ``batch_size`` samples per process."""
+    stats = {f"ppo/{key}": torch.stack([s[key] for s in train_stats]).float().mean()
+             for key in train_stats[0] if key != "policy/skipped"}
+    ratios = torch.stack([s["policy/ratio_mean"] for s in train_stats]).float()
+    stats["ppo/policy/ratio"] = mean_across(ratios, group)
+    stats["ppo/policy/skipped_minibatches"] = torch.stack([s["policy/skipped"] for s in train_stats]).sum()
+    stats["ppo/epochs"] = torch.tensor(len(train_stats) / math.ceil(batch_size / mini_batch_size))
+    # linear in the per-process val/error share (returns/var is global), so its mean over processes is global
+    stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+    return stats
+
+
+def mean_over_processes(stats: dict[str, Any], group) -> dict[str, Any]:
+    """Average the 0-d tensor stats over processes (in one collective); other values are kept as they are.
+
+    The 0-d stats of a step are either already global (identical on every process) or per-process shares
+    whose mean over processes is the one-process value over the global batch: sample means over the
+    equal per-process batches, and token means divided by the global token count over N (see ``PPOTrainer.loss``).
+    Each comes back in its own floating dtype (an integer one as float32).
+    """
+    keys = [key for key, value in stats.items() if isinstance(value, torch.Tensor) and value.ndim == 0]
+    out = dict(stats)
+    if keys:
+        dtype = _common_dtype(stats[key] for key in keys)
+        values = torch.stack([stats[key].detach().to(group.device, dtype) for key in keys])  # (k,)
+        means = mean_across(values, group).unbind()
+        out.update({key: mean.to(torch.promote_types(stats[key].dtype, torch.float32))
+                    for key, mean in zip(keys, means)})
+    return out
+
+
+def reward_stats(rewards, group) -> dict[str, Any]:
+    """``env/reward_mean|std|dist`` of the raw rewards of every process (``log_stats``): a list of scalars or a
+    ``(B,)`` tensor per process."""
+    if isinstance(rewards, list):
+        rewards = torch.stack([torch.as_tensor(r).float().reshape(()) for r in rewards])
+    rewards = group.gather(torch.as_tensor(rewards).float().to(group.device)).flatten().cpu()
+    return {"env/reward_mean": rewards.mean().item(),
+            "env/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+            "env/reward_dist": rewards.numpy()}
