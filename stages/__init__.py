@@ -10,7 +10,3 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # about 10% slower than spinning on an idle machine, 5-8x faster when another busy process shares the cores
 # (spinning threads wait on descheduled peers). Read when torch loads OpenMP, so set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from stages import numerics  # noqa: E402 - the float kernels' environment, also read when torch loads
-
-numerics.pin()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import stages  # noqa: F401 - first, before torch: the stages' environment (offline, OpenMP, pinned MKL) for the tests too
+import stages  # noqa: F401 - first, before torch: the stages' environment (offline, OpenMP) for the tests too
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # never download, whatever the caller's environment says
 os.environ.setdefault("TQDM_DISABLE", "1")  # quiet progress bars (tqdm reads TQDM_* as defaults)

@@ -6,7 +6,7 @@ produces, so `git status` stays clean, `dvc status` has nothing to do, and `dvc 
 experiments with real baseline metrics. What is hashed must be the same on every machine the guarantee covers
 (README, "Same inputs, same bytes"): the code, params and commands everywhere; the data prepare and tokenize write
 (no floating point) everywhere; the trained models and everything after them where the floating-point kernels are
-those the lock was written with (`stages.numerics.covered`); elsewhere the test prints which stages' outputs differ.
+those the lock was written with (`stages.numerics.LOCK_KERNELS`); elsewhere it warns which stages' outputs differ.
 """
 
 from __future__ import annotations
@@ -91,5 +91,5 @@ def test_a_fresh_run_reproduces_the_committed_lock(clone):
     else:  # not covered: say what differs, as evidence for the README's statement
         different = [s for s in committed["stages"]
                      if lock_entries(produced, s)["outs"] != lock_entries(committed, s)["outs"]]
-        warnings.warn(f"{cpu} ({kernels}) is not covered by the lock's guarantee; stages whose outputs differ: "
-                      f"{different}")
+        warnings.warn(f"{cpu} ({kernels}) computes with other float kernels than the committed lock's "
+                      f"({numerics.LOCK_KERNELS}); stages whose outputs differ: {different}")
