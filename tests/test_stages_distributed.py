@@ -54,7 +54,7 @@ def launch_stage(stage: str, params: Path, cwd: Path, timeout: float = 300,
 # every 2 steps (a killed run resumes mid-way)
 PPO_CHANGES = dict(ppo__batch_size=4, ppo__mini_batch_size=2, ppo__steps=16, checkpoint__ppo_every=2)
 PPO_STEPS = 4
-NOT_COMPARED = ("data/ppo/timings.csv", "data/checkpoints/")  # wall-clock times; the trainer's own state
+NOT_COMPARED = ("data/logs/", "data/checkpoints/")  # wall-clock times; the state of a run in progress
 
 
 def ppo_project(tiny_run: Path, root: Path) -> tuple[Path, Path]:
@@ -119,9 +119,7 @@ def test_ppo_stage_under_deepspeed_matches_ddp(config, ppo_run):
     for name, weight in policy.items():
         assert weight.numel() > 0 and weight.shape == reference[name].shape, name
         torch.testing.assert_close(weight, reference[name], **WEIGHTS_TOL, msg=name)
-    state = root / "data" / "checkpoints" / "ppo" / STATE  # one layout: trainer.pt beside DeepSpeed's engine/
-    assert sorted(p.name for p in state.iterdir()) == ["engine", "trainer.pt"] and (state / "engine").is_dir()
-    assert (state / "engine" / "shards").is_dir() and not (state / "engine" / "state.pt").exists()  # DeepSpeed's own
+    assert not (root / "data" / "checkpoints").exists()  # the finished run deleted its state
     assert not list(root.rglob(".*tmp-*"))
 
 
@@ -144,11 +142,16 @@ def test_ppo_stage_under_deepspeed_killed_and_rerun_equals_uninterrupted(config,
     launching.kill_tree(proc)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL, f"the stage ended before the kill {where}"
+    state = root / "data" / "checkpoints" / "ppo" / STATE  # absent if killed after the run published and deleted it
+    if state.exists():  # one layout: trainer.pt beside the engine's state, here DeepSpeed's own checkpoint
+        assert sorted(p.name for p in state.iterdir()) == ["engine", "trainer.pt"], where
+        assert (state / "engine" / "shards").is_dir() and not (state / "engine" / "state.pt").exists(), where
 
+    interrupted = state.exists()
     remove_outputs_as_dvc_does(root, "ppo")
     code, output = launch_stage("ppo", params, root, config=config)
     assert code == 0, output[-3000:]
-    assert f"note: ppo: resuming from data/checkpoints/ppo/{STATE} at step" in output, where
+    assert (f"note: ppo: resuming from data/checkpoints/ppo/{STATE} at step" in output) == interrupted, where
     assert digests(root, NOT_COMPARED) == digests(whole, NOT_COMPARED), where
     assert not list(root.rglob(".*tmp-*")), "a killed writer's temporary file was left behind"
 
@@ -176,8 +179,7 @@ def test_a_scorer_failing_on_one_process_ends_both(tiny_run, tmp_path):
         "    return [math.nan if os.environ['RANK'] == '1' else 1.0 for _ in texts]\n")
     params = params_file(tmp_path, ppo__batch_size=4, ppo__mini_batch_size=2, ppo__steps=8, scorer__source="callable",
                          scorer__name="rank_scorer:score")
-    start = time.monotonic()
-    code, output = launch_stage("ppo", params, root, timeout=180)
-    assert code != 0 and time.monotonic() - start < 120
+    code, output = launch_stage("ppo", params, root, timeout=180)  # a hang fails the test at the timeout
+    assert code != 0
     assert "error: ppo: PPO step 1: scorer (callable rank_scorer:score) returned nan for text 0" in output
     assert not (root / PPO_MODEL).exists()
