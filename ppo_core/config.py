@@ -1,16 +1,16 @@
 """``PPOConfig``: every field of the legacy ``trl.PPOConfig``, same names and defaults, validated.
 
-Validation happens on construction, so a bad value fails before any model is loaded:
-an unknown key, a wrong type, a non-positive size or rate, or a ``batch_size`` that
-``mini_batch_size * gradient_accumulation_steps`` does not divide raises ``ValueError`` naming the
-field and the fix. Values read from YAML are accepted as the YAML loader gives them: PyYAML reads
-``1e-5`` as the *string* ``"1e-5"``, so numeric fields accept numeric strings (and nothing else).
+Validation happens on construction, so a bad value fails before any model is loaded: an unknown key, a wrong
+type, a non-positive size or rate, or a ``batch_size`` that ``mini_batch_size * gradient_accumulation_steps``
+does not divide raises a ``ValueError`` (:class:`~ppo_core.fields.ConfigError`) naming the field and what it must
+be, worded as the pipeline's params loader words it (``ppo_core.fields``). Values read from YAML are accepted as
+the YAML loader gives them: PyYAML reads ``1e-5`` as the *string* ``"1e-5"``, so numeric fields accept numeric
+strings (and nothing else).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import os
@@ -20,7 +20,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from .ppo_math import KL_PENALTIES
+from .fields import ConfigError, check_keys, check_range, checked
+
+# Fields derived from the others (on construction) or from the run (by the trainer), and what from: kept for the
+# legacy API, which lets a caller pass them (and overwrites them); a params file must not set them.
+DERIVED = {"world_size": "the number of processes", "global_batch_size": "batch_size * the number of processes",
+           "backward_batch_size": "mini_batch_size * gradient_accumulation_steps",
+           "global_backward_batch_size": "backward_batch_size * the number of processes",
+           "is_encoder_decoder": "the model", "is_peft_model": "the model"}
 
 
 def _default_exp_name() -> str:
@@ -66,7 +73,7 @@ class PPOConfig:
     """adaptive KL controller (Ziegler et al.) instead of a fixed coefficient"""
     init_kl_coef: Optional[float] = 0.2
     """initial KL penalty coefficient (beta)"""
-    kl_penalty: Literal["kl", "abs", "mse", "full"] = "kl"
+    kl_penalty: Literal["kl", "abs", "mse", "full"] = "kl"  # ppo_math.KL_PENALTIES
     """per-token KL estimate: 'kl' (logp - ref), 'abs', 'mse' (0.5 * diff^2) or 'full' (whole distribution)"""
     target: Optional[float] = 6
     """target KL of the adaptive controller"""
@@ -135,7 +142,7 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _HINTS[f.name]))
+            setattr(self, f.name, checked(getattr(self, f.name), _HINTS[f.name], f.name))
         if self.forward_batch_size is not None:
             warnings.warn("PPOConfig: forward_batch_size is deprecated; use mini_batch_size (overriding it now).",
                           FutureWarning, stacklevel=3)
@@ -146,12 +153,9 @@ class PPOConfig:
             self.optimize_device_cache = self.optimize_cuda_cache
         _check_ranges(self)
         self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
-        if self.batch_size % self.backward_batch_size:
-            raise ValueError(
-                f"PPOConfig.batch_size ({self.batch_size}) must be a multiple of mini_batch_size * "
-                f"gradient_accumulation_steps ({self.mini_batch_size} * {self.gradient_accumulation_steps} = "
-                f"{self.backward_batch_size}); change batch_size or mini_batch_size."
-            )
+        check_range("batch_size", self.batch_size, f"a multiple of mini_batch_size * gradient_accumulation_steps "
+                    f"({self.mini_batch_size} * {self.gradient_accumulation_steps} = {self.backward_batch_size})",
+                    self.batch_size % self.backward_batch_size == 0, "change batch_size or mini_batch_size")
         self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
 
     @classmethod
@@ -170,16 +174,11 @@ _FIELD_NAMES = [f.name for f in dataclasses.fields(PPOConfig)]
 
 
 def _reject_unknown_keys(init):
-    """Make ``PPOConfig(unknown=...)`` a ValueError with a suggestion, not a bare TypeError."""
+    """Make ``PPOConfig(unknown=...)`` a ConfigError with a suggestion, not a bare TypeError."""
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
-        unknown = [k for k in kwargs if k not in _FIELD_NAMES]
-        if unknown:
-            key = unknown[0]
-            close = difflib.get_close_matches(key, _FIELD_NAMES, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else "remove it (see PPOConfig's fields)."
-            raise ValueError(f"PPOConfig: unknown key '{key}'; {hint}")
+        check_keys(kwargs, _FIELD_NAMES)
         init(self, *args, **kwargs)
 
     return checked_init
@@ -188,53 +187,7 @@ def _reject_unknown_keys(init):
 PPOConfig.__init__ = _reject_unknown_keys(PPOConfig.__init__)
 
 
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against the annotation ``hint``; convert numeric strings; else ValueError."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(name, value, inner[0])
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"PPOConfig.{name}: {value!r} is not one of {list(args)}.")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"PPOConfig.{name}: expected true or false, got {value!r}.")
-        return value
-    if hint in (int, float):
-        return _number(name, value, hint)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"PPOConfig.{name}: expected a string, got {value!r}.")
-        return value
-    if hint is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"PPOConfig.{name}: expected a mapping, got {value!r}.")
-        return value
-    raise TypeError(f"PPOConfig.{name}: unsupported annotation {hint!r}")  # a bug in this file, not user input
-
-
-def _number(name: str, value: Any, kind: type) -> int | float:
-    kind_name = "an integer" if kind is int else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"PPOConfig.{name}: expected {kind_name}, got {value!r}.")
-    try:
-        number = float(value) if isinstance(value, str) else value
-    except ValueError:
-        raise ValueError(f"PPOConfig.{name}: expected {kind_name}, got the string {value!r}.") from None
-    if not math.isfinite(number):
-        raise ValueError(f"PPOConfig.{name}: expected a finite number, got {value!r}.")
-    if kind is int:
-        if float(number) != int(number):
-            raise ValueError(f"PPOConfig.{name}: expected an integer, got {value!r}.")
-        return int(number)
-    return float(number)
-
-
-# (field, lower bound, inclusive?) checks; None values (optional fields) are skipped.
+# (field, lower bound) checks; None values (optional fields) are skipped.
 _POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
              "cliprange", "cliprange_value", "target_kl", "compare_steps", "ratio_threshold", "max_grad_norm",
              "score_clip", "target", "horizon", "world_size", "dataset_num_proc"]
@@ -245,18 +198,14 @@ _UNIT_INTERVAL = ["gamma", "lam"]
 def _check_ranges(config: PPOConfig) -> None:
     for name in _POSITIVE:
         value = getattr(config, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"PPOConfig.{name}: must be > 0, got {value}.")
+        check_range(name, value, "> 0", value is None or value > 0)
     for name in _NON_NEGATIVE:
         value = getattr(config, name)
-        if value is not None and value < 0:
-            raise ValueError(f"PPOConfig.{name}: must be >= 0, got {value}.")
+        check_range(name, value, ">= 0", value is None or value >= 0)
     for name in _UNIT_INTERVAL:
         value = getattr(config, name)
-        if not 0 <= value <= 1:
-            raise ValueError(f"PPOConfig.{name}: must be in [0, 1], got {value}.")
-    if config.init_kl_coef is None:
-        raise ValueError("PPOConfig.init_kl_coef: must be a number >= 0 (use 0 to disable the KL penalty).")
-    if config.adap_kl_ctrl and (config.target is None or config.horizon is None):
-        raise ValueError("PPOConfig: the adaptive KL controller needs target and horizon; set them or adap_kl_ctrl: false.")
-    assert config.kl_penalty in KL_PENALTIES
+        check_range(name, value, "in [0, 1]", 0 <= value <= 1)
+    check_range("init_kl_coef", None, "a number >= 0 (0 disables the KL penalty)", config.init_kl_coef is not None)
+    for name in ("target", "horizon"):
+        check_range(name, None, "set for the adaptive KL controller (or adap_kl_ctrl: false)",
+                    not config.adap_kl_ctrl or getattr(config, name) is not None)

@@ -1,27 +1,27 @@
 """Typed params: one frozen dataclass per section of params.yaml, loaded strictly.
 
 Each field is documented once, here, and params.yaml mirrors these sections key for key. Loading rejects
-unknown keys, missing keys and wrong types with a message naming the key and the file. Float fields also take
-numeric strings ("2e-05"): `dvc exp run -S` writes small floats that way. The file is read as YAML 1.2
-(ruamel.yaml), so `2e-05` is a float and `yes` is a string.
+unknown keys, missing keys, wrong types and out-of-range values with one line naming the file and the key, worded
+as PPOConfig words its own problems (one checker, `ppo_core.fields`). Float fields also take numeric strings
+("2e-05"): `dvc exp run -S` writes small floats that way. The file is read as YAML 1.2 (ruamel.yaml), so `2e-05`
+is a float and `yes` is a string.
 
-The `ppo` section is ppo_core's `PPOConfig`, field for field; `ppo_config()` builds it, and PPOConfig itself
-checks the names and types (its defaults fill keys left out). Every stage's load checks it, so a typo there
-stops `dvc repro` at its first stage.
+The `ppo` section is ppo_core's `PPOConfig`, field for field but for the fields it derives (refused here);
+`ppo_config()` builds it, and PPOConfig checks the names, types and ranges (its defaults fill keys left out).
+Every stage's load checks it, so a typo there stops `dvc repro` at its first stage.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
+
+from ppo_core.fields import ConfigError, check_keys, check_range, checked
 
 from stages.common import ParamsError
 
@@ -137,7 +137,7 @@ class TokenizeParams:
 
 @dataclass(frozen=True)
 class ScorerParams:
-    source: str
+    source: Literal["reward_model", "pipeline", "callable"]
     """Reward source of the ppo stage: "reward_model" (data/models/reward), "pipeline" or "callable"."""
     name: str | None
     """pipeline: a text-classification model id or path; callable: "module:function" (list[str] -> list[float])."""
@@ -185,7 +185,7 @@ class CheckpointParams:
     """ppo: save the whole PPO state every N `step()` calls (and after the last one); 0: no checkpoints."""
     trainer_every: int
     """sft, reward: save a transformers.Trainer checkpoint every N optimiser steps; 0: no checkpoints."""
-    on_mismatch: str
+    on_mismatch: Literal["restart", "stop"]
     """A checkpoint written with other params or inputs: "restart" (say so, discard it) or "stop" (exit 2)."""
 
 
@@ -202,8 +202,6 @@ SECTIONS: dict[str, type] = {
     "evaluate": EvaluateParams,
     "checkpoint": CheckpointParams,
 }
-SCORER_SOURCES = ("reward_model", "pipeline", "callable")
-ON_MISMATCH = ("restart", "stop")
 
 
 @dataclass(frozen=True)
@@ -236,10 +234,12 @@ def load_params(path: str | Path) -> Params:
         raise ParamsError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
-    _check_keys(raw, SECTIONS, "", path)
-    values = {name: _convert(raw[name], tp, name, path) for name, tp in SECTIONS.items()}
-    params = Params(path=path, **values)
-    _check_values(params)
+    try:
+        check_keys(raw, SECTIONS, required=True)
+        params = Params(path=path, **{name: checked(raw[name], tp, name) for name, tp in SECTIONS.items()})
+        _check_values(params)
+    except ConfigError as err:
+        raise ParamsError(f"{path}: {err.message('')}") from None
     with warnings.catch_warnings():  # deprecation warnings come again when the ppo stage builds its config
         warnings.simplefilter("ignore")
         ppo_config(params)  # every stage checks the ppo section: a typo there fails at once, not after sft
@@ -247,72 +247,24 @@ def load_params(path: str | Path) -> Params:
 
 
 def ppo_config(params: Params):
-    """Build ppo_core.PPOConfig from the `ppo` section; `ppo.seed: null` means the run's top-level seed."""
-    from ppo_core import PPOConfig
+    """Build ppo_core.PPOConfig from the `ppo` section; `ppo.seed: null` means the run's top-level seed. The fields
+    PPOConfig derives (`DERIVED`) are refused: the trainer would overwrite them."""
+    from ppo_core.config import DERIVED, PPOConfig
 
+    derived = next((key for key in params.ppo if key in DERIVED), None)
+    if derived is not None:
+        raise ParamsError(f"{params.path}: ppo.{derived} is derived ({DERIVED[derived]}), not set; remove it")
     kwargs = dict(params.ppo)
     if kwargs.get("seed") is None:
         kwargs["seed"] = params.seed
     try:
         return PPOConfig(**kwargs)
-    except (TypeError, ValueError) as err:
-        raise ParamsError(f"{params.path}: ppo: {err}") from None
-
-
-def _check_keys(raw: dict, expected: typing.Iterable[str], prefix: str, path: Path) -> None:
-    expected = list(expected)
-    unknown = [key for key in raw if key not in expected]
-    missing = [key for key in expected if key not in raw]
-    if unknown:
-        raise ParamsError(f"{path}: unknown key '{prefix}{unknown[0]}'; the keys of this section are {expected}")
-    if missing:
-        raise ParamsError(f"{path}: missing key '{prefix}{missing[0]}'")
-
-
-def _convert(value: Any, tp: Any, key: str, path: Path) -> Any:
-    """Check `value` against the annotation `tp` and return it converted (ints and numeric strings to float)."""
-
-    def wrong(expected: str) -> ParamsError:
-        return ParamsError(f"{path}: {key} must be {expected}, got {value!r} ({type(value).__name__})")
-
-    if isinstance(tp, types.UnionType):  # X | None
-        if value is None:
-            return None
-        (tp,) = [arg for arg in typing.get_args(tp) if arg is not type(None)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise wrong("a mapping")
-        hints = typing.get_type_hints(tp)
-        _check_keys(value, hints, f"{key}.", path)
-        return tp(**{name: _convert(value[name], hints[name], f"{key}.{name}", path) for name in hints})
-    if typing.get_origin(tp) is list:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise wrong("a list of strings")
-        return list(value)
-    if typing.get_origin(tp) is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise wrong("a mapping")
-        if tp is not dict and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            raise wrong("a mapping of strings to strings")
-        return dict(value)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise wrong("a number")
-    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise wrong("an integer")
-    if tp in (str, bool) and not isinstance(value, tp):
-        raise wrong("a string" if tp is str else "true or false")
-    return value
+    except ConfigError as err:
+        raise ParamsError(f"{params.path}: {err.message('ppo.')}") from None
 
 
 def _check_values(p: Params) -> None:
-    """Range and cross-section checks, done once at load."""
+    """Range and cross-section checks, done once at load (a ConfigError names the first that fails)."""
     positive = {
         "model.vocab_size": p.model.vocab_size, "model.n_layer": p.model.n_layer, "model.n_head": p.model.n_head,
         "model.n_embd": p.model.n_embd, "model.n_positions": p.model.n_positions,
@@ -324,36 +276,39 @@ def _check_values(p: Params) -> None:
         "generation.max_new_tokens": p.generation.max_new_tokens, "evaluate.batch_size": p.evaluate.batch_size,
     }
     for key, value in positive.items():
-        if not value > 0:
-            raise ParamsError(f"{p.path}: {key} must be > 0, got {value}")
-    checks = [
-        (p.data.n_eval_prompts >= 1, "data.n_eval_prompts", "at least 1"),
-        (all(s.n is None or s.n >= 1 for s in (p.data.sft, p.data.pairs, p.data.prompts)), "data.*.n", "null or >= 1"),
-        (0 < p.sft.eval_fraction < 1, "sft.eval_fraction", "in (0, 1)"),
-        (0 < p.reward.eval_fraction < 1, "reward.eval_fraction", "in (0, 1)"),
-        (0 <= p.sft.warmup_ratio < 1, "sft.warmup_ratio", "in [0, 1)"),
-        (0 <= p.reward.warmup_ratio < 1, "reward.warmup_ratio", "in [0, 1)"),
-        (p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens, "tokenize.min_query_tokens",
-         "<= tokenize.max_query_tokens"),
-        (p.scorer.source in SCORER_SOURCES, "scorer.source", f"one of {SCORER_SOURCES}"),
-        (p.scorer.source == "reward_model" or bool(p.scorer.name), "scorer.name", "set for this scorer.source"),
-        (p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1, "evaluate.n_prompts", "null or >= 1"),
-        (p.model.lora is None or p.model.lora.r >= 1, "model.lora.r", ">= 1"),
-        (p.model.lora is None or p.model.lora.alpha > 0, "model.lora.alpha", "> 0"),
-        (p.model.lora is None or 0 <= p.model.lora.dropout < 1, "model.lora.dropout", "in [0, 1)"),
-        (p.checkpoint.ppo_every >= 0, "checkpoint.ppo_every", ">= 0 (0: no checkpoints)"),
-        (p.checkpoint.trainer_every >= 0, "checkpoint.trainer_every", ">= 0 (0: no checkpoints)"),
-        (p.checkpoint.on_mismatch in ON_MISMATCH, "checkpoint.on_mismatch", f"one of {ON_MISMATCH}"),
+        check_range(key, value, "> 0", value > 0)
+    lora = p.model.lora
+    checks = [  # (key, value, what it must be, whether it is)
+        ("data.n_eval_prompts", p.data.n_eval_prompts, ">= 1", p.data.n_eval_prompts >= 1),
+        *((f"data.{name}.n", spec.n, "null or >= 1", spec.n is None or spec.n >= 1)
+          for name, spec in (("sft", p.data.sft), ("pairs", p.data.pairs), ("prompts", p.data.prompts))),
+        ("sft.eval_fraction", p.sft.eval_fraction, "in (0, 1)", 0 < p.sft.eval_fraction < 1),
+        ("reward.eval_fraction", p.reward.eval_fraction, "in (0, 1)", 0 < p.reward.eval_fraction < 1),
+        ("sft.warmup_ratio", p.sft.warmup_ratio, "in [0, 1)", 0 <= p.sft.warmup_ratio < 1),
+        ("reward.warmup_ratio", p.reward.warmup_ratio, "in [0, 1)", 0 <= p.reward.warmup_ratio < 1),
+        ("tokenize.min_query_tokens", p.tokenize.min_query_tokens, "<= tokenize.max_query_tokens",
+         p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens),
+        ("scorer.name", p.scorer.name, f"set for scorer.source {p.scorer.source}",
+         p.scorer.source == "reward_model" or bool(p.scorer.name)),
+        ("evaluate.n_prompts", p.evaluate.n_prompts, "null or >= 1", p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1),
+        ("model.lora.r", lora and lora.r, ">= 1", lora is None or lora.r >= 1),
+        ("model.lora.alpha", lora and lora.alpha, "> 0", lora is None or lora.alpha > 0),
+        ("model.lora.dropout", lora and lora.dropout, "in [0, 1)", lora is None or 0 <= lora.dropout < 1),
+        ("checkpoint.ppo_every", p.checkpoint.ppo_every, ">= 0 (0: no checkpoints)", p.checkpoint.ppo_every >= 0),
+        ("checkpoint.trainer_every", p.checkpoint.trainer_every, ">= 0 (0: no checkpoints)",
+         p.checkpoint.trainer_every >= 0),
     ]
     if p.model.name_or_path is None:
-        longest = p.tokenize.max_query_tokens + p.generation.max_new_tokens
+        n_positions = p.model.n_positions
         checks += [
-            (p.model.n_embd % p.model.n_head == 0, "model.n_embd", "a multiple of model.n_head"),
-            (p.sft.max_length <= p.model.n_positions, "sft.max_length", "<= model.n_positions"),
-            (p.reward.max_length <= p.model.n_positions, "reward.max_length", "<= model.n_positions"),
-            (longest <= p.model.n_positions, "generation.max_new_tokens",
-             "<= model.n_positions - tokenize.max_query_tokens"),
+            ("model.n_embd", p.model.n_embd, "a multiple of model.n_head", p.model.n_embd % p.model.n_head == 0),
+            ("sft.max_length", p.sft.max_length, f"<= model.n_positions ({n_positions})",
+             p.sft.max_length <= n_positions),
+            ("reward.max_length", p.reward.max_length, f"<= model.n_positions ({n_positions})",
+             p.reward.max_length <= n_positions),
+            ("generation.max_new_tokens", p.generation.max_new_tokens,
+             f"<= model.n_positions - tokenize.max_query_tokens ({n_positions - p.tokenize.max_query_tokens})",
+             p.tokenize.max_query_tokens + p.generation.max_new_tokens <= n_positions),
         ]
-    for ok, key, expected in checks:
-        if not ok:
-            raise ParamsError(f"{p.path}: {key} must be {expected}")
+    for key, value, expected, ok in checks:
+        check_range(key, value, expected, ok)

@@ -55,14 +55,14 @@ def test_mutable_defaults_are_not_shared_between_instances():
 @pytest.mark.parametrize("key,suggestion", [("learning_rat", "learning_rate"), ("batchsize", "batch_size"),
                                             ("mini_batch", "mini_batch_size")])
 def test_unknown_key_is_named_with_a_close_match(key, suggestion):
-    with pytest.raises(ValueError, match=rf"'{key}'.*'{suggestion}'"):
+    with pytest.raises(ValueError, match=rf"^unknown key 'PPOConfig\.{key}'; did you mean 'PPOConfig\.{suggestion}'\?$"):
         PPOConfig(**{key: 1})
-    with pytest.raises(ValueError, match=rf"'{key}'"):
+    with pytest.raises(ValueError, match=rf"unknown key 'PPOConfig\.{key}'"):
         PPOConfig.from_dict({"batch_size": 8, "mini_batch_size": 8, key: 1})
 
 
 def test_unknown_key_without_a_close_match_is_still_named():
-    with pytest.raises(ValueError, match="'zzzz'"):
+    with pytest.raises(ValueError, match=r"^unknown key 'PPOConfig\.zzzz'; the keys here are \['exp_name', 'seed', "):
         PPOConfig(zzzz=1)
 
 
@@ -114,10 +114,10 @@ def test_non_positive_sizes_and_rates_are_rejected(name, value):
 
 
 def test_batch_size_must_divide_by_the_backward_batch():
-    with pytest.raises(ValueError, match=r"batch_size \(10\).*mini_batch_size") as info:
+    with pytest.raises(ValueError, match=r"^PPOConfig\.batch_size must be a multiple of mini_batch_size \* "
+                                         r"gradient_accumulation_steps \(4 \* 1 = 4\), got 10; change batch_size"):
         PPOConfig(batch_size=10, mini_batch_size=4)
-    assert "gradient_accumulation_steps" in str(info.value)
-    with pytest.raises(ValueError, match=r"batch_size \(8\).*mini_batch_size"):
+    with pytest.raises(ValueError, match=r"\(4 \* 3 = 12\), got 8; change batch_size or mini_batch_size$"):
         PPOConfig(batch_size=8, mini_batch_size=4, gradient_accumulation_steps=3)
     config = PPOConfig(batch_size=8, mini_batch_size=2, gradient_accumulation_steps=2)
     assert config.backward_batch_size == 4
@@ -161,3 +161,27 @@ def test_defaults_raise_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         PPOConfig()
+
+
+def test_kl_penalty_choices_are_the_math_layer_s():
+    """config.py does not import the math layer (validating params must not execute it); the two lists agree."""
+    import typing
+
+    from ppo_core.ppo_math import KL_PENALTIES
+
+    assert typing.get_args(typing.get_type_hints(PPOConfig)["kl_penalty"]) == KL_PENALTIES
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"learning_rate": "fast"}, "PPOConfig.learning_rate must be a number, got 'fast' (str)"),
+    ({"ppo_epochs": 2.5}, "PPOConfig.ppo_epochs must be an integer, got 2.5 (float)"),
+    ({"kl_penalty": "kll"}, "PPOConfig.kl_penalty must be one of ['kl', 'abs', 'mse', 'full'], got 'kll' (str)"),
+    ({"gamma": 1.5}, "PPOConfig.gamma must be in [0, 1], got 1.5"),
+    ({"vf_coef": -1}, "PPOConfig.vf_coef must be >= 0, got -1.0"),
+    ({"early_stopping": "yes"}, "PPOConfig.early_stopping must be true or false, got 'yes' (str)"),
+    ({"steps": "{steps}"}, "PPOConfig.steps must be an integer, got '{steps}' (str)"),  # braces are no template
+])
+def test_one_wording_for_every_problem(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        PPOConfig(**kwargs)
+    assert str(info.value) == message

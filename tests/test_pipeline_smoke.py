@@ -140,9 +140,9 @@ def test_a_failing_stage_says_how_to_restore_its_outputs(repo):
         result = dvc("repro", cwd=repo, check=False)
         assert result.returncode != 0
         error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-        assert error == ["error: ppo: params.yaml: ppo: PPOConfig.learning_rate: expected a number, got the string "
-                         "'fast'. (dvc removed this stage's outputs before running it: `dvc checkout ppo` restores "
-                         "the last ones)"], result.stderr[-2000:]
+        assert error == ["error: ppo: params.yaml: ppo.learning_rate must be a number, got 'fast' (str) (dvc removed "
+                         "this stage's outputs before running it: `dvc checkout ppo` restores the last ones)"], \
+            result.stderr[-2000:]
         assert not (repo / "data" / "models" / "ppo").exists()
         dvc("checkout", "ppo", cwd=repo)
         assert contents(repo, PPO_OUTPUTS) == before

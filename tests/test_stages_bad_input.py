@@ -73,7 +73,7 @@ def setup_long_prompts(root):
 # (id, stage, upstream artifacts, params changes, extra setup, message fragment after "error: <stage>: ")
 CASES = [
     ("unknown-key", "prepare", None, {"sft.learnin_rate": 0.1},
-     None, "params.yaml: unknown key 'sft.learnin_rate'; the keys of this section are"),
+     None, "params.yaml: unknown key 'sft.learnin_rate'; did you mean 'sft.learning_rate'?"),
     ("wrong-type", "sft", "sft", {"sft.batch_size": "many"},
      None, "params.yaml: sft.batch_size must be an integer, got 'many' (str)"),
     ("not-a-number", "reward", None, {"reward.learning_rate": "fast"},
@@ -83,13 +83,14 @@ CASES = [
     ("negative-lr", "sft", "sft", {"sft.learning_rate": -0.001},
      None, "params.yaml: sft.learning_rate must be > 0, got -0.001"),
     ("ppo-typo-stops-the-first-stage", "prepare", None, {"ppo.learnin_rate": 1e-5},
-     None, "params.yaml: ppo: PPOConfig: unknown key 'learnin_rate'; did you mean 'learning_rate'?"),
+     None, "params.yaml: unknown key 'ppo.learnin_rate'; did you mean 'ppo.learning_rate'?"),
     ("zero-ppo-lr", "ppo", "ppo", {"ppo.learning_rate": 0},
-     None, "params.yaml: ppo: PPOConfig.learning_rate: must be > 0, got 0.0"),
+     None, "params.yaml: ppo.learning_rate must be > 0, got 0.0"),
     ("zero-ppo-size", "ppo", "ppo", {"ppo.mini_batch_size": 0},
-     None, "params.yaml: ppo: PPOConfig.mini_batch_size: must be > 0, got 0"),
+     None, "params.yaml: ppo.mini_batch_size must be > 0, got 0"),
     ("batch-does-not-divide", "ppo", "ppo", {"ppo.mini_batch_size": 3},
-     None, "params.yaml: ppo: PPOConfig.batch_size (8) must be a multiple of"),
+     None, "params.yaml: ppo.batch_size must be a multiple of mini_batch_size * gradient_accumulation_steps "
+           "(3 * 1 = 3), got 8"),
     ("dataset-missing", "prepare", None, {"data.sft.source": "missing.jsonl"},
      None, "missing.jsonl: file not found (data.sft.source)"),
     ("dataset-empty", "prepare", None, {"data.sft.source": "empty.jsonl"},

@@ -48,8 +48,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     params.write_text(TINY.read_text().replace("  n_eval_prompts: 8\n", "  n_eval_prompts: 8\n  n_eval_promts: 9\n"))
     result = run_module("prepare", "--params", str(params), cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: prepare: {params}: unknown key 'data.n_eval_promts'; the keys of this "
-                                     "section are ['sft', 'pairs', 'prompts', 'n_eval_prompts']")
+    assert result.stderr.strip() == (f"error: prepare: {params}: unknown key 'data.n_eval_promts'; did you mean "
+                                     "'data.n_eval_prompts'?")
     assert "Traceback" not in result.stderr
 
 

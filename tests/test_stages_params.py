@@ -33,11 +33,21 @@ def test_committed_params_load(path):
 
 @pytest.mark.parametrize("path", ["params.yaml", "tests/fixtures/params.tiny.yaml"])
 def test_ppo_section_is_ppoconfig_field_for_field(path):
-    from ppo_core import PPOConfig
+    """Every field a user sets, in PPOConfig's order: not the derived ones (refused) nor the deprecated aliases."""
+    from ppo_core.config import DERIVED, PPOConfig
 
     params = load_params(ROOT / path)
-    assert list(params.ppo) == [f.name for f in dataclasses.fields(PPOConfig)]
+    deprecated = {"forward_batch_size", "optimize_cuda_cache"}
+    assert list(params.ppo) == [f.name for f in dataclasses.fields(PPOConfig) if f.name not in {*DERIVED, *deprecated}]
     assert ppo_config(params).seed == params.seed  # ppo.seed: null -> the top-level seed
+
+
+@pytest.mark.parametrize("key", ["world_size", "global_batch_size", "backward_batch_size", "global_backward_batch_size",
+                                 "is_encoder_decoder", "is_peft_model"])
+def test_derived_ppo_fields_are_refused_saying_they_are_derived(tmp_path, key):
+    path = write_params(tmp_path, lambda p: p["ppo"].update({key: None}))
+    with pytest.raises(ParamsError, match=rf"params.yaml: ppo\.{key} is derived \(.+\), not set; remove it$"):
+        load_params(path)
 
 
 def test_sections_are_exactly_the_loader_sections():
@@ -90,7 +100,8 @@ def test_ranges_checked_at_load(tmp_path):
 
 def test_bad_ppo_field_is_a_params_error(tmp_path):
     path = write_params(tmp_path, lambda p: p["ppo"].update(learnig_rate=0.1))
-    with pytest.raises(ParamsError, match=r"params.yaml: ppo: .*learnig_rate"):
+    with pytest.raises(ParamsError, match=r"params.yaml: unknown key 'ppo.learnig_rate'; did you mean "
+                                          r"'ppo.learning_rate'\?$"):
         ppo_config(load_params(path))
 
 
