@@ -299,7 +299,8 @@ def add_common_args(parser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after warmup)")
     parser.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the median")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (match OMP_NUM_THREADS)")
-    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision: autocast over float32 weights (default fp32)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 mixed precision: autocast over float32 weights (default fp32)")
     parser.add_argument("--json", default=None, help="also write the result as JSON to this path")
     parser.add_argument("--serve", action="store_true", help="worker mode for compare.py (steps on request, see serve)")
 

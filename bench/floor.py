@@ -16,10 +16,9 @@ import argparse
 import copy
 import tempfile
 
+import common
 import torch
 from transformers import AutoModelForCausalLM
-
-import common
 
 
 def load_models(shape: str, setting: common.Setting, bf16: bool, dev: torch.device):

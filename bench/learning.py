@@ -1,9 +1,9 @@
 """Does bf16 mixed precision learn as well as fp32? The tiny rule-reward task, same seeds, side by side.
 
-The task of tests/test_core_learning.py: a random-init 2-layer GPT-2 (vocab 64, built locally) is rewarded
-with the number of times one token ("w7") appears in its 8-token response; batch 16, mini-batch 4,
-4 PPO epochs, lr 1e-3. Prints the mean score per block of 5 steps for each precision and seed, as a
-markdown table (a random policy scores about 0.13).
+The task of tests/test_core_learning.py: a random-init 2-layer GPT-2 (vocab 64, built here as tests/tiny.py builds
+it: bench/ imports nothing from tests/) is rewarded with the number of times one token ("w7") appears in its
+8-token response; batch 16, mini-batch 4, 4 PPO epochs, lr 1e-3. Prints the mean score per block of 5 steps for
+each precision and seed, as a markdown table (a random policy scores about 0.13).
 
     .venv/bin/python bench/learning.py                     # fp32 and bf16, seeds 0 1 2, 30 steps
     .venv/bin/python bench/learning.py --seeds 0 --steps 60
@@ -15,13 +15,39 @@ import sys
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ppo_core and tests.tiny from a plain checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ppo_core from a plain checkout
 
-from ppo_core import PPOConfig, PPOTrainer  # noqa: E402
-from tests.tiny import random_queries, tiny_tokenizer, tiny_value_model  # noqa: E402
+from ppo_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
 TARGET = 7  # the rewarded token
+VOCAB, SPECIALS = 64, ["<pad>", "<eos>", "<unk>"]  # the model and tokenizer of tests/tiny.py, built here too
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over ``w3 .. w63`` plus ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)} | {f"w{i}": i for i in range(len(SPECIALS), VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def tiny_value_model(seed: int) -> AutoModelForCausalLMWithValueHead:
+    """A random-init 2-layer GPT-2 (hidden 32) with a value head, both seeded."""
+    torch.manual_seed(seed)
+    lm = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB,
+                                    pad_token_id=0, eos_token_id=1, bos_token_id=1))
+    torch.manual_seed(seed + 1)
+    return AutoModelForCausalLMWithValueHead(lm)
+
+
+def random_queries(n: int, seed: int) -> list[torch.Tensor]:
+    """``n`` queries of 2 to 6 random non-special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 7, (n,), generator=g)
+    return [torch.randint(len(SPECIALS), VOCAB, (int(k),), generator=g) for k in lengths]
 
 
 def run(precision: str, seed: int, steps: int) -> list[float]:
@@ -29,7 +55,7 @@ def run(precision: str, seed: int, steps: int) -> list[float]:
     tokenizer = tiny_tokenizer()
     config = PPOConfig(batch_size=16, mini_batch_size=4, learning_rate=1e-3, ppo_epochs=4, seed=seed,
                        accelerator_kwargs={"mixed_precision": precision})
-    trainer = PPOTrainer(config, tiny_value_model("gpt2", seed=seed), tokenizer=tokenizer)
+    trainer = PPOTrainer(config, tiny_value_model(seed), tokenizer=tokenizer)
     kwargs = dict(max_new_tokens=8, do_sample=True, top_k=0, top_p=1.0, pad_token_id=tokenizer.eos_token_id)
     means = []
     for step in range(steps):

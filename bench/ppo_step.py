@@ -23,9 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 import common
+import torch
 
 # Stats both libraries report under TRL's names; kept per step as a sanity check that the impls agree.
 STAT_KEYS = ("objective/kl", "objective/kl_coef", "ppo/loss/total", "ppo/policy/approxkl", "ppo/policy/clipfrac")
@@ -157,7 +156,8 @@ def main() -> None:
     common.report(result, args.json)
     mem = result["memory"]
     print(f"  weights held (policy + reference) {mem['weights_mb']:.1f} MiB"
-          f"{'' if mem['has_ref_copy'] else ' (no reference copy)'}, optimizer state {mem['optimizer_state_mb']:.1f} MiB, "
+          f"{'' if mem['has_ref_copy'] else ' (no reference copy)'}, "
+          f"optimizer state {mem['optimizer_state_mb']:.1f} MiB, "
           f"{mem['trainable_params']:,} trainable parameters")
 
 

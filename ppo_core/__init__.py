@@ -21,8 +21,12 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .config import PPOConfig
     from .core import LengthSampler
-    from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead,
-                           PreTrainedModelWrapper, create_reference_model)
+    from .modeling import (
+        AutoModelForCausalLMWithValueHead,
+        AutoModelForSeq2SeqLMWithValueHead,
+        PreTrainedModelWrapper,
+        create_reference_model,
+    )
     from .trainer import PPOTrainer
     from .utils import set_seed
 

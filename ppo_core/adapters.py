@@ -41,8 +41,8 @@ def add_adapter(model, peft_config):
     """``get_peft_model(model, peft_config)``: a fresh adapter on a transformers model (base weights frozen)."""
     peft = require_peft("from_pretrained(..., peft_config=...)")
     if not isinstance(peft_config, peft.PeftConfig):
-        raise ValueError(f"from_pretrained: peft_config must be a peft.PeftConfig (e.g. LoraConfig(r=16, lora_alpha=16)), "
-                         f"got {type(peft_config).__name__}.")
+        raise ValueError("from_pretrained: peft_config must be a peft.PeftConfig (e.g. LoraConfig(r=16, "
+                         f"lora_alpha=16)), got {type(peft_config).__name__}.")
     if is_peft_model(model):
         raise ValueError("from_pretrained: the model already has a PEFT adapter; drop peft_config to train it, "
                          "or pass the base model to start a new adapter.")

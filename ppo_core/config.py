@@ -18,9 +18,9 @@ import sys
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
-from .fields import ConfigError, check_keys, check_range, checked
+from .fields import check_keys, check_range, checked
 
 # Fields derived from the others (on construction) or from the run (by the trainer), and what from: kept for the
 # legacy API, which lets a caller pass them (and overwrites them); a params file must not set them.
@@ -43,15 +43,15 @@ class PPOConfig:
     """the name of this experiment (by default the script's file name)"""
     seed: int = 0
     """seed of ``set_seed`` in the trainer and of its mini-batch shuffling (plus the process index under N processes)"""
-    log_with: Optional[Literal["wandb", "tensorboard", "dvclive", "comet_ml", "mlflow", "aim", "clearml"]] = None
+    log_with: Literal["wandb", "tensorboard", "dvclive", "comet_ml", "mlflow", "aim", "clearml"] | None = None
     """accelerate tracker to log to (requires the tracker's package)"""
-    task_name: Optional[str] = None
+    task_name: str | None = None
     """name of the task, for tracking only"""
-    model_name: Optional[str] = "gpt2"
+    model_name: str | None = "gpt2"
     """name of the model, for tracking only"""
-    query_dataset: Optional[str] = "imdb"
+    query_dataset: str | None = "imdb"
     """name of the dataset of queries, for tracking only"""
-    reward_model: Optional[str] = "sentiment-analysis:lvwerra/distilbert-imdb"
+    reward_model: str | None = "sentiment-analysis:lvwerra/distilbert-imdb"
     """the reward model, for tracking only"""
     remove_unused_columns: bool = True
     """drop dataset columns the model's forward does not take (``query``, ``response``, ``label`` kept)"""
@@ -71,13 +71,13 @@ class PPOConfig:
     """Adam learning rate (when no optimizer is passed)"""
     adap_kl_ctrl: bool = True
     """adaptive KL controller (Ziegler et al.) instead of a fixed coefficient"""
-    init_kl_coef: Optional[float] = 0.2
+    init_kl_coef: float | None = 0.2
     """initial KL penalty coefficient (beta)"""
     kl_penalty: Literal["kl", "abs", "mse", "full"] = "kl"  # ppo_math.KL_PENALTIES
     """per-token KL estimate: 'kl' (logp - ref), 'abs', 'mse' (0.5 * diff^2) or 'full' (whole distribution)"""
-    target: Optional[float] = 6
+    target: float | None = 6
     """target KL of the adaptive controller"""
-    horizon: Optional[float] = 10000
+    horizon: float | None = 10000
     """horizon of the adaptive controller"""
     gamma: float = 1
     """GAE discount"""
@@ -91,21 +91,21 @@ class PPOConfig:
     """value loss coefficient"""
     batch_size: int = 128
     """samples per ``step()`` per process"""
-    forward_batch_size: Optional[int] = None
+    forward_batch_size: int | None = None
     """DEPRECATED: use ``mini_batch_size``; if set, it overrides ``mini_batch_size``"""
     mini_batch_size: int = 128
     """samples per optimisation mini-batch (and per no-grad forward chunk)"""
     gradient_accumulation_steps: int = 1
     """mini-batches accumulated per optimizer step"""
-    world_size: Optional[int] = None
+    world_size: int | None = None
     """number of processes (set by the trainer)"""
     ppo_epochs: int = 4
     """optimisation epochs over each batch"""
-    max_grad_norm: Optional[float] = None
+    max_grad_norm: float | None = None
     """gradient clipping norm (none if None)"""
-    optimize_cuda_cache: Optional[bool] = None
+    optimize_cuda_cache: bool | None = None
     """DEPRECATED: use ``optimize_device_cache``"""
-    optimize_device_cache: Optional[bool] = False
+    optimize_device_cache: bool | None = False
     """free the device cache after each step (slower, lower peak memory)"""
     early_stopping: bool = False
     """stop the PPO epochs of a step when the policy KL exceeds 1.5 * target_kl"""
@@ -119,23 +119,23 @@ class PPOConfig:
     """divide scores by their running standard deviation"""
     use_score_norm: bool = False
     """with score scaling, also subtract the running mean"""
-    score_clip: Optional[float] = None
+    score_clip: float | None = None
     """clip scores to [-score_clip, score_clip]"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (keeping their mean) before GAE"""
     gradient_checkpointing: bool = False
     """gradient checkpointing in the policy (less memory, more compute)"""
-    is_encoder_decoder: Optional[bool] = None
+    is_encoder_decoder: bool | None = None
     """set by the trainer from the model"""
-    is_peft_model: Optional[bool] = None
+    is_peft_model: bool | None = None
     """set by the trainer from the model"""
-    backward_batch_size: Optional[int] = None
+    backward_batch_size: int | None = None
     """set on construction: mini_batch_size * gradient_accumulation_steps"""
-    global_backward_batch_size: Optional[int] = None
+    global_backward_batch_size: int | None = None
     """set by the trainer: backward_batch_size * world_size"""
-    global_batch_size: Optional[int] = None
+    global_batch_size: int | None = None
     """set by the trainer: batch_size * world_size"""
-    dataset_num_proc: Optional[int] = None
+    dataset_num_proc: int | None = None
     """processes for dataset preprocessing"""
     disable_dropout: bool = True
     """(ppo_core) set dropout to 0 in the policy so the first PPO ratio is exactly 1; see PPOTrainer"""

@@ -13,7 +13,6 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 

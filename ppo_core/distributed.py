@@ -26,8 +26,9 @@ import functools
 import io
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ def on_every_process(group, fn: Callable[..., T], *args: Any) -> T:
     result, error = None, None
     try:
         result = fn(*args)
-    except Exception as exc:  # noqa: BLE001 - raised again by raise_if_any, on every process
+    except Exception as exc:
         error = exc
     raise_if_any(error, group)
     return result
@@ -142,7 +143,8 @@ def tokens_per_process(mask: torch.Tensor, group) -> torch.Tensor | None:
 
 
 def gather_ragged(x: torch.Tensor, group) -> torch.Tensor:
-    """``(k, n_p)`` per process -> ``(k, n)``: concatenated along the last dim in process order (the ``n_p`` may differ)."""
+    """``(k, n_p)`` per process -> ``(k, n)``: concatenated along the last dim in process order (the ``n_p`` may
+    differ)."""
     counts = group.gather(torch.tensor([x.shape[-1]], device=x.device)).tolist()
     padded = torch.nn.functional.pad(x, (0, max(counts) - x.shape[-1]))  # all_gather needs equal shapes
     parts = group.gather(padded[None])  # (N, k, max n_p)
@@ -166,7 +168,7 @@ def raise_if_any(error: BaseException | None, group) -> None:
     message = f"process {index} of {group.num_processes}: {message}"
     try:
         exc = kind(message)
-    except Exception:  # noqa: BLE001 - an exception class with another signature: keep the message
+    except Exception:
         exc = RuntimeError(f"{kind.__name__}: {message}")
     raise exc from error
 

@@ -7,7 +7,9 @@ tokens after its start token.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,7 +34,7 @@ def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True)
 
 
-def _multinomial(input, num_samples, replacement=False, *, generator=None, out=None):  # noqa: A002 - torch's names
+def _multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
     """``torch.multinomial`` with :func:`sample_categorical` for what ``generate`` asks on the CPU (one
     sample per row of a 2-D float tensor, default generator); everything else, and any invalid row (so
     that its error is torch's own), goes to torch."""
@@ -94,14 +96,17 @@ def _clean_kwargs(generation_kwargs: dict[str, Any], tokenizer) -> dict[str, Any
 @torch.no_grad()
 def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Callable[[], int] | None,
                      batch_size: int, return_prompt: bool, generation_kwargs: dict[str, Any],
-                     is_encoder_decoder: bool = False):
+                     is_encoder_decoder: bool = False, fast_sampling: bool = True):
     """Sample from ``model`` (a ``transformers`` LM) for one query or a list of queries.
 
     Returns a ``(1, L)`` tensor for a single 1-D query (legacy behaviour) and a list of 1-D tensors
     (prompt + response, or the response only when ``return_prompt`` is False) for a list. For an
     encoder-decoder the result is always the response alone (the prompt is not part of the decoder's
     sequence; legacy TRL ignored ``return_prompt`` there too), without the decoder start token.
+    ``fast_sampling=False`` keeps torch's own sampling kernel on the CPU (the draws ``transformers`` makes by
+    itself) instead of :func:`fast_cpu_sampling`'s, which samples the same distribution with other random numbers.
     """
+    sampling = fast_cpu_sampling if fast_sampling else contextlib.nullcontext
     kwargs = _clean_kwargs(generation_kwargs, tokenizer)
     eos = _eos_ids(kwargs, tokenizer, model)
     if isinstance(query_tensor, torch.Tensor):
@@ -111,7 +116,7 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         if length_sampler is not None:
             kwargs["max_new_tokens"] = length_sampler()
         query = query_tensor.to(device)
-        with fast_cpu_sampling():
+        with sampling():
             out = model.generate(input_ids=query[None], attention_mask=torch.ones_like(query[None]), **kwargs)
         if is_encoder_decoder:
             return out[:, 1:]  # drop the decoder start token
@@ -124,7 +129,7 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         if length_sampler is not None:
             kwargs["max_new_tokens"] = length_sampler()
         input_ids, attention_mask = _pad(queries, kwargs["pad_token_id"], left=not is_encoder_decoder)
-        with fast_cpu_sampling():
+        with sampling():
             generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         # decoder-only: (b, L + new) with the prompt; encoder-decoder: (b, 1 + new) after the start token
         new_tokens = generated[:, 1:] if is_encoder_decoder else generated[:, input_ids.shape[1]:]

@@ -11,14 +11,15 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from .distributed import quiet_deepspeed_collectives
 from .config import PPOConfig
+from .distributed import quiet_deepspeed_collectives
 from .modeling import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
 from .ppo_math import kl_penalty, shape_rewards
 from .rollout import build_response_masks, checked_step_inputs, policy_outputs

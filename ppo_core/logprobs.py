@@ -82,7 +82,8 @@ class _LinearLogProb(torch.autograd.Function):
             logprobs, entropy, lse, exps, sums = _forward_keeping_exps(hidden, weight, bias, targets, scale,
                                                                        with_entropy)
         else:
-            logprobs, entropy, lse = _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_entropy)
+            logprobs, entropy, lse = _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk,
+                                                      with_entropy)
             exps = sums = None
         ctx.save_for_backward(hidden, weight, bias, targets, lse, exps, sums)
         ctx.scale, ctx.softcap, ctx.chunk = scale, softcap, chunk

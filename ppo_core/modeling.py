@@ -222,7 +222,8 @@ class PreTrainedModelWrapper(nn.Module):
 
     def _token_scores(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                       with_entropy: bool, keep_hidden: bool, chunk_size: int | None) -> TokenScores:
-        """``hidden (B, T, H)`` -> :class:`TokenScores` at ``positions`` ``(N, 2)`` (row, position) for ``targets`` ``(N,)``.
+        """``hidden (B, T, H)`` -> :class:`TokenScores` at ``positions`` ``(N, 2)`` (row, position) for ``targets``
+        ``(N,)``.
 
         The LM head runs on the ``N`` selected hidden states only, chunk by chunk (``ppo_core.logprobs``).
         """

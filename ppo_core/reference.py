@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import PreTrainedModel
 
-from .modeling import (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper,
-                       create_reference_model)
+from .modeling import (
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    PreTrainedModelWrapper,
+    create_reference_model,
+)
 from .zero import check_reference_copy, prepare_reference
 
 

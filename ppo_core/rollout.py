@@ -43,7 +43,8 @@ class ModelInputs(NamedTuple):
         return positions[None, :] < self.response_lens[:, None]
 
 
-def build_model_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int | None) -> ModelInputs:
+def build_model_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor],
+                       pad_token_id: int | None) -> ModelInputs:
     """Concatenate each query with its response and right-pad to the longest: ``(B, T)``."""
     device = queries[0].device
     sequences = [torch.cat([q, r]) for q, r in zip(queries, responses)]
@@ -174,7 +175,8 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
     positions = (inputs.query_lens[:, None] - 1 + offsets[None, :]).clamp(max=seq_len - 1)  # (B, R)
     rows, cols = valid.nonzero(as_tuple=True)  # the N real response tokens
     src = positions[rows, cols]
-    score = dict(score_positions=torch.stack([rows, src], dim=1), score_targets=input_ids[rows, src + 1],  # (N, 2), (N,)
+    score = dict(score_positions=torch.stack([rows, src], dim=1),  # (N, 2)
+                 score_targets=input_ids[rows, src + 1],  # (N,)
                  score_entropy=with_entropy, score_hidden=keep_hidden, score_chunk_size=chunk_size)
     # An all-ones mask is exact here (right padding, causal attention) and lets attention use its
     # causal fast path; passing one also tells transformers we did not forget the padding.

@@ -45,25 +45,44 @@ import contextlib
 import math
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from . import checkpoint
 from .config import PPOConfig
-from .cpu_attention import float32_attention_on_cpu
 from .core import convert_to_scalar, entropy_from_logits, flatten_dict, stats_to_np
-from .distributed import (accelerator_for, deprecated_collectives_ignored, mean_across, on_every_process,
-                          process_group, quiet_deepspeed_collectives, raise_if_any, tokens_per_process)
+from .cpu_attention import float32_attention_on_cpu
+from .distributed import (
+    accelerator_for,
+    deprecated_collectives_ignored,
+    mean_across,
+    on_every_process,
+    process_group,
+    quiet_deepspeed_collectives,
+    raise_if_any,
+    tokens_per_process,
+)
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from .legacy import LegacyMethods, check_arguments, default_optimizer
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
 from .reference import frozen_reference, placed_reference, reference_policy
-from .rollout import (ModelInputs, PolicyOutputs, Rollout, build_response_masks, checked_step_inputs, chunked_outputs,
-                      full_kl_per_token, model_inputs, policy_outputs, warn_if_start_token_included)
+from .rollout import (
+    ModelInputs,
+    PolicyOutputs,
+    Rollout,
+    build_response_masks,
+    checked_step_inputs,
+    chunked_outputs,
+    full_kl_per_token,
+    model_inputs,
+    policy_outputs,
+    warn_if_start_token_included,
+)
 from .stats import minibatch_stats, non_finite_stat
 from .utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
 from .zero import configure_engine, gathered, gathered_for_generation, is_zero3

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

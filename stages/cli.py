@@ -15,8 +15,9 @@ from typing import Annotated
 
 import typer
 
-from stages.common import StageError
 from stages.params import load_params
+from stages.pipeline import stage, stages
+from stages.runtime import StageError
 
 app = typer.Typer(
     help="RLHF pipeline stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate. "
@@ -49,70 +50,34 @@ def restore_hint() -> str:
     return f" (dvc removed this stage's outputs before running it: `dvc checkout {stage}` restores the last ones)"
 
 
-@app.command()
-def prepare(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
-    """Build the raw datasets: SFT texts, preference pairs, PPO prompts (train and held-out eval).
-
-    Reads: params sections seed, data; the files or Hugging Face datasets named in data (none by default).
-
-    Writes: data/raw/sft.parquet, pairs.parquet, prompts_train.parquet, prompts_eval.parquet.
-    """
-    _run("prepare", params, debug)
-
-
-@app.command()
-def sft(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
-    """Supervised fine-tuning of the policy on the SFT texts (causal LM loss, transformers.Trainer).
-
-    Reads: params sections seed, model, sft; data/raw/sft.parquet.
-
-    Writes: data/models/sft (model and tokenizer), data/sft/metrics.json.
-    """
-    _run("sft", params, debug)
+# What each stage does; what it reads and writes is dvc.yaml's, added by `stage_help`.
+DESCRIPTIONS = {
+    "prepare": "Build the raw datasets: SFT texts, preference pairs, PPO prompts (train and held-out eval), from the "
+               "embedded generator or the files and Hugging Face datasets named in params section data.",
+    "sft": "Supervised fine-tuning of the policy on the SFT texts (causal LM loss, transformers.Trainer).",
+    "reward": "Train the reward model (SFT model plus a scalar head) on the pairs with the Bradley-Terry loss; report "
+              "its held-out pairwise accuracy.",
+    "tokenize": "Tokenize the PPO prompts with the policy's tokenizer (truncate, drop too short ones).",
+    "ppo": "PPO on the train prompts with ppo_core: generate, score (params section scorer), step(), as in the seed "
+           "loop; wall-clock timings go to data/logs/ppo/timings.csv (not an output).",
+    "evaluate": "Compare the SFT and PPO policies on the held-out prompts: reward, gold score, win rate, KL, length.",
+}
 
 
-@app.command()
-def reward(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
-    """Train the reward model (SFT model plus a scalar head) on the pairs with the Bradley-Terry loss.
-
-    Reads: params sections seed, reward; data/raw/pairs.parquet, data/models/sft.
-
-    Writes: data/models/reward, data/reward/metrics.json (held-out pairwise accuracy).
-    """
-    _run("reward", params, debug)
+def stage_help(name: str) -> str:
+    """The stage's help: what it does, and what it reads and writes as dvc.yaml declares it."""
+    spec = stage(name)
+    data = "; " + ", ".join(map(str, spec.data)) if spec.data else ""
+    return (f"{DESCRIPTIONS[name]}\n\nReads: params {', '.join(spec.params)}{data}.\n\n"
+            f"Writes: {', '.join(spec.outs)}.")
 
 
-@app.command()
-def tokenize(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
-    """Tokenize the PPO prompts with the policy's tokenizer (truncate, drop too short ones).
+def add_stage_command(name: str) -> None:
+    def command(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
+        _run(name, params, debug)
 
-    Reads: params sections seed, tokenize; data/raw/prompts_train.parquet, prompts_eval.parquet, data/models/sft.
-
-    Writes: data/tokenized/train.parquet, eval.parquet (columns query, input_ids).
-    """
-    _run("tokenize", params, debug)
+    app.command(name=name, help=stage_help(name))(command)
 
 
-@app.command()
-def ppo(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
-    """PPO on the train prompts with ppo_core: generate, score, step(), as in the seed loop.
-
-    Reads: params sections seed, data, scorer, generation, ppo; data/tokenized/train.parquet, data/models/sft,
-    data/models/reward (when scorer.source is reward_model).
-
-    Writes: data/models/ppo, data/ppo/rollouts/step-*.parquet, data/ppo/stats.parquet, data/ppo/curves.csv,
-    data/ppo/timings.csv, data/ppo/metrics.json.
-    """
-    _run("ppo", params, debug)
-
-
-@app.command()
-def evaluate(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
-    """Compare the SFT and PPO policies on the held-out prompts: reward, gold score, win rate, KL, length.
-
-    Reads: params sections seed, data, generation, evaluate; data/tokenized/eval.parquet, data/models/sft,
-    data/models/ppo, data/models/reward.
-
-    Writes: data/eval/samples.parquet, data/eval/metrics.json.
-    """
-    _run("evaluate", params, debug)
+for _name in stages():
+    add_stage_command(_name)

@@ -17,15 +17,28 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-from stages.common import (EVAL_METRICS, EVAL_SAMPLES, PPO_MODEL, REWARD_MODEL, SFT_MODEL, TOKENIZED_EVAL, device,
-                           is_encoder_decoder, load_reward_model, read_table, require_dir, reward_scores,
-                           seed_everything, write_json, write_parquet)
+from ppo_core.generation import generate_batched
+from ppo_core.utils import set_seed
+from stages.artifacts import (
+    EVAL_METRICS,
+    EVAL_SAMPLES,
+    PPO_MODEL,
+    REWARD_MODEL,
+    SFT_MODEL,
+    TOKENIZED_EVAL,
+    read_table,
+    require_dir,
+    write_json,
+    write_parquet,
+)
+from stages.models import is_encoder_decoder, load_reward_model, reward_scores
 from stages.params import Params
+from stages.runtime import device
 from stages.synthetic import gold_score
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    seed_everything(params.seed)
+    set_seed(params.seed)
     prompts = read_table(root / TOKENIZED_EVAL, ["query", "input_ids"]).head(params.evaluate.n_prompts)
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
@@ -33,8 +46,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     policies = {name: model_class.from_pretrained(require_dir(root / path)).to(device()).eval()
                 for name, path in (("sft", SFT_MODEL), ("ppo", PPO_MODEL))}
     rm, rm_tokenizer = load_reward_model(root / REWARD_MODEL)
-    # min_length -1 is the seed's "no minimum"; generate() wants a non-negative value, so it is left out
-    generation = {k: v for k, v in dataclasses.asdict(params.generation).items() if not (k == "min_length" and v < 0)}
+    generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
+                  "eos_token_id": tokenizer.eos_token_id}
     bs = params.evaluate.batch_size
     columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
     if params.data.is_synthetic:
@@ -56,13 +69,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
             rows["gold"] = [gold_score(t) for t in texts]
         for key in columns:
             columns[key] += rows[key]
-        metrics[name] = {"reward_mean": float(np.mean(rows["score"])), "kl_to_sft": float(kl.mean()),
-                         "response_len_mean": float(np.mean(rows["response_tokens"]))}
-        if "gold" in rows:
-            metrics[name]["gold_mean"] = float(np.mean(rows["gold"]))
+        metrics[name] = policy_metrics(rows)
     n = len(queries)
-    sft_scores, ppo_scores = np.array(columns["score"][:n]), np.array(columns["score"][n:])
-    metrics["win_rate"] = float(np.mean((ppo_scores > sft_scores) + 0.5 * (ppo_scores == sft_scores)))
+    metrics["win_rate"] = win_rate(columns["score"][n:], columns["score"][:n])
     write_parquet(columns, root / EVAL_SAMPLES)
     write_json(metrics, root / EVAL_METRICS)
     gold = f", gold {metrics['sft']['gold_mean']:.2f} -> {metrics['ppo']['gold_mean']:.2f}" if "gold" in columns else ""
@@ -71,21 +80,31 @@ def run(params: Params, root: Path = Path(".")) -> str:
             f"kl {metrics['ppo']['kl_to_sft']:.2f} -> {EVAL_METRICS}")
 
 
-@torch.no_grad()
+def policy_metrics(rows: dict[str, list]) -> dict[str, float]:
+    """A policy's means over its samples: RM score, KL to SFT, response length, and gold score where known."""
+    metrics = {"reward_mean": float(np.mean(rows["score"])), "kl_to_sft": float(np.mean(rows["kl_to_sft"])),
+               "response_len_mean": float(np.mean(rows["response_tokens"]))}
+    if "gold" in rows:
+        metrics["gold_mean"] = float(np.mean(rows["gold"]))
+    return metrics
+
+
+def win_rate(scores: list[float], baseline_scores: list[float]) -> float:
+    """The fraction of prompts where ``scores`` beat ``baseline_scores`` (same prompt, same order), ties half."""
+    scores, baseline = np.array(scores), np.array(baseline_scores)
+    return float(np.mean((scores > baseline) + 0.5 * (scores == baseline)))
+
+
 def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch_size: int,
            desc: str) -> list[list[int]]:
-    """Sampled response tokens per query: left-padded batches, each response cut after its first EOS (kept)."""
-    tokenizer.padding_side = "left"
+    """Sampled response tokens per query, ``batch_size`` at a time, each cut after its first EOS (kept): ppo_core's
+    generation, as in the PPO rollouts, with transformers' own sampling draws."""
     out = []
     for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch"):
-        batch = tokenizer.pad({"input_ids": query_ids[start:start + batch_size]}, return_tensors="pt").to(model.device)
-        generated = model.generate(**batch, **generation, pad_token_id=tokenizer.pad_token_id,
-                                   eos_token_id=tokenizer.eos_token_id)  # (B, L + new)
-        # a decoder-only model returns query + response; an encoder-decoder its decoder start + response
-        skip = 1 if model.config.is_encoder_decoder else batch["input_ids"].shape[1]
-        for row in generated[:, skip:].tolist():
-            end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-            out.append(row[:end])
+        queries = [torch.tensor(q) for q in query_ids[start:start + batch_size]]
+        responses = generate_batched(model, tokenizer, queries, model.device, None, len(queries), False, generation,
+                                     model.config.is_encoder_decoder, fast_sampling=False)
+        out += [r.tolist() for r in responses]
     return out
 
 

@@ -22,8 +22,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from ppo_core.fields import ConfigError, check_keys, check_range, checked
-
-from stages.common import ParamsError
+from stages.runtime import ParamsError
 
 SYNTHETIC = "synthetic"
 
@@ -290,7 +289,8 @@ def _check_values(p: Params) -> None:
          p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens),
         ("scorer.name", p.scorer.name, f"set for scorer.source {p.scorer.source}",
          p.scorer.source == "reward_model" or bool(p.scorer.name)),
-        ("evaluate.n_prompts", p.evaluate.n_prompts, "null or >= 1", p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1),
+        ("evaluate.n_prompts", p.evaluate.n_prompts, "null or >= 1",
+         p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1),
         ("model.lora.r", lora and lora.r, ">= 1", lora is None or lora.r >= 1),
         ("model.lora.alpha", lora and lora.alpha, "> 0", lora is None or lora.alpha > 0),
         ("model.lora.dropout", lora and lora.dropout, "in [0, 1)", lora is None or 0 <= lora.dropout < 1),

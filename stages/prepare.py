@@ -9,17 +9,18 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from ppo_core.utils import set_seed
 from stages import synthetic
-from stages.common import (RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, StageError, seed_everything,
-                           write_parquet)
+from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, write_parquet
 from stages.params import SYNTHETIC, DatasetSpec, Params
+from stages.runtime import StageError
 
 COLUMNS = {"sft": ("text",), "pairs": ("prompt", "chosen", "rejected"), "prompts": ("query",)}
 LOCAL_READERS = {".parquet": "read_parquet", ".jsonl": "read_json", ".json": "read_json", ".csv": "read_csv"}
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    seed_everything(params.seed)
+    set_seed(params.seed)
     data = params.data
     tables = {name: load(getattr(data, name), name, params) for name in COLUMNS}
     prompts = tables["prompts"]["query"]

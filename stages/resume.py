@@ -21,14 +21,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.common import fresh_dir, note, process_state, StageError, write_json
+from stages.artifacts import fresh_dir, write_json
 from stages.params import Params
+from stages.pipeline import CODE_ROOT
+from stages.runtime import StageError, note, process_state
 
 FINGERPRINT = "fingerprint.json"
 
 
-# The repository (or site-packages) directory that holds the `stages` and `ppo_core` packages.
-CODE_ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("torch", "transformers", "accelerate", "peft")
 
 

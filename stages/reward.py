@@ -13,21 +13,28 @@ from pathlib import Path
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
-from stages.common import (RAW_PAIRS, REWARD_CHECKPOINTS, REWARD_METRICS, REWARD_MODEL, SFT_MODEL, device, merged,
-                           process_state, read_table, remove_stale_temporaries, require_dir, reward_inputs,
-                           reward_scores, save_pretrained, seed_everything, with_lora, write_json)
+from ppo_core.utils import set_seed
+from stages.artifacts import (
+    RAW_PAIRS,
+    REWARD_CHECKPOINTS,
+    REWARD_METRICS,
+    REWARD_MODEL,
+    SFT_MODEL,
+    read_table,
+    remove_stale_temporaries,
+    require_dir,
+    save_pretrained,
+    write_json,
+)
+from stages.models import merged, reward_inputs, reward_scores, with_lora
 from stages.params import Params
+from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
-
-
-# The params, inputs and code this stage tracks in dvc.yaml: a checkpoint is reused only for the same ones.
-TRACKED = ("seed", "model.lora", "reward", "checkpoint.trainer_every", "checkpoint.on_mismatch")
-INPUTS = (RAW_PAIRS, SFT_MODEL)
-CODE = ("stages/reward.py", "stages/resume.py", "stages/common.py", "stages/params.py")
+from stages.runtime import device, process_state
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    seed_everything(params.seed)
+    set_seed(params.seed)
     pairs = read_table(root / RAW_PAIRS, ["prompt", "chosen", "rejected"])
     chosen = (pairs["prompt"] + pairs["chosen"]).tolist()
     rejected = (pairs["prompt"] + pairs["rejected"]).tolist()
@@ -46,7 +53,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     checkpoints = root / REWARD_CHECKPOINTS
     if process_state().is_main_process:
         remove_stale_temporaries(root / REWARD_MODEL.parent, root / REWARD_METRICS.parent)
-    expected = fingerprint(params, TRACKED, INPUTS, root, CODE)
+    spec = stage("reward")  # what dvc.yaml says the stage tracks: a checkpoint is reused only for the same
+    expected = fingerprint(params, spec.params, spec.data, root, spec.code)
     resume_from = open_trainer_checkpoints(checkpoints, expected, params, "reward")
     trainer = PairwiseTrainer(model=model, args=training_args(params, checkpoints), train_dataset=train,
                               data_collator=PairCollator(tokenizer), processing_class=tokenizer,

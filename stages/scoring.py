@@ -22,9 +22,11 @@ import numpy as np
 import torch
 from transformers import pipeline
 
-from stages.common import REWARD_MODEL, StageError, device, load_reward_model, process_state, reward_scores, warning
+from stages.artifacts import REWARD_MODEL
+from stages.models import load_reward_model, reward_scores
 from stages.params import Params
 from stages.resume import CODE_ROOT, digest
+from stages.runtime import StageError, device, process_state, warning
 
 REWARDS = "rewards"  # the package of user reward functions, a dep of the ppo stage in dvc.yaml
 
@@ -99,7 +101,8 @@ def installed_code_folders() -> list[Path]:
 def checked_scores(scores, n: int, params: Params, step: int) -> list[float]:
     """The scorer's output as n finite floats, or a StageError naming the step (counted from 1, as `step()`'s
     errors count them), the text and the value."""
-    where = f"PPO step {step + 1}: scorer ({params.scorer.source}{f' {params.scorer.name}' if params.scorer.name else ''})"
+    name = f" {params.scorer.name}" if params.scorer.name else ""
+    where = f"PPO step {step + 1}: scorer ({params.scorer.source}{name})"
     try:
         scores = list(scores)
     except TypeError:

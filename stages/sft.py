@@ -13,27 +13,44 @@ import random
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer,
-                          DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, GPT2Config, GPT2LMHeadModel,
-                          PreTrainedTokenizerFast, Trainer, TrainingArguments)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    DataCollatorForSeq2Seq,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+)
 
-from stages.common import (RAW_SFT, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, device, merged, note, process_state,
-                           read_table, remove_stale_temporaries, save_pretrained, seed_everything, StageError,
-                           with_lora, write_json)
+from ppo_core.utils import set_seed
+from stages.artifacts import (
+    RAW_SFT,
+    SFT_CHECKPOINTS,
+    SFT_METRICS,
+    SFT_MODEL,
+    read_table,
+    remove_stale_temporaries,
+    save_pretrained,
+    write_json,
+)
+from stages.models import merged, with_lora
 from stages.params import ModelParams, Params
+from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
+from stages.runtime import StageError, device, note, process_state
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 
 
-# The params, inputs and code this stage tracks in dvc.yaml: a checkpoint is reused only for the same ones.
-TRACKED = ("seed", "model", "sft", "checkpoint.trainer_every", "checkpoint.on_mismatch")
-INPUTS = (RAW_SFT,)
-CODE = ("stages/sft.py", "stages/resume.py", "stages/common.py", "stages/params.py")
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    seed_everything(params.seed)
+    set_seed(params.seed)
     texts = read_table(root / RAW_SFT, ["text"])["text"].tolist()
     tokenizer, model = build(params.model, texts)
     model = with_lora(model, params.model.lora, "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM")
@@ -47,7 +64,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     checkpoints = root / SFT_CHECKPOINTS
     if process_state().is_main_process:
         remove_stale_temporaries(root / SFT_MODEL.parent, root / SFT_METRICS.parent)
-    expected = fingerprint(params, TRACKED, INPUTS, root, CODE)
+    spec = stage("sft")  # what dvc.yaml says the stage tracks: a checkpoint is reused only for the same
+    expected = fingerprint(params, spec.params, spec.data, root, spec.code)
     resume_from = open_trainer_checkpoints(checkpoints, expected, params, "sft")
     trainer = Trainer(
         model=model,

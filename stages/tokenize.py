@@ -10,14 +10,24 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from stages.common import (RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, SFT_MODEL, TOKENIZED_EVAL, TOKENIZED_TRAIN,
-                           StageError, model_context, read_table, require_dir, seed_everything,
-                           write_parquet)
+from ppo_core.utils import set_seed
+from stages.artifacts import (
+    RAW_PROMPTS_EVAL,
+    RAW_PROMPTS_TRAIN,
+    SFT_MODEL,
+    TOKENIZED_EVAL,
+    TOKENIZED_TRAIN,
+    read_table,
+    require_dir,
+    write_parquet,
+)
+from stages.models import model_context
 from stages.params import Params
+from stages.runtime import StageError
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    seed_everything(params.seed)
+    set_seed(params.seed)
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     context = model_context(root / SFT_MODEL)
     kept = {}

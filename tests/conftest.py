@@ -65,9 +65,9 @@ def params_per_stage(params) -> dict:
 
     from stages.params import SECTIONS
 
-    stages = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
+    declared = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
     out = {}
-    for name, stage in stages.items():
+    for name, stage in declared.items():
         tracked = {key.split(".")[0] for key in stage["params"]}
         out[name] = dataclasses.replace(params, **{s: Untracked(s, name) for s in SECTIONS if s not in tracked})
     return out

@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ppo_core import PPOConfig, PPOTrainer  # noqa: E402
-from ppo_core.zero import gathered  # noqa: E402
-from tests.tiny import PAD, VOCAB, random_queries, tiny_tokenizer, tiny_value_model  # noqa: E402
+from ppo_core import PPOConfig, PPOTrainer
+from ppo_core.zero import gathered
+from tests.tiny import PAD, VOCAB, random_queries, tiny_tokenizer, tiny_value_model
 
 GLOBAL_BATCH, STEPS = 8, 3
 RESPONSE_LENS = [6, 5, 6, 4, 1, 2, 1, 1]  # 21 tokens in the first half, 5 in the second

@@ -55,7 +55,8 @@ def test_mutable_defaults_are_not_shared_between_instances():
 @pytest.mark.parametrize("key,suggestion", [("learning_rat", "learning_rate"), ("batchsize", "batch_size"),
                                             ("mini_batch", "mini_batch_size")])
 def test_unknown_key_is_named_with_a_close_match(key, suggestion):
-    with pytest.raises(ValueError, match=rf"^unknown key 'PPOConfig\.{key}'; did you mean 'PPOConfig\.{suggestion}'\?$"):
+    with pytest.raises(ValueError,
+                       match=rf"^unknown key 'PPOConfig\.{key}'; did you mean 'PPOConfig\.{suggestion}'\?$"):
         PPOConfig(**{key: 1})
     with pytest.raises(ValueError, match=rf"unknown key 'PPOConfig\.{key}'"):
         PPOConfig.from_dict({"batch_size": 8, "mini_batch_size": 8, key: 1})

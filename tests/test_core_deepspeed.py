@@ -24,9 +24,11 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from tests import distributed_step  # noqa: E402
-from tests import launching  # noqa: E402
-from tests.test_core_distributed import assert_stats_equal, load_ranks  # noqa: E402
+from tests import (
+    distributed_step,
+    launching,
+)
+from tests.test_core_distributed import assert_stats_equal, load_ranks
 
 torch.set_num_threads(1)
 
@@ -56,6 +58,7 @@ def one_process() -> dict:
     return distributed_step.run_global(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_two_deepspeed_processes_equal_one_process_and_generate_from_gathered_weights(config, one_process, tmp_path):
     code, output, _ = launch_deepspeed(config, "deepspeed", tmp_path)
@@ -97,6 +100,7 @@ def test_two_deepspeed_processes_equal_one_process_and_generate_from_gathered_we
     assert [rank["collectives_filters"] for rank in ranks] == [0, 0]  # no process-wide warnings filter left
 
 
+@pytest.mark.slow
 def test_deepspeed_accumulates_and_skips_mini_batches_as_the_trainer_does(tmp_path):
     """Under DeepSpeed the engine accumulates over ``gradient_accumulation_steps`` mini-batches and steps in the
     backward of a window's last one; a window whose last mini-batch the ratio threshold skips must still apply

@@ -18,8 +18,15 @@ import pytest
 import torch
 
 from ppo_core.core import masked_mean, masked_var, masked_whiten
-from ppo_core.distributed import (ProcessGroup, SingleProcess, gather_ragged, mean_across, on_every_process,
-                                  raise_if_any, tokens_per_process)
+from ppo_core.distributed import (
+    ProcessGroup,
+    SingleProcess,
+    gather_ragged,
+    mean_across,
+    on_every_process,
+    raise_if_any,
+    tokens_per_process,
+)
 from ppo_core.ppo_math import gae_advantages, policy_loss, token_mean, value_loss
 from tests import distributed_step, launching
 
@@ -66,7 +73,7 @@ def in_threads(fn, n: int = 2) -> list:
     def run(i):
         try:
             results[i] = fn(ThreadGroup(i, shared))
-        except Exception as exc:  # noqa: BLE001 - returned to the test
+        except Exception as exc:
             results[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -169,7 +176,8 @@ def test_losses_over_shards_average_to_the_global_token_mean_and_its_gradient():
 
 def test_gather_ragged_and_mean_across():
     parts = [torch.arange(6.0).reshape(2, 3), torch.arange(10.0, 12.0).reshape(2, 1)]
-    got = in_threads(lambda g: (gather_ragged(parts[g.process_index], g), mean_across(parts[g.process_index][:, :1], g)))
+    got = in_threads(lambda g: (gather_ragged(parts[g.process_index], g),
+                                mean_across(parts[g.process_index][:, :1], g)))
     expected = torch.tensor([[0.0, 1, 2, 10], [3, 4, 5, 11]])
     for ragged, mean in got:
         assert torch.equal(ragged, expected)
@@ -229,7 +237,8 @@ def test_one_process_divides_token_means_by_its_own_count_in_the_values_dtype():
 # ---------------------------------------------------------------------------------------------------
 def launch(scenario: str, out_dir: Path, timeout: float = 120) -> tuple[int, str, float]:
     """Run ``distributed_step.py`` in 2 CPU processes; ``(exit code, output, seconds)``. A hang fails the test."""
-    return launching.finish(launching.start([str(SCRIPT), str(out_dir), scenario]), timeout, f"{scenario} (2 processes)")
+    return launching.finish(launching.start([str(SCRIPT), str(out_dir), scenario]), timeout,
+                            f"{scenario} (2 processes)")
 
 
 def load_ranks(out_dir: Path) -> list[dict]:
@@ -251,6 +260,7 @@ def two_process_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out_dir, load_ranks(out_dir)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_over_the_global_batch(two_process_run):
     _, ranks = two_process_run
     one = distributed_step.run_global(1)
@@ -274,6 +284,7 @@ def test_two_processes_equal_one_process_over_the_global_batch(two_process_run):
     assert min(s["ppo/epochs"] for s in one["early_stop"]["stats"]) < 4
 
 
+@pytest.mark.slow
 def test_two_processes_shuffle_their_own_samples_and_resume_from_one_checkpoint(two_process_run):
     out_dir, results = two_process_run
     ranks = [r["shuffled"] for r in results]
@@ -287,6 +298,7 @@ def test_two_processes_shuffle_their_own_samples_and_resume_from_one_checkpoint(
         assert torch.equal(param, ranks[1]["params"][key]), key
 
 
+@pytest.mark.slow
 def test_a_bad_input_on_one_process_stops_both_with_its_message(tmp_path):
     timeout = 120
     code, output, seconds = launch("bad_input", tmp_path, timeout=timeout)

@@ -17,10 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from ppo_core.core import (entropy_from_logits, logprobs_from_logits, masked_mean, masked_var, masked_whiten,
-                           whiten)
-from ppo_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 import ppo_core.logprobs as logprobs_module
+from ppo_core.core import entropy_from_logits, logprobs_from_logits, masked_mean, masked_var, masked_whiten, whiten
+from ppo_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from ppo_core.logprobs import LMHead, full_kl, selected_entropy, selected_logprobs, selected_logprobs_and_entropy
 from ppo_core.ppo_math import discount_matrix, gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
 
@@ -564,3 +563,23 @@ def test_discount_matrix_product_is_the_reverse_discounted_cumsum(x, discount):
         running = x[:, step] + discount * running
         want[:, step] = running
     np.testing.assert_allclose(got.numpy(), want, atol=1e-10, rtol=0)
+
+
+def test_gae_with_a_user_mask_and_whitened_rewards_by_hand():
+    """One sample, three response tokens, the last masked out by the user; gamma 1, lam 0.5, whiten_rewards on."""
+    values = torch.tensor([[0.5, 1.0, 9.0]], dtype=torch.float64)
+    rewards = torch.tensor([[1.0, 3.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    out = gae_advantages(values, rewards, mask, gamma=1.0, lam=0.5, whiten_rewards=True)
+    # masked: V = [0.5, 1, 0], r = [1, 3, 0]. Rewards whitened over the two valid tokens, their mean kept:
+    #   mean 2, unbiased var ((1-2)^2 + (3-2)^2) / 1 = 2  ->  r = [2 - 1/sqrt(2), 2 + 1/sqrt(2), 0]
+    s = 1 / math.sqrt(2)
+    r0, r1 = 2 - s, 2 + s
+    # deltas: d0 = r0 + V1 - V0 = r0 + 0.5 ; d1 = r1 + 0 - V1 = r1 - 1 ; d2 = 0
+    d0, d1 = r0 + 0.5, r1 - 1.0
+    # A1 = d1 ; A0 = d0 + 0.5 * A1 ; returns = A + V
+    a1 = d1
+    a0 = d0 + 0.5 * a1
+    torch.testing.assert_close(out.returns, torch.tensor([[a0 + 0.5, a1 + 1.0, 0.0]], dtype=torch.float64))
+    # advantages whitened over the two valid tokens: two values always become -+1/sqrt(2) (a0 > a1 here), 0 at the mask
+    torch.testing.assert_close(out.advantages, torch.tensor([[s, -s, 0.0]], dtype=torch.float64), atol=1e-8, rtol=0)

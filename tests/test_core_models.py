@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ppo_core import AutoModelForCausalLMWithValueHead, create_reference_model
-from ppo_core.modeling import VALUE_HEAD_FILE
 from ppo_core.logprobs import selected_logprobs_and_entropy
+from ppo_core.modeling import VALUE_HEAD_FILE
 from ppo_core.rollout import build_model_inputs, policy_outputs
 from tests.tiny import ARCHS, EOS, VOCAB, random_queries, tiny_causal_lm, tiny_value_model
 
@@ -195,7 +195,8 @@ def test_reference_model_without_sharing_is_a_frozen_deep_copy():
 def test_reference_model_with_an_explicit_pattern():
     model = tiny_value_model("gpt2")
     ref = create_reference_model(model, num_shared_layers=1, pattern="transformer.h.{layer}")
-    assert ref.pretrained_model.transformer.h[0].attn.c_attn.weight is model.pretrained_model.transformer.h[0].attn.c_attn.weight
+    shared = model.pretrained_model.transformer.h[0].attn.c_attn.weight
+    assert ref.pretrained_model.transformer.h[0].attn.c_attn.weight is shared
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_shared_layers=1, pattern="decoder.blocks.{layer}"),

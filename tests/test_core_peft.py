@@ -10,16 +10,24 @@ import pytest
 import torch
 
 pytest.importorskip("peft")
-import peft  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import peft
+from transformers import AutoModelForCausalLM
 
-from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer  # noqa: E402
-from ppo_core.modeling import VALUE_HEAD_FILE  # noqa: E402
-from ppo_core.rollout import build_model_inputs, policy_outputs  # noqa: E402
-from tests.test_core_models import legacy_logprobs_and_values, mixed_batch  # noqa: E402
-from tests.test_core_trainer import LEGACY_KEYS, assert_all_finite  # noqa: E402
-from tests.tiny import (EOS, PAD, VOCAB, random_queries, randomize_lora, tiny_causal_lm, tiny_lora_config,  # noqa: E402
-                        tiny_seq2seq_lm, tiny_tokenizer)
+from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
+from ppo_core.modeling import VALUE_HEAD_FILE
+from ppo_core.rollout import build_model_inputs, policy_outputs
+from tests.test_core_models import legacy_logprobs_and_values, mixed_batch
+from tests.test_core_trainer import LEGACY_KEYS, assert_all_finite
+from tests.tiny import (
+    PAD,
+    VOCAB,
+    random_queries,
+    randomize_lora,
+    tiny_causal_lm,
+    tiny_lora_config,
+    tiny_seq2seq_lm,
+    tiny_tokenizer,
+)
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
 

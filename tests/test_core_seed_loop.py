@@ -53,7 +53,7 @@ def test_the_seed_loop_runs():
 
     all_stats = []
     epochs = 1
-    for epoch in tqdm(range(epochs), "epoch: "):
+    for epoch in tqdm(range(epochs), "epoch: "):  # noqa: B007 - the seed's loop, as written
         for batch in tqdm(ppo_trainer.dataloader):
             query_tensors = batch["input_ids"]
             #### Get response from SFTModel

@@ -11,8 +11,7 @@ from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWit
 from ppo_core.modeling import VALUE_HEAD_FILE
 from ppo_core.rollout import build_seq2seq_inputs, policy_outputs
 from tests.test_core_trainer import LEGACY_KEYS, assert_all_finite
-from tests.tiny import (EOS, PAD, SEQ2SEQ_ARCHS, VOCAB, random_queries, tiny_causal_lm, tiny_seq2seq_lm,
-                        tiny_tokenizer)
+from tests.tiny import EOS, PAD, SEQ2SEQ_ARCHS, VOCAB, random_queries, tiny_causal_lm, tiny_seq2seq_lm, tiny_tokenizer
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
 

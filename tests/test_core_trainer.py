@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ppo_core import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer
-from ppo_core import cpu_attention, generation
+from ppo_core import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, cpu_attention, generation
 from ppo_core.cpu_attention import float32_attention_on_cpu
 from ppo_core.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
 from ppo_core.rollout import build_model_inputs, policy_outputs
@@ -173,7 +172,8 @@ def test_float32_attention_on_cpu_is_float32_attention_of_the_bf16_inputs(mask):
               "float": dict(attn_mask=torch.zeros(5, 5).masked_fill(~causal, -math.inf).bfloat16())}[mask]
     with float32_attention_on_cpu():
         got = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        plain = F.scaled_dot_product_attention(q.detach().float(), k.detach().float(), v.detach().float(), is_causal=True)
+        plain = F.scaled_dot_product_attention(q.detach().float(), k.detach().float(), v.detach().float(),
+                                               is_causal=True)
     float_kwargs = {key: (m.float() if m.is_floating_point() else m) if key == "attn_mask" else m
                     for key, m in kwargs.items()}
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
@@ -596,6 +596,12 @@ def test_step_with_response_masks_and_whitened_rewards():
     masks = [torch.cat([torch.ones(len(r) - 1), torch.zeros(1)]) for r in responses]  # drop the last token
     stats = trainer.step(queries, responses, scores, response_masks=masks)
     assert_all_finite(stats)
+    # the advantages are whitened over the tokens the masks keep, and only those enter the stats
+    kept = int(sum(m.sum() for m in masks))
+    advantages = torch.as_tensor(stats["ppo/policy/advantages"], dtype=torch.float64)
+    assert advantages.numel() == kept == sum(len(r) - 1 for r in responses)
+    assert advantages.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert advantages.std().item() == pytest.approx(1.0, abs=1e-5)  # unbiased, as masked_whiten's
 
 
 def test_a_plain_ref_model_is_wrapped_and_num_shared_layers_is_ignored_with_a_warning():

@@ -91,7 +91,7 @@ def test_repro_leaves_no_state_and_a_second_repro_does_nothing(repo):
 
 @pytest.mark.slow
 def test_forced_rerun_trains_again(repo):
-    """`dvc repro -f -s ppo` runs every step again (nothing to resume) and, being deterministic, gives the same bytes."""
+    """`dvc repro -f -s ppo` runs every step again (nothing to resume) and, deterministic, gives the same bytes."""
     before = contents(repo, PPO_OUTPUTS)
     result = dvc("repro", "-f", "-s", "ppo", cwd=repo)
     assert ran(result.stdout) == ["ppo"] and "resuming" not in result.stderr

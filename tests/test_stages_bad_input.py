@@ -105,7 +105,8 @@ CASES = [
     ("model-path-missing", "sft", "sft", {"model.name_or_path": "no/such-model"},
      None, "model.name_or_path 'no/such-model' could not be loaded"),
     ("reward-wrong-count", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:wrong_count"},
-     None, "PPO step 1: scorer (callable scorers:wrong_count) returned 7 scores for 8 texts; return one number per text"),
+     None, "PPO step 1: scorer (callable scorers:wrong_count) returned 7 scores for 8 texts; return one number per "
+           "text"),
     ("reward-not-a-number", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:words"},
      None, "PPO step 1: scorer (callable scorers:words) returned 'good' (str) for text 0; return a number"),
     ("reward-nan", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:nan"},
@@ -185,7 +186,7 @@ def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(tiny_run, t
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     from stages import ppo, scoring
-    from stages.common import REWARD_MODEL
+    from stages.artifacts import REWARD_MODEL
     from stages.sft import train_tokenizer
 
     root = project(tiny_run, tmp_path, "ppo")

@@ -53,6 +53,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_missing_input_is_exit_2_and_debug_shows_the_traceback(tmp_path):
     result = run_module("sft", "--params", str(TINY), cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stages.common import StageError, atomic_path, read_table, save_pretrained, write_json, write_parquet
+from stages.artifacts import atomic_path, read_table, save_pretrained, write_json, write_parquet
+from stages.runtime import StageError
 
 
 def test_atomic_file_replaces_and_leaves_no_temp(tmp_path):

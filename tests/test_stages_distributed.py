@@ -7,7 +7,6 @@ DDP run, and a run killed mid-way and rerun ending with the bytes of an uninterr
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -21,8 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages.common import PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, SFT_METRICS, SFT_MODEL
-from stages.ppo import STATE, WORK_ROLLOUTS, rollout_file
+from stages.artifacts import PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, SFT_METRICS, SFT_MODEL
+from stages.ppo_run import STATE, WORK_ROLLOUTS, rollout_file
 from tests import launching
 from tests.conftest import ROOT
 from tests.test_stages_resume import digests, params_file, remove_outputs_as_dvc_does

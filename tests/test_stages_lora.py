@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from stages import ppo, reward, sft
-from stages.common import PPO_MODEL, RAW_PAIRS, RAW_SFT, REWARD_MODEL, SFT_METRICS, SFT_MODEL, StageError
+from stages.artifacts import PPO_MODEL, RAW_PAIRS, RAW_SFT, REWARD_MODEL, SFT_METRICS, SFT_MODEL
 from stages.params import LoraParams
+from stages.runtime import StageError
 
 LORA = LoraParams(r=4, alpha=8.0, dropout=0.0, target_modules=["c_attn"])
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from stages.common import ParamsError
 from stages.params import SECTIONS, load_params, ppo_config
+from stages.runtime import ParamsError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,9 @@ import pandas as pd
 import pytest
 
 from stages import prepare
-from stages.common import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, StageError
+from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT
 from stages.params import DatasetSpec
+from stages.runtime import StageError
 from stages.synthetic import gold_score
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -20,10 +19,21 @@ import pytest
 import torch
 from ruamel.yaml import YAML
 
-from stages import ppo, resume, reward, scoring, sft
-from stages.common import (PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS, REWARD_CHECKPOINTS, REWARD_METRICS,
-                           REWARD_MODEL, SFT_CHECKPOINTS, SFT_METRICS, SFT_MODEL, StageError)
+from stages import ppo, ppo_run, resume, reward, sft
+from stages.artifacts import (
+    PPO_CHECKPOINTS,
+    PPO_MODEL,
+    PPO_ROLLOUTS,
+    REWARD_CHECKPOINTS,
+    REWARD_METRICS,
+    REWARD_MODEL,
+    SFT_CHECKPOINTS,
+    SFT_METRICS,
+    SFT_MODEL,
+)
 from stages.params import load_params
+from stages.pipeline import stage
+from stages.runtime import StageError
 from tests.conftest import ROOT, TINY_PARAMS, params_per_stage, write_params
 
 DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -52,9 +62,9 @@ def interrupted_after_publishing(tiny_run: Path, params, root: Path, monkeypatch
     shutil.copytree(tiny_run, root)
     remove_outputs_as_dvc_does(root, "ppo")
     with monkeypatch.context() as patch:
-        patch.setattr(ppo, "discard", lambda directory: None)
+        patch.setattr(ppo_run, "discard", lambda directory: None)
         ppo.run(params, root)
-    assert (root / PPO_CHECKPOINTS / ppo.STATE).exists()
+    assert (root / PPO_CHECKPOINTS / ppo_run.STATE).exists()
     remove_outputs_as_dvc_does(root, "ppo")
     return root
 
@@ -77,6 +87,7 @@ def upstream_of_ppo(tiny_run: Path, root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_two_full_pipeline_runs_are_byte_identical(tiny_run, tmp_path):
     """Every Parquet file, model weight, tokenizer and metrics file; only wall-clock timings and the
     checkpoints (which hold the timings and the trainer's own state) are left out. The second run is another
@@ -98,6 +109,7 @@ def test_two_full_pipeline_runs_are_byte_identical(tiny_run, tmp_path):
         name.endswith(".safetensors") for name in first) >= 3
 
 
+@pytest.mark.slow
 def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts(tiny_run, tmp_path):
     """SIGKILL after a random step plus a random delay (mid-step, mid-write or mid-checkpoint), the outputs
     dvc deletes deleted, the stage rerun: every artifact equals an uninterrupted run's, byte for byte."""
@@ -110,7 +122,7 @@ def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts(tiny_run, t
 
     proc = run_stage("ppo", params, killed)
     deadline = time.monotonic() + 300
-    while not (killed / ppo.WORK_ROLLOUTS / ppo.rollout_file(after)).exists():
+    while not (killed / ppo_run.WORK_ROLLOUTS / ppo_run.rollout_file(after)).exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
         time.sleep(0.01)
     time.sleep(delay)
@@ -120,7 +132,7 @@ def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts(tiny_run, t
 
     # killed before its state was deleted (the run may have published its outputs first): the rerun resumes; killed
     # after that (published, state deleted, not yet exited): nothing to resume, the rerun trains from the start
-    interrupted = (killed / PPO_CHECKPOINTS / ppo.STATE).exists()
+    interrupted = (killed / PPO_CHECKPOINTS / ppo_run.STATE).exists()
     remove_outputs_as_dvc_does(killed, "ppo")
     rerun = run_stage("ppo", params, killed)
     _, err = rerun.communicate()
@@ -207,7 +219,7 @@ def test_a_checkpoint_written_under_deepspeed_stops_a_run_without_it(tiny_run, t
     here, so the stage stops with ppo_core's message saying how to go on, and deletes nothing
     (tests/test_stages_distributed.py resumes real ones)."""
     root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
-    trainer_file = root / "data" / "checkpoints" / "ppo" / ppo.STATE / "trainer.pt"
+    trainer_file = root / "data" / "checkpoints" / "ppo" / ppo_run.STATE / "trainer.pt"
     torch.save(torch.load(trainer_file, weights_only=True) | {"zero_stage": 3}, trainer_file)
     before = digests(root)
     with pytest.raises(StageError, match=r"data/checkpoints/ppo/state: written by a run under DeepSpeed ZeRO-3, this "
@@ -246,7 +258,7 @@ def test_a_code_change_starts_fresh_instead_of_resuming(tiny_run, tiny_params, t
     monkeypatch.setattr(resume, "CODE_ROOT", code)
     root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
     with monkeypatch.context() as patch:
-        patch.setattr(ppo, "discard", lambda directory: None)
+        patch.setattr(ppo_run, "discard", lambda directory: None)
         capfd.readouterr()
         ppo.run(tiny_params, root)
     assert "resuming from" in capfd.readouterr().err  # the same code: the checkpoint is reused
@@ -260,9 +272,10 @@ def test_a_code_change_starts_fresh_instead_of_resuming(tiny_run, tiny_params, t
     assert "data/checkpoints/ppo was written with other code (ppo_core changed); starting fresh" in err
     assert "resuming" not in err
     (code / "ppo_core" / "__pycache__" / "x.cpython.pyc").write_bytes(b"compiled")  # not code: no change
-    before = resume.fingerprint(tiny_params, (), (), root, ppo.CODE)["code"]
+    deps = stage("ppo").code
+    before = resume.fingerprint(tiny_params, (), (), root, deps)["code"]
     (code / "ppo_core" / "__pycache__" / "y.cpython.pyc").write_bytes(b"compiled")
-    assert resume.fingerprint(tiny_params, (), (), root, ppo.CODE)["code"] == before
+    assert resume.fingerprint(tiny_params, (), (), root, deps)["code"] == before
 
 
 def test_a_non_finite_loss_stops_the_stage_and_the_checkpoint_resumes(tiny_run, tiny_params, tmp_path, capfd,
@@ -282,19 +295,19 @@ def test_a_non_finite_loss_stops_the_stage_and_the_checkpoint_resumes(tiny_run, 
     message = str(err.value)
     assert "\n" not in message and message.startswith("PPO step 2, mini-batch 1: non-finite") and "ppo/" in message
     assert "data/checkpoints/ppo (if any) is intact" in message
-    assert sorted(p.name for p in (root / ppo.WORK_ROLLOUTS).iterdir()) == [ppo.rollout_file(0)]
+    assert sorted(p.name for p in (root / ppo_run.WORK_ROLLOUTS).iterdir()) == [ppo_run.rollout_file(0)]
     assert not (root / "data" / "ppo").exists() and not (root / PPO_MODEL).exists()  # a failed run publishes nothing
 
     monkeypatch.setenv("FIXED", "1")
     capfd.readouterr()
     summary = ppo.run(params, root)
     assert "resumed at step 1" in summary
-    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [ppo.rollout_file(0), ppo.rollout_file(1)]
+    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [ppo_run.rollout_file(0), ppo_run.rollout_file(1)]
     assert (root / PPO_MODEL / "model.safetensors").exists()
 
 
 def test_params_file_path_does_not_change_the_fingerprint(tiny_params, tmp_path):
     """The same values loaded from another file (dvc exp run, a copy) resume the same checkpoint."""
     other = load_params(params_file(tmp_path))
-    keys, inputs = ppo.TRACKED, ()
+    keys, inputs = stage("ppo").params, ()
     assert resume.fingerprint(other, keys, inputs, tmp_path) == resume.fingerprint(tiny_params, keys, inputs, tmp_path)

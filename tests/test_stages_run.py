@@ -11,10 +11,25 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from stages import ppo, scoring, sft, tokenize
-from stages.common import (EVAL_METRICS, EVAL_SAMPLES, PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS,
-                           PPO_TIMINGS, RAW_SFT, REWARD_METRICS, REWARD_MODEL, SFT_METRICS, SFT_MODEL,
-                           TOKENIZED_EVAL, TOKENIZED_TRAIN, StageError)
+from stages.artifacts import (
+    EVAL_METRICS,
+    EVAL_SAMPLES,
+    PPO_CURVES,
+    PPO_METRICS,
+    PPO_MODEL,
+    PPO_ROLLOUTS,
+    PPO_STATS,
+    PPO_TIMINGS,
+    RAW_SFT,
+    REWARD_METRICS,
+    REWARD_MODEL,
+    SFT_METRICS,
+    SFT_MODEL,
+    TOKENIZED_EVAL,
+    TOKENIZED_TRAIN,
+)
 from stages.params import ScorerParams
+from stages.runtime import StageError
 
 
 def test_sft_model_loads_with_plain_transformers(tiny_run, tiny_params):
@@ -39,8 +54,25 @@ def test_reward_model_has_one_scalar_head(tiny_run, tiny_params):
     model = AutoModelForSequenceClassification.from_pretrained(tiny_run / REWARD_MODEL)
     assert model.config.num_labels == 1
     assert AutoTokenizer.from_pretrained(tiny_run / REWARD_MODEL).model_max_length == tiny_params.reward.max_length
+
+
+def test_reward_metrics_are_the_saved_model_s_on_the_held_out_pairs(tiny_run, tiny_params):
+    """eval_accuracy is the fraction of held-out pairs (the stage's seeded split) that the saved RM orders right."""
+    import random
+
+    from stages.models import load_reward_model, reward_scores
+
+    pairs = pd.read_parquet(tiny_run / "data" / "raw" / "pairs.parquet")
+    order = list(range(len(pairs)))
+    random.Random(f"{tiny_params.seed}-reward").shuffle(order)
+    held_out = pairs.iloc[order[:round(len(pairs) * tiny_params.reward.eval_fraction)]]
+    model, tokenizer = load_reward_model(tiny_run / REWARD_MODEL)
+    chosen = reward_scores(model, tokenizer, (held_out["prompt"] + held_out["chosen"]).tolist(), 8)
+    rejected = reward_scores(model, tokenizer, (held_out["prompt"] + held_out["rejected"]).tolist(), 8)
     metrics = json.loads((tiny_run / REWARD_METRICS).read_text())
-    assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["n_eval"] >= 1
+    assert metrics["n_eval"] == len(held_out) == 16
+    assert metrics["eval_accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 16
+    assert metrics["eval_margin"] == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 16, abs=1e-6)
 
 
 def test_tokenize_truncates_filters_and_round_trips(tiny_run, tiny_params):
@@ -85,15 +117,36 @@ def test_ppo_is_deterministic(tiny_run, tiny_params, tmp_path):
         assert (root / rel).read_bytes() == (tiny_run / rel).read_bytes(), rel
 
 
-def test_evaluate_metrics_shape(tiny_run, tiny_params):
+def test_evaluate_metrics_are_those_of_its_samples(tiny_run, tiny_params):
+    """metrics.json summarises samples.parquet: each policy's means, and the win rate over the same prompts."""
     metrics = json.loads((tiny_run / EVAL_METRICS).read_text())
-    assert set(metrics) == {"sft", "ppo", "win_rate"} and 0 <= metrics["win_rate"] <= 1
-    for policy in ("sft", "ppo"):
-        assert set(metrics[policy]) == {"reward_mean", "gold_mean", "kl_to_sft", "response_len_mean"}
-    assert metrics["sft"]["kl_to_sft"] == pytest.approx(0, abs=1e-5)
     samples = pd.read_parquet(tiny_run / EVAL_SAMPLES)
-    assert samples.groupby("policy").size().to_dict() == {"ppo": tiny_params.evaluate.n_prompts,
-                                                          "sft": tiny_params.evaluate.n_prompts}
+    n = tiny_params.evaluate.n_prompts
+    assert samples.groupby("policy").size().to_dict() == {"ppo": n, "sft": n}
+    by = {name: samples[samples["policy"] == name].reset_index(drop=True) for name in ("sft", "ppo")}
+    assert (by["sft"]["query"] == by["ppo"]["query"]).all()
+    for name, rows in by.items():
+        assert metrics[name] == pytest.approx({"reward_mean": rows["score"].mean(), "gold_mean": rows["gold"].mean(),
+                                               "kl_to_sft": rows["kl_to_sft"].mean(),
+                                               "response_len_mean": rows["response_tokens"].mean()}, abs=1e-12)
+    assert (by["sft"]["kl_to_sft"] == 0).all() and metrics["sft"]["kl_to_sft"] == 0
+    wins = (by["ppo"]["score"] > by["sft"]["score"]).sum() + 0.5 * (by["ppo"]["score"] == by["sft"]["score"]).sum()
+    assert metrics["win_rate"] == wins / n
+
+
+def test_evaluate_metrics_by_hand():
+    from stages.evaluate import policy_metrics, win_rate
+
+    rows = {"score": [1.0, -2.0, 0.5, 3.0], "kl_to_sft": [0.0, 0.25, 0.5, 0.25], "response_tokens": [3, 5, 4, 8],
+            "gold": [1, -1, 0, 2]}
+    # score (1 - 2 + 0.5 + 3) / 4 = 0.625; kl 1.0 / 4 = 0.25; length 20 / 4 = 5; gold 2 / 4 = 0.5
+    assert policy_metrics(rows) == {"reward_mean": 0.625, "kl_to_sft": 0.25, "response_len_mean": 5.0,
+                                    "gold_mean": 0.5}
+    assert "gold_mean" not in policy_metrics({k: v for k, v in rows.items() if k != "gold"})
+    # ppo vs sft per prompt: 2 > 1 win, 1 = 1 tie, 1 < 2 loss, 0 = 0 tie: (1 + 0.5 + 0 + 0.5) / 4
+    assert win_rate([2.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0]) == 0.5
+    # a tie counts half, not as a win (>= would give 1.0) nor as nothing (dropping ties would give 0.5)
+    assert win_rate([2.0, 2.0], [1.0, 2.0]) == 0.75
 
 
 def test_ppo_with_a_callable_scorer(tiny_run, tiny_params, tmp_path, monkeypatch):

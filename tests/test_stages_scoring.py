@@ -11,8 +11,8 @@ from importlib.metadata import version
 import pytest
 from ruamel.yaml import YAML
 
-from stages import ppo, resume, scoring
-from stages.common import PPO_CHECKPOINTS
+from stages import ppo, ppo_run, resume, scoring
+from stages.artifacts import PPO_CHECKPOINTS
 from tests.conftest import ROOT
 
 DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -25,7 +25,7 @@ def with_scorer(params, name: str):
 def test_rewards_is_a_dep_of_ppo_and_its_example_scores_texts():
     from rewards.example import keyword_sentiment
 
-    assert scoring.REWARDS in DVC_STAGES["ppo"]["deps"] and scoring.REWARDS in ppo.CODE
+    assert scoring.REWARDS in DVC_STAGES["ppo"]["deps"]
     assert keyword_sentiment(["A good, FUN movie.", "dull and slow but good", ""]) == [2.0, -1.0, 0.0]
 
 
@@ -72,9 +72,9 @@ def test_an_edit_to_the_reward_code_starts_an_interrupted_run_afresh(tiny_run, t
     params = with_scorer(tiny_params, "editable_reward:score")
     root = tmp_path / "project"
     shutil.copytree(tiny_run, root)
-    monkeypatch.setattr(ppo, "discard", lambda directory: None)  # as if killed after publishing
+    monkeypatch.setattr(ppo_run, "discard", lambda directory: None)  # as if killed after publishing
     ppo.run(params, root)
-    assert (root / PPO_CHECKPOINTS / ppo.STATE).exists()
+    assert (root / PPO_CHECKPOINTS / ppo_run.STATE).exists()
 
     module.write_text("def score(texts):\n    return [float(len(t) % 5) for t in texts]\n")
     monkeypatch.delitem(__import__("sys").modules, "editable_reward")

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
-                          PreTrainedTokenizerFast, T5Config)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    BartConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    T5Config,
+)
 
 VOCAB = 64
 SPECIALS = ["<pad>", "<eos>", "<unk>"]

@@ -1,4 +1,4 @@
-"""Helpers shared by the stages: the error type, artifact paths, seeding, atomic writers, Parquet, RM scoring.
+"""The pipeline's artifacts: where they live, and how they are written and read.
 
 Every artifact is written atomically: to a temporary name in the same directory, then `os.replace`d onto its
 final name, so a killed stage never leaves a half-written file or model directory behind. Parquet files are
@@ -19,15 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-
-class StageError(Exception):
-    """Bad input a user can fix. The message is one line naming the file, key or column and what to do;
-    the CLI prints it without a traceback and exits with status 2."""
-
-
-class ParamsError(StageError):
-    """A params file that is missing, malformed, or has an unknown key or a wrong type."""
-
+from stages.runtime import StageError
 
 # Artifacts, relative to the project root (dvc.yaml declares the same paths).
 RAW_SFT = Path("data/raw/sft.parquet")
@@ -56,40 +48,6 @@ PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
 PPO_TIMINGS = Path("data/logs/ppo/timings.csv")
 NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"))
 
-
-def seed_everything(seed: int) -> None:
-    """The one seeding call of a stage: Python, NumPy and torch (all devices)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def process_state():
-    """accelerate's state of this process: one of several under `accelerate launch`, else the only one.
-    On a machine without a GPU (or with ACCELERATE_USE_CPU=1) the processes talk over gloo on the CPU; under a
-    DeepSpeed config, over the backend DeepSpeed names (`cpu=True` would turn DeepSpeed off)."""
-    import torch
-    from accelerate import PartialState
-
-    from ppo_core.distributed import cpu_backend, deepspeed_launched
-
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
-    if deepspeed_launched() and not use_cpu:
-        backend = cpu_backend()
-        return PartialState(**({"backend": backend} if backend else {}))
-    return PartialState(cpu=use_cpu or not torch.cuda.is_available())
-
-
-def device() -> str:
-    """"cuda" when a GPU is visible, else "cpu"."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @contextmanager
@@ -129,20 +87,6 @@ def remove_stale_temporaries(*directories: Path) -> None:
         for pattern in (".*.tmp-*", ".*.old-*", ".tmp-*"):
             for path in Path(directory).glob(pattern):
                 _remove(path)
-
-
-def note(message: str) -> None:
-    """Tell the user something they should know but that is not an error (one line, on stderr)."""
-    import sys
-
-    print(f"note: {message}", file=sys.stderr, flush=True)
-
-
-def warning(message: str) -> None:
-    """Tell the user something that may give results they do not expect (one line, on stderr)."""
-    import sys
-
-    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def fresh_dir(path: Path) -> Path:
@@ -210,82 +154,3 @@ def require_dir(path: Path) -> Path:
         raise StageError(f"{path}: no saved model here; run the stage that writes it first "
                          "(`dvc repro` runs them in order)")
     return Path(path)
-
-
-def model_context(path: Path) -> int:
-    """The most tokens the model at `path` attends to (its position embeddings), from its config."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(getattr(config, key, None), int):
-            return getattr(config, key)
-    return 1 << 30  # no fixed context (e.g. relative positions): nothing to drop
-
-
-def lora_config(spec, task_type: str):
-    """The `peft.LoraConfig` of the `model.lora` params (task_type "CAUSAL_LM" or "SEQ_CLS")."""
-    try:
-        from peft import LoraConfig
-    except ImportError:
-        raise StageError("model.lora is set but the 'peft' package is missing; pip install -e '.[lora]' "
-                         "(or set model.lora: null)") from None
-    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules,
-                      task_type=task_type)
-
-
-def with_lora(model, spec, task_type: str):
-    """`model` with a fresh LoRA adapter (base weights frozen), or `model` itself when `spec` is None."""
-    if spec is None:
-        return model
-    from peft import get_peft_model
-
-    try:
-        return get_peft_model(model, lora_config(spec, task_type))
-    except ValueError as err:  # e.g. target_modules that the model does not have
-        raise StageError(f"model.lora: {' '.join(str(err).split())[:200]}") from None
-
-
-def merged(model):
-    """A LoRA-adapted model with its adapter merged in (a plain transformers model); others unchanged."""
-    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
-
-
-def load_reward_model(path: Path):
-    """Load the reward model of the reward stage (scalar head) and its tokenizer, in eval mode."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(require_dir(path))
-    model = AutoModelForSequenceClassification.from_pretrained(path).to(device()).eval()
-    return model, tokenizer
-
-
-def reward_inputs(model, tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids the reward model scores, truncated to the tokenizer's model_max_length. An encoder-decoder
-    (T5, BART) classifies from the hidden state at the EOS token, so each text gets one at its end."""
-    if not model.config.is_encoder_decoder:
-        return tokenizer(texts, truncation=True)["input_ids"]
-    ids = tokenizer(texts, truncation=True, max_length=tokenizer.model_max_length - 1, add_special_tokens=False)
-    return [x + [tokenizer.eos_token_id] for x in ids["input_ids"]]
-
-
-def is_encoder_decoder(path: Path) -> bool:
-    """Whether the model saved at `path` is an encoder-decoder (T5, BART) rather than a causal LM."""
-    from transformers import AutoConfig
-
-    return bool(AutoConfig.from_pretrained(path).is_encoder_decoder)
-
-
-def reward_scores(model, tokenizer, texts: Sequence[str], batch_size: int) -> list[float]:
-    """Scalar reward of each text (the head's raw output), truncated to the tokenizer's model_max_length."""
-    import torch
-
-    tokenizer.padding_side = "right"
-    scores: list[float] = []
-    with torch.no_grad():
-        for start in range(0, len(texts), batch_size):
-            ids = reward_inputs(model, tokenizer, list(texts[start:start + batch_size]))
-            batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
-            logits = model(**batch.to(model.device)).logits  # (B, 1)
-            scores += logits[:, 0].float().cpu().tolist()
-    return scores

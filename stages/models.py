@@ -1,0 +1,88 @@
+"""Loading the pipeline's models: their shape, LoRA adapters, and the reward model with its scores."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from stages.artifacts import require_dir
+from stages.runtime import StageError, device
+
+
+def model_context(path: Path) -> int:
+    """The most tokens the model at `path` attends to (its position embeddings), from its config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return 1 << 30  # no fixed context (e.g. relative positions): nothing to drop
+
+
+def is_encoder_decoder(path: Path) -> bool:
+    """Whether the model saved at `path` is an encoder-decoder (T5, BART) rather than a causal LM."""
+    from transformers import AutoConfig
+
+    return bool(AutoConfig.from_pretrained(path).is_encoder_decoder)
+
+
+def lora_config(spec, task_type: str):
+    """The `peft.LoraConfig` of the `model.lora` params (task_type "CAUSAL_LM" or "SEQ_CLS")."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise StageError("model.lora is set but the 'peft' package is missing; pip install -e '.[lora]' "
+                         "(or set model.lora: null)") from None
+    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules,
+                      task_type=task_type)
+
+
+def with_lora(model, spec, task_type: str):
+    """`model` with a fresh LoRA adapter (base weights frozen), or `model` itself when `spec` is None."""
+    if spec is None:
+        return model
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, lora_config(spec, task_type))
+    except ValueError as err:  # e.g. target_modules that the model does not have
+        raise StageError(f"model.lora: {' '.join(str(err).split())[:200]}") from None
+
+
+def merged(model):
+    """A LoRA-adapted model with its adapter merged in (a plain transformers model); others unchanged."""
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+
+
+def load_reward_model(path: Path):
+    """Load the reward model of the reward stage (scalar head) and its tokenizer, in eval mode."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(require_dir(path))
+    model = AutoModelForSequenceClassification.from_pretrained(path).to(device()).eval()
+    return model, tokenizer
+
+
+def reward_inputs(model, tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids the reward model scores, truncated to the tokenizer's model_max_length. An encoder-decoder
+    (T5, BART) classifies from the hidden state at the EOS token, so each text gets one at its end."""
+    if not model.config.is_encoder_decoder:
+        return tokenizer(texts, truncation=True)["input_ids"]
+    ids = tokenizer(texts, truncation=True, max_length=tokenizer.model_max_length - 1, add_special_tokens=False)
+    return [x + [tokenizer.eos_token_id] for x in ids["input_ids"]]
+
+
+def reward_scores(model, tokenizer, texts: Sequence[str], batch_size: int) -> list[float]:
+    """Scalar reward of each text (the head's raw output), truncated to the tokenizer's model_max_length."""
+    import torch
+
+    tokenizer.padding_side = "right"
+    scores: list[float] = []
+    with torch.no_grad():
+        for start in range(0, len(texts), batch_size):
+            ids = reward_inputs(model, tokenizer, list(texts[start:start + batch_size]))
+            batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
+            logits = model(**batch.to(model.device)).logits  # (B, 1)
+            scores += logits[:, 0].float().cpu().tolist()
+    return scores
