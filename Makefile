@@ -34,7 +34,9 @@ run: install
 	@test -d .dvc || $(BIN)/dvc init -q
 	$(BIN)/dvc repro
 
+# lint first (seconds), then every test, the slow ones included (`pytest -m "not slow"` is the fast loop)
 test: $(VENV)/.installed-deepspeed
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
 
 bench: install
