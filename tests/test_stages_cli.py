@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,32 @@ def test_missing_input_is_exit_2_and_debug_shows_the_traceback(tmp_path):
     assert "data/raw/sft.parquet: not found" in result.stderr
     debug = run_module("sft", "--params", str(TINY), "--debug", cwd=tmp_path)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+
+def lacks_the_project_packages(python: str | None) -> bool:
+    return python is not None and subprocess.run([python, "-c", "import typer, torch"], capture_output=True).returncode
+
+
+@pytest.mark.skipif(not lacks_the_project_packages(SYSTEM_PYTHON), reason="needs a python3 without the packages")
+def test_a_python3_without_the_packages_reruns_itself_in_the_project_venv(tmp_path):
+    """DVC runs `python3 -m stages ...` with whatever python3 the shell finds; with the project's .venv there, the
+    stage runs in it (here: the system python3, an empty PATH, the checkout's .venv)."""
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([SYSTEM_PYTHON, "-m", "stages", "prepare", "--params", str(TINY)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("prepare: 160 SFT texts")
+
+
+@pytest.mark.skipif(not lacks_the_project_packages(SYSTEM_PYTHON), reason="needs a python3 without the packages")
+def test_without_a_venv_a_python3_lacking_the_packages_gets_a_one_line_hint(tmp_path):
+    shutil.copytree(ROOT / "stages", tmp_path / "stages", ignore=shutil.ignore_patterns("__pycache__"))  # no .venv
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([SYSTEM_PYTHON, "-m", "stages", "prepare"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"error: {SYSTEM_PYTHON} lacks the project's packages (typer, torch")
+    assert len(result.stderr.splitlines()) == 1 and "source .venv/bin/activate" in result.stderr
