@@ -168,7 +168,7 @@ def _read(file: str, path: str) -> Any:
     """``torch.load`` of one of the checkpoint's files (tensors and plain values only), or a clear error."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:
+    except Exception as exc:  # any unreadable file gets the same actionable message
         raise ValueError(f"checkpoint {path}: cannot be read ({os.path.basename(file)}: {exc.__class__.__name__}); "
                          "delete it to start fresh.") from exc
 

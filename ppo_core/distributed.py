@@ -117,7 +117,7 @@ def on_every_process(group, fn: Callable[..., T], *args: Any) -> T:
     result, error = None, None
     try:
         result = fn(*args)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - raised again by raise_if_any, on every process
         error = exc
     raise_if_any(error, group)
     return result
@@ -168,7 +168,7 @@ def raise_if_any(error: BaseException | None, group) -> None:
     message = f"process {index} of {group.num_processes}: {message}"
     try:
         exc = kind(message)
-    except Exception:
+    except Exception:  # noqa: BLE001 - an exception class with another signature: keep the message
         exc = RuntimeError(f"{kind.__name__}: {message}")
     raise exc from error
 

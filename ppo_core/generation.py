@@ -34,7 +34,7 @@ def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True)
 
 
-def _multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
+def _multinomial(input, num_samples, replacement=False, *, generator=None, out=None):  # torch's own names
     """``torch.multinomial`` with :func:`sample_categorical` for what ``generate`` asks on the CPU (one
     sample per row of a 2-D float tensor, default generator); everything else, and any invalid row (so
     that its error is torch's own), goes to torch."""

@@ -73,7 +73,7 @@ def in_threads(fn, n: int = 2) -> list:
     def run(i):
         try:
             results[i] = fn(ThreadGroup(i, shared))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - returned to the test
             results[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
