@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages.runtime import StageError
+from stages.runtime import StageError, reason
 
 # Artifacts, relative to the project root (dvc.yaml declares the same paths).
 RAW_SFT = Path("data/raw/sft.parquet")
@@ -47,6 +47,7 @@ PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
 # Wall-clock timings of the last run that executed: different every run, so kept out of the hashed outputs.
 PPO_TIMINGS = Path("data/logs/ppo/timings.csv")
 NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"))
+STATE = {"sft": (SFT_CHECKPOINTS,), "reward": (REWARD_CHECKPOINTS,), "ppo": (PPO_CHECKPOINTS, PPO_TIMINGS.parent)}
 
 
 
@@ -140,12 +141,39 @@ def read_table(path: Path, columns: Sequence[str]):
     path = Path(path)
     if not path.exists():
         raise StageError(f"{path}: not found; run the stage that writes it first (`dvc repro` runs them in order)")
-    present = pq.read_schema(path).names
-    missing = [name for name in columns if name not in present]
-    if missing:
-        raise StageError(f"{path}: column '{missing[0]}' not found (columns: {present}); "
-                         "rerun the stage that writes it")
-    return pq.read_table(path, columns=list(columns)).to_pandas()
+    try:
+        present = pq.read_schema(path).names
+        missing = [name for name in columns if name not in present]
+        if missing:
+            raise StageError(f"{path}: column '{missing[0]}' not found (columns: {present}); "
+                             "rerun the stage that writes it")
+        return pq.read_table(path, columns=list(columns)).to_pandas()
+    except (pa.ArrowException, OSError) as err:  # empty, truncated or not Parquet at all
+        raise StageError(f"{path}: not a readable Parquet file ({reason(err)}); rerun the stage that writes it "
+                         f"(`dvc repro -f {writer_of(path)}`, or `dvc checkout` for the last good one)") from None
+
+
+def check_writable(root: Path, paths: Sequence[Path | str]) -> None:
+    """Create and delete a file where each of ``paths`` will be written (beside it: the atomic writers' temporary
+    names), so that a stage that cannot write its outputs stops before its work, not after it. An OSError names the
+    place (the CLI turns it into one line)."""
+    for path in paths:
+        folder = (Path(root) / path).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+
+
+def writer_of(path: Path) -> str:
+    """The stage whose outputs hold ``path`` (dvc.yaml's), for messages; "<stage>" if none does."""
+    from stages.pipeline import stages
+
+    where = f"/{Path(path).as_posix()}/"
+    for spec in stages().values():
+        if any(f"/{out.rstrip('/')}/" in where for out in spec.outs):  # relative or under a project root
+            return spec.name
+    return "<stage>"
 
 
 def require_dir(path: Path) -> Path:

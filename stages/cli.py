@@ -7,6 +7,7 @@ with status 2; `--debug` shows the traceback instead.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import time
@@ -15,8 +16,10 @@ from typing import Annotated
 
 import typer
 
+from stages.artifacts import STATE, check_writable
 from stages.params import load_params
-from stages.pipeline import stage, stages
+from stages.pipeline import stage as stage_spec
+from stages.pipeline import stages
 from stages.runtime import StageError
 
 app = typer.Typer(
@@ -32,14 +35,29 @@ DEFAULT_PARAMS = Path("params.yaml")
 def _run(stage: str, params_path: Path, debug: bool) -> None:
     start = time.perf_counter()
     try:
-        summary = importlib.import_module(f"stages.{stage}").run(load_params(params_path))
-    except StageError as err:
-        if debug:
+        params = load_params(params_path)
+        check_writable(Path("."), [*stage_spec(stage).outs, *(path / "x" for path in STATE.get(stage, ()))])
+        summary = importlib.import_module(f"stages.{stage}").run(params)
+    except (StageError, OSError) as err:
+        if debug or (isinstance(err, OSError) and err.errno not in UNWRITABLE):
             raise
-        typer.echo(f"error: {stage}: {err}{restore_hint()}", err=True)
+        message = err if isinstance(err, StageError) else unwritable(err)
+        typer.echo(f"error: {stage}: {message}{restore_hint()}", err=True)
         raise typer.Exit(2) from None
     if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, the main process reports
         typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s]")
+
+
+# A file or directory the stage cannot write: denied, read-only, or a full disk.
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+
+
+def unwritable(err: OSError) -> str:
+    """One line for an output the stage could not write (what it writes is written atomically: nothing half-written
+    is left, and the previous outputs stay as they were)."""
+    what = f"{err.filename}: " if err.filename else ""
+    problem = err.strerror.lower() if err.strerror else str(err)
+    return f"{what}{problem}; cannot write there (make it writable, or free space)"
 
 
 def restore_hint() -> str:
@@ -66,7 +84,7 @@ DESCRIPTIONS = {
 
 def stage_help(name: str) -> str:
     """The stage's help: what it does, and what it reads and writes as dvc.yaml declares it."""
-    spec = stage(name)
+    spec = stage_spec(name)
     data = "; " + ", ".join(map(str, spec.data)) if spec.data else ""
     return (f"{DESCRIPTIONS[name]}\n\nReads: params {', '.join(spec.params)}{data}.\n\n"
             f"Writes: {', '.join(spec.outs)}.")

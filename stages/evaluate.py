@@ -33,13 +33,17 @@ from stages.artifacts import (
 )
 from stages.models import is_encoder_decoder, load_reward_model, reward_scores
 from stages.params import Params
-from stages.runtime import device
+from stages.runtime import device, note
 from stages.synthetic import gold_score
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
     set_seed(params.seed)
-    prompts = read_table(root / TOKENIZED_EVAL, ["query", "input_ids"]).head(params.evaluate.n_prompts)
+    prompts = read_table(root / TOKENIZED_EVAL, ["query", "input_ids"])
+    if params.evaluate.n_prompts is not None and params.evaluate.n_prompts > len(prompts):
+        note(f"evaluate: evaluate.n_prompts is {params.evaluate.n_prompts}, but {TOKENIZED_EVAL} holds {len(prompts)} "
+             f"held-out prompts: evaluating all {len(prompts)}")
+    prompts = prompts.head(params.evaluate.n_prompts)
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     model_class = AutoModelForSeq2SeqLM if is_encoder_decoder(require_dir(root / SFT_MODEL)) else AutoModelForCausalLM

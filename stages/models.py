@@ -6,7 +6,29 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stages.artifacts import require_dir
-from stages.runtime import StageError, device
+from stages.runtime import StageError, device, reason
+
+
+def check_model_source(name: str, key: str = "model.name_or_path") -> None:
+    """A clear line, before any loader runs, for a model name that can load nothing: a directory without a saved
+    model, or neither a directory nor a hub id in the local cache while downloads are off (HF_HUB_OFFLINE=1)."""
+    import os
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise StageError(f"{key} '{name}': the directory holds no saved model (no config.json); give the "
+                             "directory that save_pretrained wrote")
+        return
+    if path.exists():
+        raise StageError(f"{key} '{name}' is a file; give the directory that save_pretrained wrote")
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise StageError(f"{key} '{name}': no such directory, and no hub model of that id in the local cache "
+                             "(downloads are off: HF_HUB_OFFLINE=1); give the directory that save_pretrained wrote, "
+                             "or set HF_HUB_OFFLINE=0 to download it")
 
 
 def model_context(path: Path) -> int:
@@ -47,7 +69,7 @@ def with_lora(model, spec, task_type: str):
     try:
         return get_peft_model(model, lora_config(spec, task_type))
     except ValueError as err:  # e.g. target_modules that the model does not have
-        raise StageError(f"model.lora: {' '.join(str(err).split())[:200]}") from None
+        raise StageError(f"model.lora: {reason(err, 200)}") from None
 
 
 def merged(model):

@@ -238,7 +238,10 @@ def load_params(path: str | Path) -> Params:
         params = Params(path=path, **{name: checked(raw[name], tp, name) for name, tp in SECTIONS.items()})
         _check_values(params)
     except ConfigError as err:
-        raise ParamsError(f"{path}: {err.message('')}") from None
+        hint = ""
+        if err.key == "scorer.source" and ":" in str(raw.get("scorer", {}).get("source", "")):
+            hint = "; a function goes in scorer.name ('module:function') with scorer.source: callable"
+        raise ParamsError(f"{path}: {err.message('')}{hint}") from None
     with warnings.catch_warnings():  # deprecation warnings come again when the ppo stage builds its config
         warnings.simplefilter("ignore")
         ppo_config(params)  # every stage checks the ppo section: a typo there fails at once, not after sft

@@ -31,7 +31,7 @@ from stages.models import is_encoder_decoder, lora_config, model_context
 from stages.params import Params, ppo_config
 from stages.ppo_run import checkpoint, gather_columns, publish, record, resume
 from stages.runtime import StageError, process_state
-from stages.scoring import build_scorer, checked_scores
+from stages.scoring import build_scorer, scored
 from stages.synthetic import gold_score
 
 
@@ -76,13 +76,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
         responses = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
         # 2. score
         texts = [q + r for q, r in zip(queries, responses)]
-        scores = checked_scores(score(texts), len(texts), params, step)
+        scores = scored(score, texts, params, step)
         # 3. optimise
         try:
             stats = trainer.step(query_tensors, response_tensors, [torch.tensor(s, dtype=torch.float) for s in scores])
         except FloatingPointError as err:  # raised before the update: the last checkpoint is intact
-            raise StageError(f"{err}; the checkpoint in {root / PPO_CHECKPOINTS} (if any) is intact and a rerun "
-                             "resumes from it") from None
+            raise StageError(f"{str(err).rstrip('.')}; the checkpoint in {root / PPO_CHECKPOINTS} (if any) is intact "
+                             "and a rerun resumes from it") from None
         # 4. record: every process's rollouts, in process order (as step() gathers its per-sample stats)
         gold = [gold_score(t) for t in texts] if params.data.is_synthetic else None
         rollouts = gather_columns({

@@ -13,7 +13,7 @@ from ppo_core.utils import set_seed
 from stages import synthetic
 from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, write_parquet
 from stages.params import SYNTHETIC, DatasetSpec, Params
-from stages.runtime import StageError
+from stages.runtime import StageError, note, reason
 
 COLUMNS = {"sft": ("text",), "pairs": ("prompt", "chosen", "rejected"), "prompts": ("query",)}
 LOCAL_READERS = {".parquet": "read_parquet", ".jsonl": "read_json", ".json": "read_json", ".csv": "read_csv"}
@@ -62,6 +62,8 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
                              "(missing or numbers); clean the file")
     order = list(range(len(frame)))
     random.Random(f"{params.seed}-{name}").shuffle(order)
+    if spec.n is not None and spec.n > len(frame):
+        note(f"prepare: data.{name}.n is {spec.n}, but {spec.source} has {len(frame)} rows: using all {len(frame)}")
     frame = frame.iloc[order[:spec.n]]
     return {ours: frame[spec.columns[ours]].tolist() for ours in COLUMNS[name]}
 
@@ -96,7 +98,7 @@ def read_source(spec: DatasetSpec, name: str):
     except (ValueError, OSError) as err:
         if reader == "read_csv" and isinstance(err, pd.errors.EmptyDataError):
             return pd.DataFrame()
-        raise StageError(f"{path}: could not be read as {path.suffix} ({' '.join(str(err).split())[:200]})") from None
+        raise StageError(f"{path}: could not be read as {path.suffix} ({reason(err, 200)})") from None
 
 
 def read_hub(spec: DatasetSpec, name: str):
@@ -104,9 +106,9 @@ def read_hub(spec: DatasetSpec, name: str):
 
     try:
         return datasets.load_dataset(spec.source, split=spec.split).to_pandas()
-    except Exception as err:  # the hub client raises many types; all mean "could not load"
+    except Exception as err:  # noqa: BLE001 - the hub client raises many types; all mean "could not load"
         raise StageError(
             f"{spec.source}: could not load Hugging Face dataset split '{spec.split}' (data.{name}.source): "
-            f"{' '.join(str(err).split())[:200]}. Stage processes default to HF_HUB_OFFLINE=1; "
+            f"{reason(err, 200)}. Stage processes default to HF_HUB_OFFLINE=1; "
             "set HF_HUB_OFFLINE=0 to allow downloads, or use a local file"
         ) from None

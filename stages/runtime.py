@@ -19,6 +19,15 @@ class ParamsError(StageError):
     """A params file that is missing, malformed, or has an unknown key or a wrong type."""
 
 
+def reason(err: BaseException, limit: int = 160) -> str:
+    """A library's error message as part of one line: its first line, whitespace collapsed, cut at a word (with an
+    ellipsis) rather than mid-word when longer than ``limit``."""
+    text = " ".join((str(err).strip().splitlines() or [type(err).__name__])[0].split()) or type(err).__name__
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(" ,;:(") + " ..."
+
+
 def note(message: str) -> None:
     """Tell the user something they should know but that is not an error (one line, on stderr)."""
     print(f"note: {message}", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 import sysconfig
+import traceback
 from collections.abc import Callable
 from importlib.metadata import packages_distributions, version
 from pathlib import Path
@@ -26,7 +27,7 @@ from stages.artifacts import REWARD_MODEL
 from stages.models import load_reward_model, reward_scores
 from stages.params import Params
 from stages.resume import CODE_ROOT, digest
-from stages.runtime import StageError, device, process_state, warning
+from stages.runtime import StageError, device, process_state, reason, warning
 
 REWARDS = "rewards"  # the package of user reward functions, a dep of the ppo stage in dvc.yaml
 
@@ -42,7 +43,7 @@ def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float
             pipe = pipeline("text-classification", model=spec.name, device=device())
         except (OSError, ValueError) as err:
             raise StageError(f"{params.path}: scorer.name '{spec.name}' could not be loaded as a text-classification "
-                             f"model ({' '.join(str(err).split())[:160]}); give a local path or a model id") from None
+                             f"model ({reason(err)}); give a local path or a model id") from None
 
         def score_with_pipeline(texts: list[str]) -> list[float]:
             outputs = pipe(texts, batch_size=spec.batch_size, function_to_apply="none", top_k=None)
@@ -54,13 +55,41 @@ def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float
 
         return score_with_pipeline
     module_name, _, attr = spec.name.partition(":")
+    where = f"{params.path}: scorer.name '{spec.name}'"
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise StageError(f"{params.path}: scorer.name '{spec.name}' is not an importable 'module:function' "
-                         f"({err})") from None
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise StageError(f"{where} is not an importable 'module:function' ({err})") from None
+    except SyntaxError as err:  # the user's own file: say where, in one line
+        raise StageError(f"{where}: {err.filename}:{err.lineno}: SyntaxError: {err.msg}") from err
+    except Exception as err:  # anything the module's own code raises on import
+        raise StageError(f"{where}: importing {module_name} raised {raised_at(err)}") from err
+    fn = getattr(module, attr, None) if attr else None
+    if not callable(fn):
+        raise StageError(f"{where} is not an importable 'module:function' ({module_name} has no function "
+                         f"'{attr}')")
+    return fn  # its output is checked by `scored`
 
-    return fn  # its output is checked by `checked_scores`
+
+def raised_at(err: BaseException) -> str:
+    """``Type: message (file:line)`` of an exception, at the innermost frame of its traceback (the user's code)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {reason(err)}{at}"
+
+
+def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, step: int) -> list[float]:
+    """``score(texts)`` checked (see `checked_scores`); an exception the scorer raises becomes one line naming the
+    step, the scorer, the exception and where it was raised (``--debug`` shows the traceback)."""
+    try:
+        scores = score(texts)
+    except StageError:
+        raise
+    except Exception as err:  # the user's function may raise anything
+        name = f" {params.scorer.name}" if params.scorer.name else ""
+        raise StageError(f"PPO step {step + 1}: scorer ({params.scorer.source}{name}) raised {raised_at(err)}") \
+            from err
+    return checked_scores(scores, len(texts), params, step)
 
 
 def scorer_origin(params: Params) -> dict[str, dict[str, Any]]:

@@ -38,11 +38,11 @@ from stages.artifacts import (
     save_pretrained,
     write_json,
 )
-from stages.models import merged, with_lora
+from stages.models import check_model_source, merged, with_lora
 from stages.params import ModelParams, Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
-from stages.runtime import StageError, device, note, process_state
+from stages.runtime import StageError, device, note, process_state, reason
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 
@@ -121,15 +121,16 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
 def build(spec: ModelParams, texts: list[str]):
     """The tokenizer and the untrained (or pretrained) causal or encoder-decoder LM."""
     if spec.name_or_path is not None:
+        check_model_source(spec.name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec.name_or_path)
             model_class = (AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(spec.name_or_path).is_encoder_decoder
                            else AutoModelForCausalLM)
             model = model_class.from_pretrained(spec.name_or_path)
-        except OSError as err:
-            raise StageError(f"model.name_or_path '{spec.name_or_path}' could not be loaded "
-                             f"({' '.join(str(err).split())[:160]}); give a local save_pretrained directory, or a hub "
-                             "id with HF_HUB_OFFLINE=0, or null to train the default model from scratch") from None
+        except (OSError, ValueError) as err:  # e.g. a tokenizer or weights file transformers cannot read
+            raise StageError(f"model.name_or_path '{spec.name_or_path}' could not be loaded ({reason(err)}); give a "
+                             "local save_pretrained directory, a hub id (with HF_HUB_OFFLINE=0), or null to train the "
+                             "default model from scratch") from None
         if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
             # Padding with EOS would mask EOS out of the loss and the policy would never learn to stop.
             why = "has no pad token" if tokenizer.pad_token is None else "pads with its EOS token"

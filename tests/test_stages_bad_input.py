@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def nan(texts):
 
 def one_number(texts):
     return 1.0
+
+def raises(texts):
+    return [len(t) / 0 for t in texts]
 
 CALLS = []
 
@@ -70,6 +74,38 @@ def setup_long_prompts(root):
         pd.DataFrame({"query": [LONG_PROMPT] * 4}).to_parquet(root / "data" / "raw" / f"{name}.parquet")
 
 
+def setup_truncated_sft_parquet(root):
+    path = root / "data" / "raw" / "sft.parquet"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def setup_empty_pairs_parquet(root):
+    (root / "data" / "raw" / "pairs.parquet").write_bytes(b"")
+
+
+def setup_prompts_not_parquet(root):
+    (root / "data" / "raw" / "prompts_train.parquet").write_text("query\nthe movie was\n")
+
+
+def setup_empty_model_dir(root):
+    (root / "empty_model").mkdir()
+
+
+def setup_broken_scorer(root):
+    (root / "broken.py").write_text("def score(texts):\n    return [1.0 for t in texts\n")
+
+
+def setup_unwritable(folder: str):
+    """`folder` made immutable (chattr +i: even root cannot create files in it); undone after the test."""
+    def setup(root):
+        path = root / folder
+        path.mkdir(parents=True, exist_ok=True)
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)]).returncode:
+            pytest.skip("needs chattr +i (an immutable directory) to make a directory root cannot write")
+        return lambda: subprocess.run(["chattr", "-i", str(path)], check=True)
+    return setup
+
+
 # (id, stage, upstream artifacts, params changes, extra setup, message fragment after "error: <stage>: ")
 CASES = [
     ("unknown-key", "prepare", None, {"sft.learnin_rate": 0.1},
@@ -103,7 +139,28 @@ CASES = [
      {"model.name_or_path": "data/models/sft", "tokenize.max_query_tokens": 100},
      setup_long_prompts, "data/raw/prompts_train.parquet: all 4 queries are 48 tokens or longer after truncation"),
     ("model-path-missing", "sft", "sft", {"model.name_or_path": "no/such-model"},
-     None, "model.name_or_path 'no/such-model' could not be loaded"),
+     None, "model.name_or_path 'no/such-model': no such directory, and no hub model of that id in the local cache "
+           "(downloads are off: HF_HUB_OFFLINE=1); give the directory that save_pretrained wrote, or set "
+           "HF_HUB_OFFLINE=0 to download it"),
+    ("model-path-empty-dir", "sft", "sft", {"model.name_or_path": "empty_model"},
+     setup_empty_model_dir, "model.name_or_path 'empty_model': the directory holds no saved model (no config.json)"),
+    ("raw-parquet-truncated", "sft", "sft", {},
+     setup_truncated_sft_parquet, "data/raw/sft.parquet: not a readable Parquet file ("),
+    ("raw-parquet-empty", "reward", "tokenize", {},
+     setup_empty_pairs_parquet, "data/raw/pairs.parquet: not a readable Parquet file ("),
+    ("raw-parquet-not-parquet", "tokenize", "tokenize", {},
+     setup_prompts_not_parquet, "data/raw/prompts_train.parquet: not a readable Parquet file ("),
+    ("outputs-not-writable", "prepare", None, {},
+     setup_unwritable("data/raw"), "operation not permitted; cannot write there (make it writable, or free space)"),
+    ("models-not-writable", "ppo", "ppo", {},
+     setup_unwritable("data/models"), "operation not permitted; cannot write there (make it writable, or free space)"),
+    ("scorer-source-is-a-function", "prepare", None, {"scorer.source": "myreward:score"},
+     None, "params.yaml: scorer.source must be one of ['reward_model', 'pipeline', 'callable'], got 'myreward:score' "
+           "(str); a function goes in scorer.name ('module:function') with scorer.source: callable"),
+    ("reward-raises", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:raises"},
+     None, "PPO step 1: scorer (callable scorers:raises) raised ZeroDivisionError: division by zero ("),
+    ("reward-syntax-error", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "broken:score"},
+     setup_broken_scorer, "SyntaxError: "),
     ("reward-wrong-count", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:wrong_count"},
      None, "PPO step 1: scorer (callable scorers:wrong_count) returned 7 scores for 8 texts; return one number per "
            "text"),
@@ -123,20 +180,22 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input(case, tiny_run, tmp_path, monkeypatch):
+def test_bad_input(case, tiny_run, tmp_path, monkeypatch, request):
     _, stage, upstream, changes, setup, fragment = case
     root = project(tiny_run, tmp_path, upstream)
     params = write_params(root, changes)
-    if setup:
-        setup(root)
+    cleanup = setup(root) if setup else None
+    if cleanup:
+        request.addfinalizer(cleanup)
     monkeypatch.chdir(root)
     monkeypatch.syspath_prepend(str(root))
-    monkeypatch.delitem(sys.modules, "scorers", raising=False)  # this project's scorers.py, with fresh state
+    for module in ("scorers", "broken"):  # this project's files, with fresh state
+        monkeypatch.delitem(sys.modules, module, raising=False)
     before = files(root)
     result = CliRunner().invoke(app, [stage, "--params", "params.yaml"])
     assert result.exit_code == 2, result.output + str(result.exception)
     lines = result.stderr.splitlines()
-    if changes.get("scorer.source") == "callable" and "missing" not in changes["scorer.name"]:
+    if changes.get("scorer.name", "").startswith("scorers:") and "missing" not in changes["scorer.name"]:
         # scorers.py lies outside rewards/, so dvc.yaml does not track it: the stage says so first
         assert lines[0].startswith(f"warning: ppo: scorer.name '{changes['scorer.name']}' is defined in "), lines
         lines = lines[1:]
@@ -206,3 +265,24 @@ def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(tiny_run, t
         expected = [float(rm.eval()(**rm_tokenizer(t, return_tensors="pt")).logits[0, 0]) for t in sample]
     assert scoring.build_scorer(tiny_params, root)(sample) == pytest.approx(expected, abs=1e-5)
     assert "steps" in ppo.run(dataclasses.replace(tiny_params), root)
+
+
+def test_sizes_beyond_the_data_are_said_in_one_line(tiny_run, tmp_path, monkeypatch):
+    """More rows or prompts asked for than there are: the stage uses what there is, and says so in one line."""
+    root = project(tiny_run, tmp_path, None)
+    (root / "texts.jsonl").write_text("\n".join(json.dumps({"text": f"review {i}"}) for i in range(5)) + "\n")
+    write_params(root, {"data.sft.source": "texts.jsonl", "data.sft.n": 4000})
+    monkeypatch.chdir(root)
+    result = CliRunner().invoke(app, ["prepare", "--params", "params.yaml"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == "note: prepare: data.sft.n is 4000, but texts.jsonl has 5 rows: using all 5\n"
+    assert len(pd.read_parquet(root / "data" / "raw" / "sft.parquet")) == 5
+
+    shutil.rmtree(root / "data")
+    shutil.copytree(tiny_run / "data", root / "data", ignore=shutil.ignore_patterns("eval"))
+    write_params(root, {"evaluate.n_prompts": 5000})
+    result = CliRunner().invoke(app, ["evaluate", "--params", "params.yaml"])
+    assert result.exit_code == 0, result.stderr
+    assert "note: evaluate: evaluate.n_prompts is 5000, but data/tokenized/eval.parquet holds 8 held-out prompts: " \
+           "evaluating all 8\n" in result.stderr
+    assert len(pd.read_parquet(root / "data" / "eval" / "samples.parquet")) == 2 * 8
