@@ -25,7 +25,7 @@ from stages.runtime import StageError
 app = typer.Typer(
     help="RLHF pipeline stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate. "
     "`dvc repro` runs them in order; each one can also run alone.",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
 )
 ParamsPath = Annotated[Path, typer.Option("--params", help="Params file (YAML 1.2), one section per stage.")]
 Debug = Annotated[bool, typer.Option("--debug", help="On error, show the traceback instead of one line.")]

@@ -104,7 +104,7 @@ def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch
     """Sampled response tokens per query, ``batch_size`` at a time, each cut after its first EOS (kept): ppo_core's
     generation, as in the PPO rollouts, with transformers' own sampling draws."""
     out = []
-    for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch"):
+    for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch", disable=None):  # a terminal only
         queries = [torch.tensor(q) for q in query_ids[start:start + batch_size]]
         responses = generate_batched(model, tokenizer, queries, model.device, None, len(queries), False, generation,
                                      model.config.is_encoder_decoder, fast_sampling=False)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
@@ -30,7 +29,7 @@ from stages.artifacts import (
 from stages.models import is_encoder_decoder, lora_config, model_context
 from stages.params import Params, ppo_config
 from stages.ppo_run import checkpoint, gather_columns, publish, record, resume
-from stages.runtime import StageError, process_state
+from stages.runtime import Progress, StageError, process_state
 from stages.scoring import build_scorer, scored
 from stages.synthetic import gold_score
 
@@ -66,8 +65,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     for _ in range(start):  # the data position: the batches the checkpointed steps consumed
         next(batches)
     total = config.total_ppo_epochs
-    progress = tqdm(range(start, total), desc="ppo", unit="step", initial=start, total=total, disable=not main or None)
-    for step in progress:
+    progress = Progress("ppo", total, start=start, main=main)  # step i/N, ETA, the last step's reward and KL
+    for step in range(start, total):
         idx = next(batches)[rank * config.batch_size:(rank + 1) * config.batch_size]  # this process's share
         query_tensors = [torch.tensor(prompts["input_ids"][i]) for i in idx]
         queries = [prompts["query"][i] for i in idx]
@@ -96,10 +95,12 @@ def run(params: Params, root: Path = Path(".")) -> str:
         tables.append(step, stats, rollouts["score"], rollouts.get("gold"))
         if main:  # only the main process writes
             record(root, step, rollouts, tables)
+        progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
         # 5. checkpoint
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
             checkpoint(trainer, root, step + 1, tables)
+    progress.close()
     publish(trainer, root, tables, tokenizer)  # the run has finished
     first, last = tables.curves[0], tables.curves[-1]
     resumed = f", resumed at step {start}" if start else ""

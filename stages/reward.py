@@ -30,7 +30,7 @@ from stages.models import merged, reward_inputs, reward_scores, with_lora
 from stages.params import Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
-from stages.runtime import device, process_state
+from stages.runtime import device, process_state, quiet_trainer, trainer_progress
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -56,9 +56,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
     spec = stage("reward")  # what dvc.yaml says the stage tracks: a checkpoint is reused only for the same
     expected = fingerprint(params, spec.params, spec.data, root, spec.code)
     resume_from = open_trainer_checkpoints(checkpoints, expected, params, "reward")
-    trainer = PairwiseTrainer(model=model, args=training_args(params, checkpoints), train_dataset=train,
-                              data_collator=PairCollator(tokenizer), processing_class=tokenizer,
-                              callbacks=[trainer_callback()])
+    trainer = quiet_trainer(PairwiseTrainer(
+        model=model, args=training_args(params, checkpoints), train_dataset=train,
+        data_collator=PairCollator(tokenizer), processing_class=tokenizer,
+        callbacks=[trainer_callback(), trainer_progress("reward")]))
     trainer.train(resume_from_checkpoint=resume_from)
     model.eval()
     bs = params.reward.batch_size * 2
@@ -97,7 +98,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         save_total_limit=2, learning_rate=rm.learning_rate, num_train_epochs=rm.num_train_epochs,
         per_device_train_batch_size=rm.batch_size, warmup_steps=rm.warmup_ratio, lr_scheduler_type="cosine",
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
-        remove_unused_columns=False, logging_strategy="no", report_to="none",
+        remove_unused_columns=False, logging_strategy="no", report_to="none", disable_tqdm=True,
     )
 
 

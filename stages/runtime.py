@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 class StageError(Exception):
@@ -59,3 +60,66 @@ def device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Progress:
+    """A stage's progress through its ``total`` steps: a bar on a terminal; elsewhere (a log, CI, `dvc repro` piped)
+    one line every ``every`` seconds and at the end, e.g. ``ppo: step 8/24, 12 s, ETA 24 s, reward 0.52, kl 1.31``.
+    Only the main process of a run reports; ``TQDM_DISABLE=1`` silences both."""
+
+    def __init__(self, name: str, total: int, start: int = 0, every: float = 15.0, main: bool = True):
+        from tqdm.auto import tqdm
+
+        self.name, self.total, self.start, self.every = name, total, start, every
+        self.enabled = main and os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true", "yes")
+        self.bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True) \
+            if self.enabled and sys.stderr.isatty() else None
+        self.began = self.last = time.monotonic()
+
+    def update(self, done: int, **latest: float) -> None:
+        """``done`` steps are complete; ``latest`` are values to show (the last step's reward, KL, ...)."""
+        if not self.enabled:
+            return
+        shown = {key: f"{value:.3g}" for key, value in latest.items()}
+        if self.bar is not None:
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(done - self.bar.n)
+            return
+        now = time.monotonic()
+        if now - self.last < self.every and done < self.total:
+            return
+        self.last, elapsed = now, now - self.began
+        rate = (done - self.start) / elapsed if elapsed > 0 and done > self.start else 0.0
+        eta = f", ETA {(self.total - done) / rate:.0f} s" if rate and done < self.total else ""
+        values = "".join(f", {key} {value}" for key, value in shown.items())
+        print(f"{self.name}: step {done}/{self.total}, {elapsed:.0f} s{eta}{values}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def trainer_progress(name: str):
+    """A transformers Trainer callback reporting its optimiser steps through :class:`Progress` (the Trainer's own bar
+    and its printed log dicts are turned off: ``disable_tqdm=True``, and ``quiet_trainer`` removes the printer)."""
+    from transformers import TrainerCallback
+
+    class ReportProgress(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.progress = Progress(name, state.max_steps, start=state.global_step, main=state.is_world_process_zero)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.progress.update(state.global_step)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.progress.close()
+
+    return ReportProgress()
+
+
+def quiet_trainer(trainer):
+    """``trainer`` without the callback that prints its metrics dicts (with ``disable_tqdm`` it prints them)."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    return trainer

@@ -42,7 +42,7 @@ from stages.models import check_model_source, merged, with_lora
 from stages.params import ModelParams, Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
-from stages.runtime import StageError, device, note, process_state, reason
+from stages.runtime import StageError, device, note, process_state, quiet_trainer, reason, trainer_progress
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 
@@ -67,15 +67,15 @@ def run(params: Params, root: Path = Path(".")) -> str:
     spec = stage("sft")  # what dvc.yaml says the stage tracks: a checkpoint is reused only for the same
     expected = fingerprint(params, spec.params, spec.data, root, spec.code)
     resume_from = open_trainer_checkpoints(checkpoints, expected, params, "sft")
-    trainer = Trainer(
+    trainer = quiet_trainer(Trainer(
         model=model,
         args=training_args(params, checkpoints),
         data_collator=collator,
         train_dataset=examples[n_eval:],
         eval_dataset=examples[:n_eval],
         processing_class=tokenizer,
-        callbacks=[trainer_callback()],
-    )
+        callbacks=[trainer_callback(), trainer_progress("sft")],
+    ))
     trainer.train(resume_from_checkpoint=resume_from)
     # Losses of the final model (not the running mean of training, which a resumed run only partly sees)
     train_loss = trainer.evaluate(examples[n_eval:], metric_key_prefix="train")["train_loss"]
@@ -114,7 +114,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         per_device_train_batch_size=sft.batch_size, per_device_eval_batch_size=sft.batch_size,
         warmup_steps=sft.warmup_ratio, lr_scheduler_type="cosine", weight_decay=sft.weight_decay,
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
-        logging_strategy="no", report_to="none",
+        logging_strategy="no", report_to="none", disable_tqdm=True,
     )
 
 

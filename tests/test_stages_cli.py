@@ -35,6 +35,7 @@ def test_stage_help_says_what_it_reads_and_writes(stage):
     result = CliRunner().invoke(app, [stage, "--help"], terminal_width=200)
     assert result.exit_code == 0
     assert "Reads:" in result.output and "Writes:" in result.output and "--params" in result.output
+    assert "--debug " in result.output and "<bool>" not in result.output  # flags look like flags
 
 
 def test_single_stage_run_prints_a_summary(tmp_path):

@@ -209,8 +209,16 @@ def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
     (tmp_path / RAW_SFT).parent.mkdir(parents=True)
     shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
     model = dataclasses.replace(tiny_params.model, name_or_path="no-such-org/no-such-model")
-    with pytest.raises(StageError, match=r"model.name_or_path 'no-such-org/no-such-model' could not be loaded"):
+    with pytest.raises(StageError, match=r"^model.name_or_path 'no-such-org/no-such-model': no such directory, and no "
+                                         r"hub model of that id in the local cache"):
         sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")  # a config, but no model transformers can load from it
+    model = dataclasses.replace(tiny_params.model, name_or_path=str(tmp_path / "broken"))
+    with pytest.raises(StageError, match=r"model.name_or_path '.*broken' could not be loaded \(.+\); give a local "
+                                         r"save_pretrained directory") as err:
+        sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
+    assert "\n" not in str(err.value)
 
 
 def test_logprob_sums_match_one_sample_at_a_time(tiny_run):
