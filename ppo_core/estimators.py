@@ -1,0 +1,134 @@
+"""Critic-free advantage estimators, the KL loss term and loss aggregation, as pure functions.
+
+GAE with a learned critic (``ppo_math.gae_advantages``) is PPO's estimator; these replace the critic by other samples
+of the same prompt (GRPO, Dr. GRPO, RLOO) or by the batch (REINFORCE++). The batch is laid out in groups: ``G``
+samples per prompt, consecutive (``scores[k*G:(k+1)*G]`` answer one prompt), so a group is one ``view(-1, G)``.
+
+Notation: ``B`` samples (``B = P * G``: ``P`` prompts of ``G`` samples), ``R`` response length, ``mask`` ``(B, R)``
+1 = a token that counts. Sequence-level advantages ``(B,)`` are broadcast to every token of their response.
+
+References: GRPO (Shao et al. 2024, DeepSeekMath), Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
+Training"), RLOO (Ahmadian et al. 2024, after Kool et al. 2019), REINFORCE++ (Hu 2025, OpenRLHF), and the k1/k2/k3
+KL estimators (Schulman 2020, "Approximating KL divergence").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core import SumAcross, masked_whiten
+from .ppo_math import discount_matrix
+
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")  # need G samples of each prompt
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def grouped(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(B,)`` -> ``(B / G, G)``: one row per prompt (its samples are consecutive)."""
+    if scores.ndim != 1 or scores.numel() % group_size:
+        raise ValueError(f"grouped: {scores.numel()} scores do not split into groups of {group_size} samples.")
+    return scores.view(-1, group_size)
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scale_rewards: str = "group",
+                     eps: float = 1e-4) -> torch.Tensor:
+    """Sequence-level advantages ``(B,)`` of the group estimators, from one score per sample ``(B,)``.
+
+    # grpo:    A_i = (r_i - mean_g) / (std_g + eps)            std over the group (unbiased), or the batch's
+    # dr_grpo: A_i =  r_i - mean_g                              no std: Dr. GRPO's fix of GRPO's difficulty bias
+    # rloo:    A_i =  r_i - (sum_g - r_i) / (G - 1)             the mean of the *other* samples: unbiased baseline
+
+    ``scale_rewards`` (grpo only): ``"group"`` divides by each group's std (GRPO), ``"batch"`` by the whole batch's
+    (TRL's ``scale_rewards="batch"``), ``"none"`` by nothing (then grpo is dr_grpo). Needs ``G >= 2``.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_advantages: {estimator} compares the samples of a prompt, so it needs "
+                         f"num_generations >= 2 (got {group_size}).")
+    groups = grouped(scores, group_size)  # (P, G)
+    mean = groups.mean(dim=1, keepdim=True)  # (P, 1)
+    if estimator == "rloo":
+        return (groups - (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)).reshape(-1)
+    centred = groups - mean
+    if estimator == "dr_grpo" or scale_rewards == "none":
+        return centred.reshape(-1)
+    if estimator != "grpo":
+        raise ValueError(f"group_advantages: unknown estimator {estimator!r}; one of grpo, dr_grpo, rloo.")
+    std = groups.std(dim=1, keepdim=True) if scale_rewards == "group" else scores.std()
+    return (centred / (std + eps)).reshape(-1)
+
+
+def reinforce_plus_plus_advantages(scores: torch.Tensor, kls: torch.Tensor, mask: torch.Tensor, kl_coef: float,
+                                   gamma: float = 1.0, group_size: int | None = None,
+                                   sum_across: SumAcross | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ token advantages and returns ``(B, R)``: the discounted return of the KL-shaped reward, whitened
+    over every valid token of the (global) batch.
+
+    # r_t = -kl_coef * KL_t  (+ score on the last valid token)
+    # G_t = sum_{s>=t} gamma^(s-t) r_s ;  A = whiten(G) over the mask (and over processes with ``sum_across``)
+
+    With ``group_size`` (REINFORCE++-baseline) the score is first centred on its group's mean: ``r - mean_g``.
+    Returns ``(advantages, returns)``, zero at masked positions.
+    """
+    if group_size is not None:
+        groups = grouped(scores, group_size)
+        scores = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
+    mask = mask.to(kls.dtype)
+    rewards = -kl_coef * kls * mask
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
+    last = (mask * positions).argmax(dim=1)  # (B,) the last valid token
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores.to(rewards.dtype)
+    returns = (rewards @ discount_matrix(rewards.shape[1], gamma, rewards.dtype, rewards.device)) * mask
+    return masked_whiten(returns, mask, sum_across=sum_across) * mask, returns
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens, ``(B, R)``, for a KL *loss* term.
+
+    # k1 = log p - log q                       unbiased, high variance, can be negative
+    # k2 = 0.5 * (log p - log q)^2             biased, low variance (the gradient of k2 is that of KL to first order)
+    # k3 = exp(log q - log p) - (log q - log p) - 1    unbiased, low variance, >= 0 (GRPO's)
+    """
+    diff = logprobs - ref_logprobs
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator == "k3":
+        return torch.expm1(-diff) + diff  # exp(-d) - 1 + d, accurate near d = 0
+    raise ValueError(f"kl_estimate: estimator must be one of {KL_ESTIMATORS} (got {estimator!r}).")
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None,
+              n_tokens: torch.Tensor | float | None = None, n_sequences: torch.Tensor | float | None = None,
+              ) -> torch.Tensor:
+    """A per-token loss ``(B, R)`` reduced to a scalar over the valid tokens.
+
+    # token-mean:              sum_{i,t} l m / sum_{i,t} m                 every token weighs the same (PPO's)
+    # seq-mean-token-mean:     mean_i ( sum_t l m / sum_t m )              every sequence weighs the same (GRPO's)
+    # seq-mean-token-sum-norm: sum_{i,t} l m / (B * norm_length)           a constant normaliser (Dr. GRPO's)
+
+    Under N processes, pass the global counts per process (``n_tokens``: valid tokens over N; ``n_sequences``:
+    sequences over N) so that the mean over processes, which DDP takes of the gradients, is the global value.
+    """
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return (loss * mask).sum() / (mask.sum() if n_tokens is None else n_tokens)
+    sequences = loss.shape[0] if n_sequences is None else n_sequences
+    if mode == "seq-mean-token-mean":
+        per_sequence = (loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_sequence.sum() / sequences
+    if mode == "seq-mean-token-sum-norm":
+        return (loss * mask).sum() / (sequences * (norm_length or mask.shape[1]))
+    raise ValueError(f"aggregate: mode must be one of {LOSS_AGGREGATIONS} (got {mode!r}).")
+
+
+def check_groups(queries: list[torch.Tensor], group_size: int) -> int | None:
+    """The index of the first group of ``group_size`` consecutive queries that are not all the same prompt, or None."""
+    for start in range(0, len(queries), group_size):
+        first = queries[start]
+        if any(q.shape != first.shape or not torch.equal(q, first) for q in queries[start + 1:start + group_size]):
+            return start // group_size
+    return None

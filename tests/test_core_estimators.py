@@ -1,0 +1,145 @@
+"""The critic-free estimators' math: hand-computed cases, equivalence with naive per-group loops, properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ppo_core.estimators import (
+    aggregate,
+    check_groups,
+    group_advantages,
+    grouped,
+    kl_estimate,
+    reinforce_plus_plus_advantages,
+)
+
+F64 = torch.float64
+
+
+def test_grpo_by_hand():
+    # group 1: scores 1, 3: mean 2, unbiased std sqrt(((1-2)^2 + (3-2)^2) / 1) = sqrt(2); group 2: equal scores
+    got = group_advantages(torch.tensor([1.0, 3.0, 0.5, 0.5], dtype=F64), 2, "grpo", eps=1e-4)
+    s = 1 / (math.sqrt(2) + 1e-4)
+    torch.testing.assert_close(got, torch.tensor([-s, s, 0.0, 0.0], dtype=F64))
+
+
+def test_dr_grpo_by_hand():
+    got = group_advantages(torch.tensor([1.0, 3.0, 0.5, 0.5], dtype=F64), 2, "dr_grpo")
+    torch.testing.assert_close(got, torch.tensor([-1.0, 1.0, 0.0, 0.0], dtype=F64))
+
+
+def test_rloo_by_hand():
+    # A_i = r_i - mean of the other two: 1 - (2+6)/2 = -3 ; 2 - (1+6)/2 = -1.5 ; 6 - (1+2)/2 = 4.5
+    got = group_advantages(torch.tensor([1.0, 2.0, 6.0], dtype=F64), 3, "rloo")
+    torch.testing.assert_close(got, torch.tensor([-3.0, -1.5, 4.5], dtype=F64))
+
+
+def naive_group_advantages(scores: list[float], group_size: int, estimator: str, scale: str, eps: float):
+    out = []
+    batch_std = torch.tensor(scores, dtype=F64).std().item()
+    for start in range(0, len(scores), group_size):
+        group = scores[start:start + group_size]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+        for x in group:
+            if estimator == "rloo":
+                out.append(x - (sum(group) - x) / (len(group) - 1))
+            elif estimator == "dr_grpo" or scale == "none":
+                out.append(x - mean)
+            else:
+                out.append((x - mean) / ((std if scale == "group" else batch_std) + eps))
+    return torch.tensor(out, dtype=F64)
+
+
+@pytest.mark.parametrize("estimator,scale", [("grpo", "group"), ("grpo", "batch"), ("grpo", "none"),
+                                             ("dr_grpo", "group"), ("rloo", "group")])
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_group_estimators_equal_a_naive_loop(estimator, scale, group_size):
+    scores = torch.randn(8 * group_size, generator=torch.Generator().manual_seed(group_size), dtype=F64)
+    got = group_advantages(scores, group_size, estimator, scale_rewards=scale, eps=1e-4)
+    expected = naive_group_advantages(scores.tolist(), group_size, estimator, scale, 1e-4)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_group_advantages_properties():
+    scores = torch.randn(24, generator=torch.Generator().manual_seed(0), dtype=F64)
+    for estimator in ("grpo", "dr_grpo", "rloo"):
+        advantages = grouped(group_advantages(scores, 4, estimator), 4)
+        torch.testing.assert_close(advantages.sum(dim=1), torch.zeros(6, dtype=F64), atol=1e-12, rtol=0)  # centred
+    # a better-scoring sample of a group never gets the smaller advantage
+    a = group_advantages(torch.tensor([0.0, 1.0, 5.0, 2.0], dtype=F64), 4, "grpo")
+    assert a.argsort().tolist() == [0, 1, 3, 2]
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        group_advantages(scores, 1, "grpo")
+    with pytest.raises(ValueError, match="do not split into groups of 5"):
+        group_advantages(scores, 5, "rloo")
+
+
+def test_reinforce_plus_plus_by_hand():
+    kls = torch.tensor([[0.5, 1.0], [2.0, 9.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=F64)
+    advantages, returns = reinforce_plus_plus_advantages(torch.tensor([1.0, -1.0], dtype=F64), kls, mask, 0.1)
+    # rewards: row 0 [-0.05, -0.1 + 1] ; row 1 [-0.2 - 1, masked]   returns (gamma 1): [0.85, 0.9] ; [-1.2, 0]
+    torch.testing.assert_close(returns, torch.tensor([[0.85, 0.9], [-1.2, 0.0]], dtype=F64))
+    valid = [0.85, 0.9, -1.2]  # whitened over the three valid tokens (unbiased variance)
+    mean = sum(valid) / 3
+    std = math.sqrt(sum((x - mean) ** 2 for x in valid) / 2)
+    w = [(x - mean) / math.sqrt(std ** 2 + 1e-8) for x in valid]
+    torch.testing.assert_close(advantages, torch.tensor([[w[0], w[1]], [w[2], 0.0]], dtype=F64))
+
+
+def test_reinforce_plus_plus_baseline_centres_scores_on_their_group():
+    kls = torch.zeros(4, 3, dtype=F64)
+    mask = torch.ones(4, 3, dtype=F64)
+    scores = torch.tensor([3.0, 1.0, 10.0, 12.0], dtype=F64)
+    _, returns = reinforce_plus_plus_advantages(scores, kls, mask, 0.1, group_size=2)
+    # scores minus their group's mean: [1, -1, -1, 1], the return of every token (no KL, gamma 1)
+    torch.testing.assert_close(returns, torch.tensor([[1.0] * 3, [-1.0] * 3, [-1.0] * 3, [1.0] * 3], dtype=F64))
+
+
+def test_reinforce_plus_plus_returns_equal_a_naive_loop():
+    g = torch.Generator().manual_seed(3)
+    kls, scores = torch.rand(5, 7, generator=g, dtype=F64), torch.randn(5, generator=g, dtype=F64)
+    lengths = [7, 3, 1, 5, 6]
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(7)] for n in lengths], dtype=F64)
+    _, returns = reinforce_plus_plus_advantages(scores, kls, mask, 0.2, gamma=0.9)
+    for i, n in enumerate(lengths):
+        rewards = [-0.2 * kls[i, t].item() for t in range(n)]
+        rewards[-1] += scores[i].item()
+        running = 0.0
+        for t in reversed(range(n)):
+            running = rewards[t] + 0.9 * running
+            assert returns[i, t].item() == pytest.approx(running, abs=1e-12)
+        assert (returns[i, n:] == 0).all()
+
+
+def test_kl_estimates_by_hand():
+    logp, ref = torch.tensor([-1.0, -2.0], dtype=F64), torch.tensor([-1.5, -1.0], dtype=F64)
+    d = [0.5, -1.0]  # log p - log q
+    torch.testing.assert_close(kl_estimate(logp, ref, "k1"), torch.tensor(d, dtype=F64))
+    torch.testing.assert_close(kl_estimate(logp, ref, "k2"), torch.tensor([0.125, 0.5], dtype=F64))
+    k3 = [math.exp(-x) - 1 + x for x in d]  # exp(q/p) - log(q/p) - 1 with log(q/p) = -d
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3"), torch.tensor(k3, dtype=F64))
+    assert (kl_estimate(torch.randn(100, dtype=F64), torch.randn(100, dtype=F64), "k3") >= 0).all()
+    with pytest.raises(ValueError, match="k1"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_loss_aggregation_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 7.0, 7.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=F64)
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(10 / 4)  # 1 + 2 + 3 + 4 over 4 tokens
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((6 / 3 + 4 / 1) / 2)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", norm_length=5).item() == pytest.approx(10 / (2 * 5))
+    # with the global counts of two processes, each process's share averages to the global value
+    assert aggregate(loss, mask, "token-mean", n_tokens=2.0).item() == pytest.approx(10 / 2)
+
+
+def test_check_groups_names_the_first_group_that_is_not_one_prompt():
+    a, b = torch.tensor([1, 2]), torch.tensor([1, 3])
+    assert check_groups([a, a, b, b], 2) is None
+    assert check_groups([a, a, b, a], 2) == 1
+    assert check_groups([a, torch.tensor([1, 2, 3])], 2) == 0
