@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 # dvc.yaml runs `python -m stages ...`: that `python` must be the venv's.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean report-screenshot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,10 +34,20 @@ run: install
 	@test -d .dvc || $(BIN)/dvc init -q
 	$(BIN)/dvc repro
 
-# lint first (seconds), then every test, the slow ones included (`pytest -m "not slow"` is the fast loop)
+# lint first (seconds), then every test, the slow ones included (`pytest -m "not slow"` is the fast loop). The report's
+# browser test needs Debian's chromium: installed here where apt can (as root), else that test says it is skipped.
 test: $(VENV)/.installed-deepspeed
+	@command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || \
+		echo "note: chromium could not be installed; the report's browser test will be skipped"
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
+
+# docs/report.png, the README's picture of the report: the first screen of data/report/index.html (after `make run`)
+report-screenshot:
+	chromium --headless --no-sandbox --disable-gpu --no-first-run --disable-background-networking \
+		--disable-component-update --disable-sync --user-data-dir=$$(mktemp -d) --window-size=1280,900 \
+		--hide-scrollbars --screenshot=docs/report.png file://$(CURDIR)/data/report/index.html
 
 bench: install
 	$(BIN)/python bench/compare.py

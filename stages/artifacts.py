@@ -28,6 +28,7 @@ RAW_PROMPTS_TRAIN = Path("data/raw/prompts_train.parquet")
 RAW_PROMPTS_EVAL = Path("data/raw/prompts_eval.parquet")
 SFT_MODEL = Path("data/models/sft")
 SFT_METRICS = Path("data/sft/metrics.json")
+SFT_CURVE = Path("data/sft/curve.csv")
 REWARD_MODEL = Path("data/models/reward")
 REWARD_METRICS = Path("data/reward/metrics.json")
 TOKENIZED_TRAIN = Path("data/tokenized/train.parquet")
@@ -46,7 +47,10 @@ REWARD_CHECKPOINTS = Path("data/checkpoints/reward")
 PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
 # Wall-clock timings of the last run that executed: different every run, so kept out of the hashed outputs.
 PPO_TIMINGS = Path("data/logs/ppo/timings.csv")
-NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"))
+# The run's report pages (they show the timings): rewritten whenever the report stage runs, not cached.
+REPORT = Path("data/report/index.html")
+REPORT_SWEEP = Path("data/report/experiments.html")
+NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"), Path("data/report"))
 STATE = {"sft": (SFT_CHECKPOINTS,), "reward": (REWARD_CHECKPOINTS,), "ppo": (PPO_CHECKPOINTS, PPO_TIMINGS.parent)}
 
 
@@ -116,9 +120,10 @@ def write_json(obj: Any, path: Path) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    """Write rows with the same keys as CSV (for `dvc plots`), atomically; floats with 6 significant digits."""
-    header = list(rows[0])
+def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str] | None = None) -> None:
+    """Write rows with the same keys (``columns``, or the first row's) as CSV (for `dvc plots`), atomically; floats
+    with 6 significant digits."""
+    header = list(columns) if columns is not None else list(rows[0])
     lines = [",".join(header)]
     lines += [",".join(_cell(row[key]) for key in header) for row in rows]
     with atomic_path(path) as tmp:

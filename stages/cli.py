@@ -79,6 +79,9 @@ DESCRIPTIONS = {
     "ppo": "PPO on the train prompts with ppo_core: generate, score (params section scorer), step(), as in the seed "
            "loop; wall-clock timings go to data/logs/ppo/timings.csv (not an output).",
     "evaluate": "Compare the SFT and PPO policies on the held-out prompts: reward, gold score, win rate, KL, length.",
+    "report": "Write data/report/index.html: the run on one self-contained page (evaluation, per-step curves, "
+              "samples, the reward model, SFT's loss, the params that changed), readable offline. With "
+              "--experiments, data/report/experiments.html: the experiments of a sweep side by side.",
 }
 
 
@@ -98,4 +101,21 @@ def add_stage_command(name: str) -> None:
 
 
 for _name in stages():
-    add_stage_command(_name)
+    if _name != "report":
+        add_stage_command(_name)
+
+
+@app.command(help=stage_help("report"))
+def report(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False,
+           experiments: Annotated[bool, typer.Option("--experiments", help="The page of the experiments (dvc exp "
+                                                     "show's), with their curves overlaid.")] = False) -> None:
+    if not experiments:
+        _run("report", params, debug)
+        return
+    try:  # loaded as the stages are (by name): only this command runs it
+        typer.echo(f"report: {importlib.import_module('stages.report_sweep').write_sweep_page(Path('.'), params)}")
+    except StageError as err:
+        if debug:
+            raise
+        typer.echo(f"error: report: {err}", err=True)
+        raise typer.Exit(2) from None

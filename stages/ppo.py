@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,11 +72,14 @@ def run(params: Params, root: Path = Path(".")) -> str:
         query_tensors = [torch.tensor(prompts["input_ids"][i]) for i in idx]
         queries = [prompts["query"][i] for i in idx]
         # 1. rollout
+        started = time.perf_counter()
         response_tensors = trainer.generate(query_tensors, batch_size=len(idx), return_prompt=False, **generation)
         responses = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
+        generated = time.perf_counter()
         # 2. score
         texts = [q + r for q, r in zip(queries, responses)]
         scores = scored(score, texts, params, step)
+        seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
         # 3. optimise
         try:
             stats = trainer.step(query_tensors, response_tensors, [torch.tensor(s, dtype=torch.float) for s in scores])
@@ -92,7 +96,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
             "response_ids": [r.tolist() for r in response_tensors],
         } | ({"gold": gold} if gold else {}), trainer.accelerator)
         rollouts["kl"] = np.asarray(stats["objective/kl_dist"], dtype=float).tolist()
-        tables.append(step, stats, rollouts["score"], rollouts.get("gold"))
+        tables.append(step, stats | seconds, rollouts["score"], rollouts.get("gold"))  # time/*: timings.csv
         if main:  # only the main process writes
             record(root, step, rollouts, tables)
         progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])

@@ -31,11 +31,13 @@ from ppo_core.utils import set_seed
 from stages.artifacts import (
     RAW_SFT,
     SFT_CHECKPOINTS,
+    SFT_CURVE,
     SFT_METRICS,
     SFT_MODEL,
     read_table,
     remove_stale_temporaries,
     save_pretrained,
+    write_csv,
     write_json,
 )
 from stages.models import check_model_source, merged, with_lora
@@ -86,6 +88,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
     if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes
         save_pretrained(root / SFT_MODEL, merged(model), tokenizer)
         write_json(metrics, root / SFT_METRICS)
+        history = trainer.state.log_history  # the running training loss, every 2% of the steps (resumed runs too)
+        write_csv([{"step": row["step"], "loss": float(row["loss"])} for row in history if "loss" in row],
+                  root / SFT_CURVE, columns=["step", "loss"])
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():  # published: the run is finished, and a rerun trains from the start
         discard(checkpoints)
@@ -114,7 +119,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         per_device_train_batch_size=sft.batch_size, per_device_eval_batch_size=sft.batch_size,
         warmup_steps=sft.warmup_ratio, lr_scheduler_type="cosine", weight_decay=sft.weight_decay,
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
-        logging_strategy="no", report_to="none", disable_tqdm=True,
+        logging_strategy="steps", logging_steps=0.02, report_to="none", disable_tqdm=True,  # the loss curve: 50 points
     )
 
 

@@ -51,8 +51,14 @@ def clone(tmp_path_factory) -> Path:
     """A fresh clone where `dvc repro` has run the default pipeline."""
     repo = fresh_clone(tmp_path_factory.mktemp("default") / "clone")
     out = dvc("repro", cwd=repo).stdout
-    assert "Running stage 'ppo'" in out
+    assert "Running stage 'ppo'" in out and "Running stage 'report'" in out
     return repo
+
+
+@pytest.mark.slow
+def test_make_run_ends_with_the_report(clone):
+    page = (clone / "data" / "report" / "index.html").read_text()
+    assert page.count("<svg") >= 8 and "Win rate of PPO over SFT" in page
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ ENV = {
     "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@example.invalid",
     "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@example.invalid",
 }
-STAGES = ("prepare", "sft", "reward", "tokenize", "ppo", "evaluate")
+STAGES = ("prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report")
 PPO_OUTPUTS = ["data/models/ppo/model.safetensors", "data/ppo/stats.parquet", "data/ppo/curves.csv",
                "data/ppo/metrics.json", "data/ppo/rollouts/step-00000.parquet", "data/ppo/rollouts/step-00001.parquet"]
 
@@ -117,7 +117,7 @@ def test_killed_repro_resumes(repo):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         rerun = dvc("repro", cwd=repo)
-        assert ran(rerun.stdout) == ["ppo", "evaluate"]
+        assert ran(rerun.stdout) == ["ppo", "evaluate", "report"]
         assert "resuming from data/checkpoints/ppo/state at step 1" in rerun.stderr
         assert not (repo / "data" / "checkpoints" / "ppo").exists()
         resumed = contents(repo, PPO_OUTPUTS)
@@ -174,7 +174,7 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
                                                      "source: callable\n  name: rewards.example:keyword_sentiment"))
     try:
         result = dvc("repro", cwd=repo)
-        assert ran(result.stdout) == ["ppo", "evaluate"] and "warning" not in result.stderr
+        assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "warning" not in result.stderr
         assert json.loads(dvc("status", "--json", cwd=repo).stdout) == {}
         first = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
 
@@ -182,7 +182,7 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
         status = json.loads(dvc("status", "--json", cwd=repo).stdout)
         assert set(status) == {"ppo"} and {"changed deps": {"rewards": "modified"}} in status["ppo"]
         result = dvc("repro", cwd=repo)
-        assert ran(result.stdout) == ["ppo", "evaluate"] and "resuming" not in result.stderr
+        assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "resuming" not in result.stderr
         edited = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
         # the same first batch (same policy, same seed): its scores now count "the" as positive
         assert (edited["response"] == first["response"]).all()
@@ -199,7 +199,7 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
 @pytest.mark.slow
 def test_exp_run_reruns_only_ppo_and_evaluate(repo):
     out = dvc("exp", "run", "-n", "smoke", "-S", "ppo.learning_rate=0.00002", cwd=repo).stdout
-    assert ran(out) == ["ppo", "evaluate"]
+    assert ran(out) == ["ppo", "evaluate", "report"]
     rows = json.loads(dvc("exp", "show", "--json", cwd=repo).stdout)
     experiments = [rev for row in rows for exp in (row.get("experiments") or []) for rev in exp["revs"]]
     smoke = next(rev for rev in experiments if rev["name"] == "smoke")
@@ -219,8 +219,20 @@ def test_a_queued_sweep_runs_no_stage_upstream_of_ppo(repo):
     where DVC restores prepare, sft, reward and tokenize from its cache instead of rerunning them."""
     dvc("exp", "run", "--queue", "-S", "ppo.learning_rate=0.0001,0.0005", cwd=repo)
     out = dvc("exp", "run", "--run-all", cwd=repo).stdout
-    assert ran(out) == ["ppo", "evaluate", "ppo", "evaluate"], out[-3000:]
+    assert ran(out) == ["ppo", "evaluate", "report"] * 2, out[-3000:]
     names = [rev["name"] for row in json.loads(dvc("exp", "show", "--json", cwd=repo).stdout)
              for exp in (row.get("experiments") or []) for rev in exp["revs"]]
     assert len(names) >= 2
+    assert_clean(repo)
+
+
+@pytest.mark.slow
+def test_the_sweep_page_shows_the_experiments_side_by_side(repo):
+    """`rlhf report --experiments` after the sweep: the experiments as dvc exp show lists them, the param that differs,
+    their evaluation and their curves overlaid, read through DVC's API."""
+    out = run(sys.executable, "-m", "stages", "report", "--experiments", cwd=repo).stdout
+    assert "params differ -> data/report/experiments.html" in out
+    page = (repo / "data" / "report" / "experiments.html").read_text()
+    assert "ppo.learning_rate" in page and "0.0005" in page and "0.0001" in page
+    assert page.count("<svg") == 3 and "<script" not in page
     assert_clean(repo)

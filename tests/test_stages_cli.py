@@ -15,7 +15,7 @@ from stages.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "params.tiny.yaml"
-STAGES = ["prepare", "sft", "reward", "tokenize", "ppo", "evaluate"]
+STAGES = ["prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report"]
 
 
 def run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -1,0 +1,222 @@
+"""report: the run on one self-contained HTML page (data/report/index.html), readable where it ran, offline.
+
+What someone tuning RLHF looks at before the numbers: the evaluation side by side (SFT vs PPO), the per-step
+curves (the proxy reward and the gold score together, so over-optimisation shows as their gap; KL and its
+coefficient; entropy; the losses; clip fractions; response length; where a step's time goes), samples (held-out
+prompts answered by both policies; the best and worst rollouts of the first and last steps), the reward model's
+held-out accuracy, SFT's loss curve, and the params that differ from the committed params.yaml. Charts are SVG
+drawn by matplotlib and inlined: the page loads nothing, runs no script, and opens from a file anywhere.
+
+The page is not a DVC output: it shows the wall-clock timings (data/logs), which differ every run, and it is
+rewritten whenever the stage runs (`dvc repro` runs it when a result it shows changes). `rlhf report
+--experiments` writes the page of a sweep instead (stages/report_sweep.py).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+
+from stages.artifacts import (
+    EVAL_METRICS,
+    EVAL_SAMPLES,
+    PPO_CURVES,
+    PPO_ROLLOUTS,
+    PPO_TIMINGS,
+    REPORT,
+    REWARD_METRICS,
+    SFT_CURVE,
+    SFT_METRICS,
+    atomic_path,
+    read_table,
+)
+from stages.params import Params
+from stages.runtime import StageError
+
+# curves.csv columns drawn together, one chart each: (title, [(column, label)], y label)
+CHARTS = [
+    ("Reward (proxy) and gold score", [("reward_mean", "reward model"), ("gold_mean", "gold score")], "per sample"),
+    ("KL to the reference", [("kl", "KL (sum over tokens)"), ("kl_coef", "KL coefficient")], ""),
+    ("Entropy of the responses", [("entropy", "entropy (sum over tokens)")], "nats"),
+    ("Losses", [("loss_policy", "policy loss"), ("loss_value", "value loss")], ""),
+    ("Clipping and approximate KL", [("clipfrac", "policy clip fraction"), ("approxkl", "approx. KL")], ""),
+    ("Response length", [("response_len", "tokens")], "tokens"),
+]
+TIME_PARTS = {"generate": "time/generate", "score": "time/score", "step()": "time/ppo/total"}
+STYLE = """body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1180px;color:#222}
+h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}table{border-collapse:collapse;
+margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;vertical-align:top;text-align:left}th{background:#f4f4f4}
+td.n{text-align:right;font-variant-numeric:tabular-nums}.charts{display:flex;flex-wrap:wrap;gap:8px}
+.charts svg{width:380px;height:auto}.note{color:#666}"""
+
+
+def run(params: Params, root: Path = Path(".")) -> str:
+    curves = pd.read_csv(root / PPO_CURVES) if (root / PPO_CURVES).exists() else None
+    if curves is None or not (root / EVAL_METRICS).exists():
+        raise StageError(f"{root / PPO_CURVES} or {root / EVAL_METRICS}: not found; run the ppo and evaluate stages "
+                         "first (`dvc repro` runs them in order)")
+    evaluation = json.loads((root / EVAL_METRICS).read_text())
+    sections = [
+        ("Evaluation on the held-out prompts", evaluation_table(evaluation)),
+        ("PPO, step by step", charts(curves) + time_chart(root / PPO_TIMINGS)),
+        ("Held-out prompts: SFT and PPO side by side", side_by_side(read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS))),
+        ("Rollouts: the best and worst of the first and last steps", extremes(root / PPO_ROLLOUTS, curves)),
+        ("Reward model and SFT", models(root)),
+        ("Params that differ from the committed params.yaml", params_diff(params)),
+    ]
+    with atomic_path(root / REPORT) as tmp:
+        tmp.write_text(page("RLHF run report", sections))
+    return f"{len(curves)} steps, win rate {evaluation['win_rate']:.2f} -> {REPORT}"
+
+
+SAMPLE_COLUMNS = ["policy", "query", "response", "score", "kl_to_sft", "response_tokens"]
+
+
+def page(title: str, sections: list[tuple[str, str]]) -> str:
+    body = "".join(f"<h2>{html.escape(name)}</h2>\n{content}\n" for name, content in sections)
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head>\n<body><h1>{html.escape(title)}</h1>\n{body}</body></html>\n")
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """An HTML table; numbers right-aligned with 4 significant digits, text escaped."""
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f'<td class="n">{value:.4g}</td>'
+        if isinstance(value, int):
+            return f'<td class="n">{value}</td>'
+        return f"<td>{html.escape(str(value))}</td>"
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    return f"<table><tr>{head}</tr>" + "".join(f"<tr>{''.join(map(cell, r))}</tr>" for r in rows) + "</table>"
+
+
+def evaluation_table(metrics: dict) -> str:
+    names = {"reward_mean": "reward model score", "gold_mean": "gold score", "kl_to_sft": "KL to SFT",
+             "response_len_mean": "response length (tokens)"}
+    rows = [[label, metrics["sft"][key], metrics["ppo"][key], metrics["ppo"][key] - metrics["sft"][key]]
+            for key, label in names.items() if key in metrics["ppo"]]
+    win = f"<p>Win rate of PPO over SFT (reward model, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
+    return table(rows, ["mean over the held-out prompts", "SFT", "PPO", "PPO - SFT"]) + win
+
+
+def svg(figure) -> str:
+    """A matplotlib figure as inline SVG, the same bytes for the same data (no date, fixed ids, text as text)."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", metadata={"Date": None}, bbox_inches="tight")
+    plt.close(figure)
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]
+
+
+def figure(title: str, ylabel: str = "", xlabel: str = "PPO step"):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams.update({"svg.hashsalt": "rlhf-report", "svg.fonttype": "none", "font.size": 9})
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.6, 3.0))
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def charts(curves: pd.DataFrame) -> str:
+    out = []
+    for title, columns, ylabel in CHARTS:
+        present = [(c, label) for c, label in columns if c in curves]
+        if not present:
+            continue
+        fig, ax = figure(title, ylabel)
+        for column, label in present:
+            ax.plot(curves["step"], curves[column], marker=".", label=label)
+        ax.legend()
+        out.append(svg(fig))
+    return f'<div class="charts">{"".join(out)}</div>'
+
+
+def time_chart(path: Path) -> str:
+    """Where each step's time went (generate, score, step()), from the last run that executed: not a DVC output."""
+    if not path.exists():
+        return ('<p class="note">No timings: the ppo stage was restored from DVC\'s cache rather than run here '
+                f"({path} holds the wall-clock seconds of runs that executed).</p>")
+    timings = pd.read_csv(path)
+    parts = {name: timings[column] for name, column in TIME_PARTS.items() if column in timings}
+    fig, ax = figure("Seconds per step", "seconds")
+    bottom = 0
+    for name, seconds in parts.items():
+        ax.bar(timings["step"], seconds, bottom=bottom, label=name)
+        bottom = bottom + seconds
+    ax.legend()
+    return f'<div class="charts">{svg(fig)}</div>'
+
+
+def side_by_side(samples: pd.DataFrame, n: int = 8) -> str:
+    sft, ppo = (samples[samples["policy"] == p].reset_index(drop=True).head(n) for p in ("sft", "ppo"))
+    rows = [[s["query"], s["response"], float(s["score"]), p["response"], float(p["score"])]
+            for (_, s), (_, p) in zip(sft.iterrows(), ppo.iterrows())]
+    return table(rows, ["prompt", "SFT response", "RM score", "PPO response", "RM score"])
+
+
+def extremes(rollouts_dir: Path, curves: pd.DataFrame, n: int = 3) -> str:
+    """The ``n`` highest- and lowest-scoring rollouts of the first and the last step."""
+    out = []
+    for step in sorted({int(curves["step"].min()), int(curves["step"].max())}):
+        rollouts = read_table(rollouts_dir / f"step-{step:05d}.parquet", ["query", "response", "score"])
+        ranked = rollouts.sort_values("score", ascending=False, kind="stable")
+        rows = [["best", r["query"], r["response"], float(r["score"])] for _, r in ranked.head(n).iterrows()]
+        rows += [["worst", r["query"], r["response"], float(r["score"])] for _, r in ranked.tail(n).iterrows()]
+        out.append(f"<p>Step {step}</p>" + table(rows, ["", "prompt", "response", "score"]))
+    return "".join(out)
+
+
+def models(root: Path) -> str:
+    reward = json.loads((root / REWARD_METRICS).read_text()) if (root / REWARD_METRICS).exists() else {}
+    sft = json.loads((root / SFT_METRICS).read_text()) if (root / SFT_METRICS).exists() else {}
+    rows = [[key, value] for key, value in sorted(reward.items()) if key.startswith("eval_")]
+    text = table(rows, ["reward model, held-out pairs", ""]) if rows else ""
+    if (root / SFT_CURVE).exists():
+        curve = pd.read_csv(root / SFT_CURVE)
+        fig, ax = figure("SFT training loss", "loss", xlabel="optimiser step")
+        ax.plot(curve["step"], curve["loss"], label="train loss (running)")
+        if "eval_loss" in sft:
+            ax.axhline(sft["eval_loss"], color="gray", linestyle="--", label="held-out loss (final)")
+        ax.legend()
+        text += f'<div class="charts">{svg(fig)}</div>'
+    return text
+
+
+def params_diff(params: Params) -> str:
+    """The params that differ from params.yaml as committed (git HEAD): what this run, or experiment, changed."""
+    from ruamel.yaml import YAML
+
+    try:
+        committed = subprocess.run(["git", "show", f"HEAD:{params.path.as_posix()}"], capture_output=True, text=True,
+                                   check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return '<p class="note">No committed params.yaml to compare with (not a git checkout).</p>'
+    base, now = (flatten(YAML(typ="safe", pure=True).load(text)) for text in (committed, params.path.read_text()))
+    rows = [[key, str(base.get(key, "(absent)")), str(now.get(key, "(absent)"))]
+            for key in sorted(base.keys() | now.keys()) if base.get(key) != now.get(key)]
+    return table(rows, ["key", "committed", "this run"]) if rows else "<p>None: the committed params.</p>"
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in (tree or {}).items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -1,0 +1,73 @@
+"""The report: one self-contained HTML page of the run, and its rendering in a real (headless) browser, offline."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from stages import report
+from stages.artifacts import REPORT
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
+# Chromium as the probe of this workplace runs it: no sandbox (root), and none of its own background traffic
+BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?(?:https?:)?//|<script|<link""", re.I)
+
+
+@pytest.fixture(scope="module")
+def page(tiny_run, tiny_params, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("report")
+    shutil.copytree(tiny_run / "data", root / "data")
+    summary = report.run(tiny_params, root)
+    assert summary.endswith(str(REPORT))
+    return root / REPORT
+
+
+def test_the_report_shows_the_run_and_needs_nothing_from_outside(page, tiny_run):
+    text = page.read_text()
+    for section in ("Evaluation on the held-out prompts", "PPO, step by step", "SFT and PPO side by side",
+                    "the best and worst of the first and last steps", "Reward model and SFT", "Params that differ"):
+        assert section in text, section
+    metrics = json.loads((tiny_run / "data" / "eval" / "metrics.json").read_text())
+    assert f"<b>{metrics['win_rate']:.3f}</b>" in text
+    assert text.count("<svg") >= 8  # six curve charts, the time split, SFT's loss
+    assert not EXTERNAL.search(text), EXTERNAL.search(text)  # no script, stylesheet, image or font to fetch
+
+
+def test_the_report_is_the_same_for_the_same_results(page, tiny_params):
+    first = page.read_bytes()
+    report.run(tiny_params, page.parents[2])
+    assert page.read_bytes() == first
+
+
+def page_requests(page: Path, profile: Path) -> tuple[str, set[str]]:
+    """Open ``page`` in headless Chromium with its network log on: (the rendered DOM, the URLs the page asked for).
+    The browser's own traffic (time, accounts) has no origin; a file page's requests have the opaque one."""
+    netlog = profile.with_suffix(".netlog.json")
+    result = subprocess.run([BROWSER, *BROWSER_FLAGS, f"--user-data-dir={profile}", f"--log-net-log={netlog}",
+                             "--virtual-time-budget=5000", "--dump-dom", page.resolve().as_uri()],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    events = json.loads(netlog.read_text())["events"]
+    urls = {e["params"]["url"] for e in events
+            if isinstance(e.get("params"), dict) and e["params"].get("initiator") not in (None, "not an origin")}
+    return result.stdout, urls
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BROWSER is None, reason="no chromium: `make test` installs Debian's package where apt can")
+def test_the_report_renders_in_a_browser_with_no_request_leaving_the_machine(page, tmp_path):
+    """Every chart is an SVG element of the page Chromium rendered, and the page asked the network for nothing
+    (checked against a page that does ask, so that the check can fail)."""
+    dom, urls = page_requests(page, tmp_path / "profile")
+    assert dom.count("<svg") >= 8 and "RLHF run report" in dom
+    assert urls == set()
+    control = tmp_path / "control.html"
+    control.write_text('<html><body><img src="http://127.0.0.1:9/x.png"></body></html>')
+    assert page_requests(control, tmp_path / "control-profile")[1] == {"http://127.0.0.1:9/x.png"}
