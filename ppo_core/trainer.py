@@ -70,6 +70,7 @@ from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from .legacy import LegacyMethods, check_arguments, default_optimizer
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
+from .precision import loss_scale
 from .reference import frozen_reference, placed_reference, reference_policy
 from .rollout import (
     ModelInputs,
@@ -84,6 +85,7 @@ from .rollout import (
     warn_if_start_token_included,
 )
 from .stats import minibatch_stats, non_finite_stat
+from .update import Updates, minibatch_decision
 from .utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
 from .zero import configure_engine, gathered, gathered_for_generation, is_zero3
 
@@ -169,7 +171,10 @@ class PPOTrainer(LegacyMethods):
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
         self._warned_negative_kl = self._warned_start_token = False
         self._minibatches_done = 0  # of the current step, for error messages
-        self._window_has_gradients = False  # a backward ran in the current gradient-accumulation window
+        # the backward, clipping and optimizer step of each mini-batch; under DDP and DeepSpeed the last backward of
+        # a window all-reduces or applies its gradients
+        self._updates = Updates(self.accelerator, self.model, self.optimizer, config.max_grad_norm,
+                                config.max_consecutive_overflows, self.is_deepspeed or self.is_distributed)
         self._best_score = -math.inf
 
     # ---- generation --------------------------------------------------------------------------------
@@ -264,6 +269,8 @@ class PPOTrainer(LegacyMethods):
                 advantages=rollout.advantages)))
         # 8. KL controller, scheduler, step counter
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        if self._updates.loss_scaled:  # fp16: the scale after this step's updates
+            stats["ppo/loss_scale"] = loss_scale(self.accelerator, self.model)
         self._end_step(float(stats["objective/kl"]))
         timing["time/ppo/total"] = time.perf_counter() - t_start
         return convert_to_scalar(stats | timing)
@@ -338,35 +345,20 @@ class PPOTrainer(LegacyMethods):
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
                                           entropy=entropy)
-        bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None
-        raise_if_any(None if bad is None else self._failed(f"non-finite {bad}"), self._group)
-        # decided on the global mini-batch, so that every process skips (or backpropagates) together
-        ratio_mean = mean_across(stats["policy/ratio_mean"], self._group)
-        skipped = ratio_mean > self.config.ratio_threshold
-        stats["policy/skipped"] = skipped.float()
-        if skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
-            warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({ratio_mean:.2f}) exceeds "
+        # one host read: the mean ratio and whether any stat is non-finite, over the global mini-batch (every process
+        # skips, backpropagates or raises together)
+        decision = minibatch_decision(stats, self.config.ratio_threshold, self._group)
+        if decision.non_finite:  # every process raises the failing process's error
+            bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None on a process whose stats are finite
+            raise_if_any(None if bad is None else self._failed(f"non-finite {bad}"), self._group)
+        stats["policy/skipped"] = decision.skipped_flag
+        if decision.skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
+            warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({decision.ratio_mean:.2f}) exceeds "
                           f"ratio_threshold ({self.config.ratio_threshold}); skipping its update.")
-            if self.is_deepspeed and self.accelerator.sync_gradients and self._window_has_gradients:
-                # DeepSpeed steps inside the backward of a window's last mini-batch: without one, the gradients
-                # of this window's other mini-batches would go into the next window's update. A zero loss adds none.
-                self.accelerator.backward((loss_p + loss_v) * 0.0)
-        else:
-            self.accelerator.backward(loss_p + loss_v)
-            self._window_has_gradients = True
-        if self.accelerator.sync_gradients:
-            self._window_has_gradients = False
-            # Clipping with an infinite bound only measures the norm: a non-finite gradient must stop the
-            # run before the optimizer writes it into the weights. (DeepSpeed has stepped already, in backward,
-            # with its own clipping, from PPOConfig (see ``zero.fill_config``): it skips an update whose gradient
-            # norm is not finite, and this returns that norm.)
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or math.inf)
-            if norm is not None and not torch.isfinite(torch.as_tensor(norm)):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise self._failed(f"non-finite gradient norm ({float(norm)})",
-                                   " Lower learning_rate, set max_grad_norm, or check the scores.")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._updates.backward(loss_p + loss_v, decision.skipped)
+        overflowed = self.accelerator.sync_gradients and self._updates.step(self._failed)
+        if self._updates.loss_scaled:  # fp16: the loss scaler skipped this update (counted in the stats)
+            stats["policy/overflowed"] = torch.full((), float(overflowed), device=self.current_device)
         return stats
 
     def _failed(self, what: str, advice: str = "") -> FloatingPointError:
@@ -421,7 +413,8 @@ class PPOTrainer(LegacyMethods):
         processes = self._group.gather_object({"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()})
         state = {"kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
                  "current_step": self.current_step, "step_count": self.step_count,
-                 "config": flatten_dict(self.config.to_dict()), "extra": extra or {}, "processes": processes}
+                 "config": flatten_dict(self.config.to_dict()), "extra": extra or {}, "processes": processes,
+                 "overflows": self._updates.overflows.state_dict()}
         checkpoint.save(path, state, self._checkpointed_engine(), self.accelerator, tag=str(self.step_count))
 
     @quiet_deepspeed_collectives
@@ -435,9 +428,11 @@ class PPOTrainer(LegacyMethods):
         self.running.load_state_dict(state["running"])
         self._shuffle.set_state(own["shuffle"])
         self.current_step, self.step_count = state["current_step"], state["step_count"]
+        self._updates.overflows.load_state_dict(state.get("overflows", {"in_a_row": 0}))
         checkpoint.set_rng_state(own["rng"])
         return state["extra"]
 
     def _checkpointed_engine(self):
-        return checkpoint.engine_state(self.accelerator, self.model, self.optimizer, self.lr_scheduler)
+        return checkpoint.engine_state(self.accelerator, self.model, self.optimizer, self.lr_scheduler,
+                                       self.accelerator.scaler)
 
