@@ -1,4 +1,4 @@
-"""Language models with a scalar value head, and frozen reference copies that genuinely share layers.
+"""Language models with a scalar value head, and their surgery (dropout, the decoder start token).
 
 ``AutoModelForCausalLMWithValueHead`` wraps any ``transformers.AutoModelForCausalLM`` (GPT-2, Llama,
 Qwen2, GPT-NeoX, OPT, ...), ``AutoModelForSeq2SeqLMWithValueHead`` any encoder-decoder
@@ -13,7 +13,6 @@ registered (``lm_head_parameters()``, see ``ppo_core.zero``).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -31,9 +30,6 @@ logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _VALUE_HEAD_KWARGS = ("summary_dropout_prob", "v_head_initializer_range", "v_head_init_strategy")
-# Where the i-th transformer block lives, per architecture family (legacy LAYER_PATTERNS).
-LAYER_PATTERNS = ("transformer.h.{layer}", "model.decoder.layers.{layer}", "gpt_neox.layers.{layer}",
-                  "model.layers.{layer}", "transformer.layers.{layer}", "model.transformer.h.{layer}")
 
 
 class ValueHead(nn.Module):
@@ -119,9 +115,13 @@ class PreTrainedModelWrapper(nn.Module):
                 adapter to the loaded model, freezing its base weights (needs ``peft``).
             is_trainable: whether a loaded adapter is trained (default True; peft's own default is False).
             **kwargs: ``summary_dropout_prob``, ``v_head_initializer_range``, ``v_head_init_strategy``
-                go to the value head; the rest to the transformers ``from_pretrained``.
+                go to the value head; the rest to the transformers ``from_pretrained``. Without a ``dtype`` (or
+                ``torch_dtype``) the weights load in float32: transformers 5 would load them in their saved dtype,
+                and a bf16 checkpoint would then train bf16 weights without a float32 master copy.
         """
         head_kwargs = {k: kwargs.pop(k) for k in _VALUE_HEAD_KWARGS if k in kwargs}
+        if "dtype" not in kwargs and "torch_dtype" not in kwargs:  # float32 master weights, as legacy TRL had
+            kwargs["dtype"] = torch.float32
         peft_config = kwargs.pop("peft_config", None)
         is_trainable = kwargs.pop("is_trainable", True)
         for unsupported in ("reward_adapter", "load_in_8bit", "load_in_4bit"):
@@ -380,43 +380,6 @@ def _load_value_head_state(path: str) -> dict[str, torch.Tensor] | None:
         if state:
             return {k[len("v_head."):]: v for k, v in state.items()}
     return None
-
-
-def _shared_parameter_names(model: nn.Module, num_shared_layers: int, pattern: str | None) -> list[str]:
-    """Names of the parameters before the first block ``num_shared_layers`` (embeddings and blocks < k)."""
-    names = [n for n, _ in model.named_parameters()]
-    candidates = [pattern] if pattern else list(LAYER_PATTERNS)
-    for candidate in candidates:
-        prefix = candidate.format(layer=num_shared_layers) + "."
-        first = next((i for i, n in enumerate(names) if prefix in n), None)
-        if first is not None:
-            return names[:first]
-    raise ValueError(f"create_reference_model: no layer {num_shared_layers} found with pattern "
-                     f"{pattern or LAYER_PATTERNS}; pass pattern='...{{layer}}' matching the model's block names "
-                     f"(e.g. {names[len(names) // 2]!r}) or fewer shared layers.")
-
-
-def create_reference_model(model: nn.Module, num_shared_layers: int | None = None,
-                           pattern: str | None = None) -> nn.Module:
-    """A frozen, eval-mode copy of ``model`` for the KL penalty.
-
-    With ``num_shared_layers=k``, the embeddings and the first ``k`` blocks are *the same tensors* in
-    both models (one copy in memory) and are frozen in the trained model too, as the legacy function
-    intended. (Legacy TRL froze them but deep-copied them anyway, duplicating the memory; fixed here.)
-    """
-    if num_shared_layers is None:
-        shared: list[str] = []
-    else:
-        shared = _shared_parameter_names(model, num_shared_layers, pattern)
-    params = dict(model.named_parameters())
-    # deepcopy consults the memo first: pre-seeding it with the shared Parameters makes the copy reuse them.
-    memo = {id(params[name]): params[name] for name in shared}
-    ref_model = copy.deepcopy(model, memo)
-    for name in shared:
-        params[name].requires_grad_(False)
-    for param in ref_model.parameters():
-        param.requires_grad_(False)
-    return ref_model.eval()
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -5,9 +5,34 @@
   That is ordinary, not divergence: :func:`loss_scaled` says whether a run scales its loss, and
   :class:`OverflowGuard` counts the overflows in a row and says when so many came in a row that the run has
   diverged (``PPOConfig.max_consecutive_overflows``). The scaler's state is checkpointed (``ppo_core.checkpoint``).
+* **Frozen weights in the compute dtype**: autocast casts a matmul's float32 weight to bf16/fp16 at every use and
+  caches the cast only for weights that require grad, so a frozen float32 base (LoRA, the reference) would be cast
+  again at every matmul of every generated token; :func:`cast_frozen_matmul_weights` casts those weights once.
+* **The reference in the policy's dtype**: DeepSpeed's bf16/fp16 engines hold the policy's weights in that dtype; a
+  float32 reference beside it would cost twice the memory, run float32 matmuls and show a false KL at step 0
+  (:func:`floating_dtype`, used by ``ppo_core.reference.placed_reference``).
+* **A half-precision policy outside DeepSpeed** trains without float32 master weights: Adam's updates below the
+  dtype's resolution vanish (:func:`warn_if_half_trainable`; ``from_pretrained`` loads float32 by default).
 """
 
 from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+HALF = (torch.float16, torch.bfloat16)
+_MATMUL_MODULES = (nn.Linear, Conv1D)  # weights that autocast only ever feeds to a matmul (linear, addmm)
+
+
+def compute_dtype(accelerator) -> torch.dtype | None:
+    """The dtype accelerate's autocast computes in (bf16 or fp16), or None without autocast (float32, or DeepSpeed,
+    whose engine holds the weights in its dtype instead)."""
+    if not accelerator.native_amp:
+        return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
 
 def loss_scaled(accelerator, model) -> bool:
@@ -47,3 +72,43 @@ class OverflowGuard:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.in_a_row = int(state["in_a_row"])
+
+
+def cast_frozen_matmul_weights(model: nn.Module, dtype: torch.dtype, keep: list[nn.Parameter] = ()) -> int:
+    """Cast to ``dtype``, in place, the frozen float32 weights and biases of ``model``'s ``nn.Linear`` and GPT-2
+    ``Conv1D`` layers; return how many tensors were cast.
+
+    Under autocast to ``dtype`` every matmul casts these to ``dtype`` anyway, so its result is the same bits; the
+    cast is simply done once instead of at every use. A tensor that another kind of module also owns (an embedding
+    tied to the LM head: the lookup would then return ``dtype``) and those in ``keep`` (what is read outside
+    autocast, e.g. the LM head by the whole-vocabulary KL) keep their dtype.
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    kept = {id(p) for p in keep}
+    cast = 0
+    for param in {id(p): p for p in model.parameters()}.values():
+        matmul_only = all(isinstance(m, _MATMUL_MODULES) for m in owners.get(id(param), [None]))
+        if (param.requires_grad or param.dtype != torch.float32 or not matmul_only or id(param) in kept):
+            continue
+        param.data = param.data.to(dtype)
+        cast += 1
+    return cast
+
+
+def floating_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of ``model``'s first floating-point parameter (None: it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def warn_if_half_trainable(model: nn.Module) -> None:
+    """Warn when ``model`` trains half-precision weights itself (outside DeepSpeed, which keeps float32 master weights
+    in its optimizer): Adam then writes every update into bf16/fp16, and those below its resolution vanish."""
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype in HALF})
+    if dtypes:
+        warnings.warn(f"PPOTrainer: the policy trains {'/'.join(dtypes)} weights, with no float32 master copy: "
+                      "updates below their resolution (common at learning rates around 1e-5) are lost. Load it in "
+                      "float32 (ppo_core's from_pretrained does by default) and set accelerator_kwargs="
+                      "{'mixed_precision': 'bf16'} to compute in bf16.", stacklevel=3)

@@ -70,7 +70,13 @@ from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from .legacy import LegacyMethods, check_arguments, default_optimizer
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
-from .precision import loss_scale
+from .precision import (
+    cast_frozen_matmul_weights,
+    compute_dtype,
+    floating_dtype,
+    loss_scale,
+    warn_if_half_trainable,
+)
 from .reference import frozen_reference, placed_reference, reference_policy
 from .rollout import (
     ModelInputs,
@@ -145,6 +151,12 @@ class PPOTrainer(LegacyMethods):
             model.gradient_checkpointing_enable()
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
         ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
+        dtype = compute_dtype(self.accelerator)  # bf16/fp16 under autocast, else None
+        for frozen in (model, ref_model) if dtype is not None else ():  # cast once, not at every matmul (same bits)
+            if frozen is not None:
+                cast_frozen_matmul_weights(frozen, dtype, keep=frozen.lm_head_parameters())
+        if not self.is_deepspeed:  # DeepSpeed keeps float32 master weights in its optimizer
+            warn_if_half_trainable(model)
 
         # 3. data, optimiser, KL controller
         self.dataset = dataset
@@ -162,7 +174,9 @@ class PPOTrainer(LegacyMethods):
         with deprecated_collectives_ignored(self.is_deepspeed):
             (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
                 model, optimizer, self.dataloader, lr_scheduler)
-            self.ref_model = placed_reference(ref_model, self.accelerator, self._zero3)
+            # under DeepSpeed the reference takes the dtype the engine gave the policy's weights
+            self.ref_model = placed_reference(ref_model, self.accelerator, self._zero3,
+                                              floating_dtype(self.model) if self.is_deepspeed else None)
         self.current_device = self.accelerator.device
         if self.current_device.type == "cpu":  # (N, V) blocks reused, not page-faulted in at every mini-batch
             keep_freed_memory_for_reuse()

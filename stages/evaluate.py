@@ -31,7 +31,7 @@ from stages.artifacts import (
     write_json,
     write_parquet,
 )
-from stages.models import is_encoder_decoder, load_reward_model, reward_scores
+from stages.models import is_encoder_decoder, load_float32, load_reward_model, reward_scores
 from stages.params import Params
 from stages.runtime import device
 from stages.synthetic import gold_score
@@ -43,7 +43,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     model_class = AutoModelForSeq2SeqLM if is_encoder_decoder(require_dir(root / SFT_MODEL)) else AutoModelForCausalLM
-    policies = {name: model_class.from_pretrained(require_dir(root / path)).to(device()).eval()
+    policies = {name: load_float32(model_class, require_dir(root / path)).to(device()).eval()
                 for name, path in (("sft", SFT_MODEL), ("ppo", PPO_MODEL))}
     rm, rm_tokenizer = load_reward_model(root / REWARD_MODEL)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,

@@ -38,7 +38,7 @@ from stages.artifacts import (
     save_pretrained,
     write_json,
 )
-from stages.models import merged, with_lora
+from stages.models import load_float32, merged, with_lora
 from stages.params import ModelParams, Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
@@ -125,7 +125,7 @@ def build(spec: ModelParams, texts: list[str]):
             tokenizer = AutoTokenizer.from_pretrained(spec.name_or_path)
             model_class = (AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(spec.name_or_path).is_encoder_decoder
                            else AutoModelForCausalLM)
-            model = model_class.from_pretrained(spec.name_or_path)
+            model = load_float32(model_class, spec.name_or_path)
         except OSError as err:
             raise StageError(f"model.name_or_path '{spec.name_or_path}' could not be loaded "
                              f"({' '.join(str(err).split())[:160]}); give a local save_pretrained directory, or a hub "

@@ -1,12 +1,19 @@
-"""Mixed precision on the CPU: fp16 loss scaling, with torch's CPU GradScaler standing in for the CUDA one."""
+"""Mixed precision on the CPU: fp16 loss scaling (torch's CPU GradScaler standing in for the CUDA one), frozen weights
+in the compute dtype, the float32 master weights of a bf16 checkpoint."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from ppo_core import AutoModelForCausalLMWithValueHead
 from ppo_core import trainer as trainer_module
+from ppo_core.rollout import build_model_inputs, policy_outputs
 from tests.test_core_trainer import make_batch, make_trainer, params_snapshot
+from tests.tiny import PAD, random_queries, randomize_lora, tiny_causal_lm, tiny_lora_config
 
 torch.set_num_threads(1)
 
@@ -106,3 +113,88 @@ def test_a_float32_run_reports_no_loss_scale_statistics():
     stats.parquet) keep their keys."""
     stats = make_trainer(ppo_epochs=1).step(*make_batch(4))
     assert not [k for k in stats if "overflow" in k or "loss_scale" in k]
+
+
+# ---------------------------------------------------------------------------------------------------
+# bf16: float32 master weights, frozen weights in the compute dtype
+# ---------------------------------------------------------------------------------------------------
+def bf16_checkpoint(path) -> str:
+    """A tiny GPT-2 saved in bf16 (as many hub checkpoints are)."""
+    tiny_causal_lm("gpt2").to(torch.bfloat16).save_pretrained(path)
+    assert {t.dtype for t in load_file(path / "model.safetensors").values()} == {torch.bfloat16}
+    return str(path)
+
+
+def test_a_bf16_checkpoint_trains_float32_master_weights(tmp_path):
+    """transformers 5 loads a checkpoint in its saved dtype: a bf16 one used to train bf16 weights under autocast,
+    and Adam's updates below bf16's resolution (here lr 1e-5 on weights of ~0.02, whose bf16 spacing is ~1e-4)
+    vanished. from_pretrained loads float32 unless asked otherwise, and the updates land."""
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(bf16_checkpoint(tmp_path / "bf16"))
+    trainer = make_trainer(model=model, learning_rate=1e-5, ppo_epochs=1, mini_batch_size=4,
+                           accelerator_kwargs={"mixed_precision": "bf16"})
+    before = params_snapshot(trainer.model.pretrained_model)
+    trainer.step(*make_batch(4))
+    after = params_snapshot(trainer.model.pretrained_model)
+    changed = sum(int((after[n] != before[n]).sum()) for n in before) / sum(p.numel() for p in before.values())
+    assert changed > 0.5, changed  # every weight with a gradient moves by ~lr (Adam); bf16 kept almost none
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_a_half_precision_policy_outside_deepspeed_is_warned_about(tmp_path):
+    """Asked for explicitly, bf16 weights are loaded as asked, and the trainer says what that costs."""
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(bf16_checkpoint(tmp_path / "bf16"),
+                                                              dtype=torch.bfloat16)
+    assert model.pretrained_model.dtype == torch.bfloat16
+    with pytest.warns(UserWarning, match=r"trains torch.bfloat16 weights, with no float32 master copy"):
+        make_trainer(model=model)
+
+
+def lora_policy():
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm("gpt2"), peft_config=tiny_lora_config())
+    randomize_lora(model)
+    return model
+
+
+def test_frozen_matmul_weights_are_kept_in_the_compute_dtype_with_the_same_results(tmp_path):
+    """LoRA under bf16 autocast: the frozen base's matmul weights are cast to bf16 once (autocast caches its casts only
+    for weights that require grad, so it cast the float32 base again at every matmul of every generated token). Each
+    matmul gets the bf16 weight autocast would have made: the policy's and the reference's outputs are the same bits.
+    The tied embedding / LM head, the layer norms, the adapter and the value head keep float32."""
+    model = lora_policy()
+    uncast = copy.deepcopy(model).eval()  # no dropout (the trainer disables the policy's)
+    trainer = make_trainer(model=model, accelerator_kwargs={"mixed_precision": "bf16"})
+    base = trainer.model.pretrained_model.get_base_model().transformer
+    assert base.h[0].attn.c_attn.base_layer.weight.dtype == base.h[0].mlp.c_fc.bias.dtype == torch.bfloat16
+    assert base.wte.weight.dtype == base.h[0].ln_1.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters() if p.requires_grad)
+    queries = random_queries(4, seed=2)
+    responses = [torch.randint(3, 60, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 1, 5, 2)]
+    inputs = build_model_inputs(queries, responses, PAD)
+    with torch.no_grad(), trainer._forward_precision():
+        for adapter in ("on", "off"):
+            disabled = [m.pretrained_model.disable_adapter() for m in (trainer.model, uncast)] if adapter == "off" \
+                else []
+            for block in disabled:
+                block.__enter__()
+            got, want = policy_outputs(trainer.model, inputs), policy_outputs(uncast, inputs)
+            for block in disabled:
+                block.__exit__(None, None, None)
+            assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.values, want.values), adapter
+    trainer.model.save_pretrained(tmp_path / "merged", merge_adapter=True)  # merged in float32
+    assert {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()} == {torch.float32}
+
+
+def test_generation_with_frozen_weights_in_the_compute_dtype_samples_the_same_tokens(monkeypatch):
+    model = lora_policy()
+    with monkeypatch.context() as patched:  # a trainer that leaves the frozen float32 weights to autocast
+        patched.setattr(trainer_module, "cast_frozen_matmul_weights", lambda *args, **kwargs: 0)
+        uncast = make_trainer(model=copy.deepcopy(model), accelerator_kwargs={"mixed_precision": "bf16"})
+    cast = make_trainer(model=model, accelerator_kwargs={"mixed_precision": "bf16"})
+    weights = [t.model.pretrained_model.get_base_model().transformer.h[1].mlp.c_proj.weight for t in (uncast, cast)]
+    assert [w.dtype for w in weights] == [torch.float32, torch.bfloat16]
+    queries, samples = random_queries(4, seed=3), []
+    for trainer in (uncast, cast):
+        torch.manual_seed(0)
+        samples.append(trainer.generate(queries, return_prompt=False, max_new_tokens=6, do_sample=True, top_k=0,
+                                        pad_token_id=PAD))
+    assert [r.tolist() for r in samples[0]] == [r.tolist() for r in samples[1]]

@@ -20,6 +20,7 @@ from stages.artifacts import (
     PPO_ROLLOUTS,
     PPO_STATS,
     PPO_TIMINGS,
+    RAW_PAIRS,
     RAW_SFT,
     REWARD_METRICS,
     REWARD_MODEL,
@@ -203,6 +204,31 @@ def test_sft_from_a_local_pretrained_path(tiny_run, tiny_params, tmp_path):
         AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL).get_vocab()
     loss = json.loads((tmp_path / SFT_METRICS).read_text())["eval_loss"]
     assert loss < json.loads((tiny_run / SFT_METRICS).read_text())["eval_loss"]  # it started from trained weights
+
+
+def test_sft_and_reward_train_float32_weights_from_a_bf16_checkpoint(tiny_run, tiny_params, tmp_path):
+    """transformers 5 loads a checkpoint in its saved dtype: from a bf16 model (sft's model.name_or_path, or the SFT
+    model reward starts from) the stages trained bf16 weights, with no float32 master copy, and saved them so. They
+    load float32 and save float32."""
+    import torch
+    from safetensors.torch import load_file
+
+    from stages import reward
+
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).to(torch.bfloat16).save_pretrained(bf16)
+    AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL).save_pretrained(bf16)
+    dtypes = lambda path: {t.dtype for t in load_file(path / "model.safetensors").values()}  # noqa: E731
+    assert dtypes(bf16) == {torch.bfloat16}
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    sft.run(dataclasses.replace(tiny_params, model=dataclasses.replace(tiny_params.model, name_or_path=str(bf16))),
+            tmp_path)
+    assert dtypes(tmp_path / SFT_MODEL) == {torch.float32}
+    shutil.copytree(tiny_run / RAW_PAIRS.parent, tmp_path / "reward" / RAW_PAIRS.parent)
+    shutil.copytree(bf16, tmp_path / "reward" / SFT_MODEL)
+    reward.run(tiny_params, tmp_path / "reward")
+    assert dtypes(tmp_path / "reward" / REWARD_MODEL) == {torch.float32}
 
 
 def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
