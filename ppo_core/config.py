@@ -142,6 +142,9 @@ class PPOConfig:
     max_consecutive_overflows: int = 20
     """(ppo_core) fp16 loss scaling: an overflow skips that optimizer update (counted in ppo/policy/overflowed_updates);
     this many in a row stop the run as diverged (the scale, 2^16 at first, has halved as many times)"""
+    tf32: bool = True
+    """(ppo_core) let float32 matmuls use TF32 on CUDA GPUs that have it (Ampere and newer) while the trainer's
+    generate and step run; false leaves torch's setting as it is (no effect on CPUs)"""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -11,17 +11,23 @@
 * **The reference in the policy's dtype**: DeepSpeed's bf16/fp16 engines hold the policy's weights in that dtype; a
   float32 reference beside it would cost twice the memory, run float32 matmuls and show a false KL at step 0
   (:func:`floating_dtype`, used by ``ppo_core.reference.placed_reference``).
+* **TF32**: the trainer's ``generate`` and ``step`` let float32 matmuls use TF32 on GPUs that have it
+  (:func:`with_tf32`; ``PPOConfig.tf32``).
 * **A half-precision policy outside DeepSpeed** trains without float32 master weights: Adam's updates below the
   dtype's resolution vanish (:func:`warn_if_half_trainable`; ``from_pretrained`` loads float32 by default).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
+
+from .utils import tf32_matmuls
 
 HALF = (torch.float16, torch.bfloat16)
 _MATMUL_MODULES = (nn.Linear, Conv1D)  # weights that autocast only ever feeds to a matmul (linear, addmm)
@@ -112,3 +118,14 @@ def warn_if_half_trainable(model: nn.Module) -> None:
                       "updates below their resolution (common at learning rates around 1e-5) are lost. Load it in "
                       "float32 (ppo_core's from_pretrained does by default) and set accelerator_kwargs="
                       "{'mixed_precision': 'bf16'} to compute in bf16.", stacklevel=3)
+
+
+def with_tf32(method: Callable) -> Callable:
+    """Decorate a ``PPOTrainer`` method: it runs within :func:`~ppo_core.utils.tf32_matmuls` (``self.config.tf32`` on
+    ``self.current_device``), so torch's matmul precision is as it was once the method returns."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with tf32_matmuls(self.config.tf32, self.current_device):
+            return method(self, *args, **kwargs)
+
+    return run

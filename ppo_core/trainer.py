@@ -76,6 +76,7 @@ from .precision import (
     floating_dtype,
     loss_scale,
     warn_if_half_trainable,
+    with_tf32,
 )
 from .reference import frozen_reference, placed_reference, reference_policy
 from .rollout import (
@@ -193,6 +194,7 @@ class PPOTrainer(LegacyMethods):
 
     # ---- generation --------------------------------------------------------------------------------
     @quiet_deepspeed_collectives
+    @with_tf32
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
                  return_prompt: bool = True, generate_ref_response: bool = False, **generation_kwargs):
         """Sample responses: a 1-D query tensor gives a ``(1, L)`` tensor; a list gives a list of 1-D tensors.
@@ -247,6 +249,7 @@ class PPOTrainer(LegacyMethods):
 
     # ---- the PPO step --------------------------------------------------------------------------------
     @quiet_deepspeed_collectives
+    @with_tf32
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list[torch.Tensor],
              response_masks: list[torch.Tensor] | None = None) -> dict[str, Any]:
         """One PPO update from ``batch_size`` (query, response, score) triples; returns the stats."""

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ppo_core.generation import generate_batched
-from ppo_core.utils import set_seed
+from ppo_core.utils import set_seed, tf32_matmuls
 from stages.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
@@ -38,6 +38,12 @@ from stages.synthetic import gold_score
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
+    with tf32_matmuls(True, device()):  # on GPUs that have TF32 (NVIDIA_TF32_OVERRIDE=0 turns it off)
+        return compare_policies(params, root)
+
+
+def compare_policies(params: Params, root: Path) -> str:
+    """Sample, score and measure both policies on the held-out prompts; write the samples and the metrics."""
     set_seed(params.seed)
     prompts = read_table(root / TOKENIZED_EVAL, ["query", "input_ids"]).head(params.evaluate.n_prompts)
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]

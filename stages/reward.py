@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
-from ppo_core.utils import set_seed
+from ppo_core.utils import set_seed, tf32_supported
 from stages.artifacts import (
     RAW_PAIRS,
     REWARD_CHECKPOINTS,
@@ -98,6 +98,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         per_device_train_batch_size=rm.batch_size, warmup_steps=rm.warmup_ratio, lr_scheduler_type="cosine",
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         remove_unused_columns=False, logging_strategy="no", report_to="none",
+        tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
     )
 
 

@@ -27,7 +27,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from ppo_core.utils import set_seed
+from ppo_core.utils import set_seed, tf32_supported
 from stages.artifacts import (
     RAW_SFT,
     SFT_CHECKPOINTS,
@@ -115,6 +115,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         warmup_steps=sft.warmup_ratio, lr_scheduler_type="cosine", weight_decay=sft.weight_decay,
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         logging_strategy="no", report_to="none",
+        tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
     )
 
 

@@ -1,17 +1,19 @@
 """Mixed precision on the CPU: fp16 loss scaling (torch's CPU GradScaler standing in for the CUDA one), frozen weights
-in the compute dtype, the float32 master weights of a bf16 checkpoint."""
+in the compute dtype, the float32 master weights of a bf16 checkpoint, and TF32's logic (with a GPU faked)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from ppo_core import AutoModelForCausalLMWithValueHead
+from ppo_core import AutoModelForCausalLMWithValueHead, precision
 from ppo_core import trainer as trainer_module
 from ppo_core.rollout import build_model_inputs, policy_outputs
+from ppo_core.utils import tf32_matmuls, tf32_supported
 from tests.test_core_trainer import make_batch, make_trainer, params_snapshot
 from tests.tiny import PAD, random_queries, randomize_lora, tiny_causal_lm, tiny_lora_config
 
@@ -198,3 +200,52 @@ def test_generation_with_frozen_weights_in_the_compute_dtype_samples_the_same_to
         samples.append(trainer.generate(queries, return_prompt=False, max_new_tokens=6, do_sample=True, top_k=0,
                                         pad_token_id=PAD))
     assert [r.tolist() for r in samples[0]] == [r.tolist() for r in samples[1]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# TF32 (no GPU here: torch is told it has an Ampere one)
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def ampere(monkeypatch):
+    """torch reports a CUDA GPU of compute capability 8.0 (TF32), and NVIDIA_TF32_OVERRIDE is unset."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+
+
+def test_tf32_matmuls_within_the_block_on_gpus_that_have_it(ampere, monkeypatch):
+    matmul = torch.backends.cuda.matmul
+    assert matmul.fp32_precision == "none" and tf32_supported("cuda:0")  # torch's default: IEEE float32
+    with tf32_matmuls(True, "cuda:0"):
+        assert matmul.fp32_precision == "tf32"
+    assert matmul.fp32_precision == "none"
+    for enabled, device in ((False, "cuda:0"), (True, "cpu")):  # switched off, or not a GPU: untouched
+        with tf32_matmuls(enabled, device):
+            assert matmul.fp32_precision == "none"
+    matmul.fp32_precision = "ieee"  # the user's own choice is kept
+    try:
+        with tf32_matmuls(True, "cuda:0"):
+            assert matmul.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision = "none"
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # NVIDIA's switch, which cuBLAS and cuDNN obey too
+    assert not tf32_supported("cuda:0")
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # Volta: no TF32
+    assert not tf32_supported("cuda:0")
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_generate_and_step_run_with_the_config_s_tf32_setting(tf32, monkeypatch):
+    calls = []
+
+    @contextlib.contextmanager
+    def recorded(enabled, device):
+        calls.append((enabled, torch.device(device).type))
+        yield
+
+    monkeypatch.setattr(precision, "tf32_matmuls", recorded)
+    trainer = make_trainer(tf32=tf32)
+    trainer.generate(random_queries(2), max_new_tokens=2, pad_token_id=PAD)
+    trainer.step(*make_batch(4))
+    assert calls == [(tf32, "cpu"), (tf32, "cpu")]

@@ -231,6 +231,18 @@ def test_sft_and_reward_train_float32_weights_from_a_bf16_checkpoint(tiny_run, t
     assert dtypes(tmp_path / "reward" / REWARD_MODEL) == {torch.float32}
 
 
+def test_sft_and_reward_ask_transformers_for_tf32_only_on_gpus_that_have_it(tiny_params, tmp_path, monkeypatch):
+    """TrainingArguments(tf32=True) where the GPU has TF32 (ppo_core.utils.tf32_supported, which NVIDIA_TF32_OVERRIDE=0
+    turns off), else None: torch's own setting (tf32=True raises on a GPU without it)."""
+    from stages import reward
+
+    for stage in (sft, reward):
+        monkeypatch.setattr(stage, "TrainingArguments", lambda **kwargs: kwargs)
+        assert stage.training_args(tiny_params, tmp_path)["tf32"] is None  # this CPU
+        monkeypatch.setattr(stage, "tf32_supported", lambda device: True)
+        assert stage.training_args(tiny_params, tmp_path)["tf32"] is True
+
+
 def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
     (tmp_path / RAW_SFT).parent.mkdir(parents=True)
     shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
