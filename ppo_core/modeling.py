@@ -220,21 +220,31 @@ class PreTrainedModelWrapper(nn.Module):
         head = self.transformers_model.get_output_embeddings()
         return [p for p in (head.weight, getattr(head, "bias", None)) if isinstance(p, nn.Parameter)]
 
+    def _values(self, hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``(B, T, H) -> (B, T)`` on ``device``. With the model across GPUs (``device_map``) the hidden states come
+        from the last shard and the value head sits on the first (where legacy TRL put it): each has its device."""
+        return self.v_head(hidden.to(self.v_head.summary.weight.device)).squeeze(-1).to(device)
+
     def _token_scores(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                       with_entropy: bool, keep_hidden: bool, chunk_size: int | None) -> TokenScores:
         """``hidden (B, T, H)`` -> :class:`TokenScores` at ``positions`` ``(N, 2)`` (row, position) for ``targets``
-        ``(N,)``.
+        ``(N,)``, on the device of ``positions`` (the inputs').
 
-        The LM head runs on the ``N`` selected hidden states only, chunk by chunk (``ppo_core.logprobs``).
+        The LM head runs on the ``N`` selected hidden states only, chunk by chunk (``ppo_core.logprobs``), on its own
+        device: across GPUs (``device_map``) the hidden states, the value head and the LM head may each have another.
+        On one device every move is a no-op.
         """
-        values = self.v_head(hidden).squeeze(-1)  # (B, T)
-        selected = hidden[positions[:, 0], positions[:, 1]]  # (N, H)
+        device = positions.device
+        values = self._values(hidden, device)  # (B, T)
+        selected = hidden[positions[:, 0].to(hidden.device), positions[:, 1].to(hidden.device)]  # (N, H)
         head = self.lm_head()
+        selected, targets = selected.to(head.weight.device), targets.to(head.weight.device)
         if with_entropy:
             logprobs, entropy = selected_logprobs_and_entropy(selected, head, targets, chunk_size)
+            entropy = entropy.to(device)
         else:
             logprobs, entropy = selected_logprobs(selected, head, targets, chunk_size), None
-        return TokenScores(logprobs, entropy, values, selected.detach() if keep_hidden else None)
+        return TokenScores(logprobs.to(device), entropy, values, selected.detach() if keep_hidden else None)
 
 
 class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
@@ -263,11 +273,11 @@ class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
                                       score_chunk_size)
         if kwargs.pop("hidden_only", False):
             hidden = self.backbone_hidden_states(input_ids, attention_mask, kwargs.get("position_ids"))
-            return hidden, self.v_head(hidden).squeeze(-1)
+            return hidden, self._values(hidden, hidden.device)
         kwargs["output_hidden_states"] = True
         out = self.pretrained_model(input_ids=input_ids, past_key_values=past_key_values,
                                     attention_mask=attention_mask, **kwargs)
-        values = self.v_head(out.hidden_states[-1]).squeeze(-1)
+        values = self._values(out.hidden_states[-1], out.logits.device)
         lm_logits = out.logits.float()
         if return_past_key_values:
             return lm_logits, out.loss, values, out.past_key_values
@@ -316,11 +326,11 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
         if kwargs.pop("hidden_only", False):
             hidden = self.decoder_hidden_states(input_ids, attention_mask, kwargs["decoder_input_ids"],
                                                 kwargs.get("decoder_attention_mask"))
-            return hidden, self.v_head(hidden).squeeze(-1)
+            return hidden, self._values(hidden, hidden.device)
         kwargs["output_hidden_states"] = True
         out = self.pretrained_model(input_ids=input_ids, past_key_values=past_key_values,
                                     attention_mask=attention_mask, **kwargs)
-        values = self.v_head(out.decoder_hidden_states[-1]).squeeze(-1)
+        values = self._values(out.decoder_hidden_states[-1], out.logits.device)
         lm_logits = out.logits.float()
         if return_past_key_values:
             return lm_logits, out.loss, values, out.past_key_values

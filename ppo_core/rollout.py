@@ -246,7 +246,8 @@ def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.
     valid = inputs.response_mask()
     kl = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
     with gathered(policy.lm_head_parameters() + ref.lm_head_parameters()):
-        kl[valid] = full_kl(hidden, policy.lm_head(), ref_hidden, ref.lm_head()).float()
+        head, ref_head = policy.lm_head(), ref.lm_head()  # (hidden states from each model's forward, on its head)
+        kl[valid] = full_kl(hidden, head, ref_hidden.to(hidden.device), ref_head).float().to(kl.device)
     return kl
 
 
