@@ -69,11 +69,24 @@ def stack_dicts(stats_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 
 def stats_to_np(stats: Mapping[str, Any]) -> dict[str, Any]:
-    """Tensors -> numpy (float32 for floating point); 0-d results become Python-like numpy scalars."""
+    """Tensors -> numpy (float32 for floating point); 0-d results become Python-like numpy scalars.
+
+    The floating tensors of each device come to the host in one copy: a copy per statistic would be a host sync each
+    on a GPU.
+    """
+    by_device: dict[torch.device, list[str]] = {}
+    for key, value in stats.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.device.type != "cpu":
+            by_device.setdefault(value.device, []).append(key)
+    host: dict[str, torch.Tensor] = {}
+    for keys in by_device.values():
+        flat = torch.cat([stats[k].detach().float().reshape(-1) for k in keys]).cpu()
+        host |= {k: part.view(stats[k].shape) for k, part in zip(keys, flat.split([stats[k].numel() for k in keys]))}
     out: dict[str, Any] = {}
     for key, value in stats.items():
         if isinstance(value, torch.Tensor):
-            value = value.detach().cpu()
+            value = host[key] if key in host else value.detach()
+            value = value.cpu() if value.device.type != "cpu" else value
             if value.is_floating_point():
                 value = value.float()
             value = value.numpy()

@@ -104,6 +104,18 @@ def cast_frozen_matmul_weights(model: nn.Module, dtype: torch.dtype, keep: list[
     return cast
 
 
+def prepare_dtypes(accelerator, policy: nn.Module, reference: nn.Module | None) -> None:
+    """Before ``accelerator.prepare``: under autocast, the frozen matmul weights of the value-head models ``policy`` and
+    ``reference`` (None: the PEFT policy's) in the compute dtype, their LM heads excepted
+    (:func:`cast_frozen_matmul_weights`); outside DeepSpeed, a warning if the policy trains half-precision weights."""
+    dtype = compute_dtype(accelerator)
+    for model in (policy, reference) if dtype is not None else ():
+        if model is not None:
+            cast_frozen_matmul_weights(model, dtype, keep=model.lm_head_parameters())
+    if accelerator.state.deepspeed_plugin is None:  # DeepSpeed keeps float32 master weights in its optimizer
+        warn_if_half_trainable(policy)
+
+
 def floating_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype of ``model``'s first floating-point parameter (None: it has none)."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

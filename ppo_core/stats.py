@@ -114,7 +114,7 @@ def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref
         mini_batch_size: samples per mini-batch, for the number of epochs run.
         group: the run's processes (``ppo_core.distributed``).
     """
-    batch_size, valid = len(scores), masks.bool()
+    batch_size, valid = len(scores), masks.bool().nonzero(as_tuple=True)  # the tokens that count: one device read
     kl_per_sample, entropy, scores, query_lens, response_lens = gather_samples(
         group, (kls * masks).sum(-1), (-logprobs * masks).sum(-1), scores, query_lens, response_lens)
     token_logprobs, token_ref_logprobs, token_advantages = gather_tokens(
@@ -164,7 +164,8 @@ def mean_over_processes(stats: dict[str, Any], group) -> dict[str, Any]:
     out = dict(stats)
     if keys:
         dtype = _common_dtype(stats[key] for key in keys)
-        values = torch.stack([stats[key].detach().to(group.device, dtype) for key in keys])  # (k,)
+        # (the host's stats go to the device without waiting for it)
+        values = torch.stack([stats[key].detach().to(group.device, dtype, non_blocking=True) for key in keys])  # (k,)
         means = mean_across(values, group).unbind()
         out.update({key: mean.to(torch.promote_types(stats[key].dtype, torch.float32))
                     for key, mean in zip(keys, means)})

@@ -66,18 +66,11 @@ from .distributed import (
     tokens_per_process,
 )
 from .generation import generate_batched
-from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
+from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
 from .legacy import LegacyMethods, check_arguments, default_optimizer
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
-from .precision import (
-    cast_frozen_matmul_weights,
-    compute_dtype,
-    floating_dtype,
-    loss_scale,
-    warn_if_half_trainable,
-    with_tf32,
-)
+from .precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
 from .reference import frozen_reference, placed_reference, reference_policy
 from .rollout import (
     ModelInputs,
@@ -152,12 +145,7 @@ class PPOTrainer(LegacyMethods):
             model.gradient_checkpointing_enable()
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
         ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
-        dtype = compute_dtype(self.accelerator)  # bf16/fp16 under autocast, else None
-        for frozen in (model, ref_model) if dtype is not None else ():  # cast once, not at every matmul (same bits)
-            if frozen is not None:
-                cast_frozen_matmul_weights(frozen, dtype, keep=frozen.lm_head_parameters())
-        if not self.is_deepspeed:  # DeepSpeed keeps float32 master weights in its optimizer
-            warn_if_half_trainable(model)
+        prepare_dtypes(self.accelerator, model, ref_model)  # frozen weights in the autocast dtype; half weights warned
 
         # 3. data, optimiser, KL controller
         self.dataset = dataset
@@ -258,7 +246,8 @@ class PPOTrainer(LegacyMethods):
         queries, responses, scores, response_masks = on_every_process(
             self._group, checked_step_inputs, cfg.batch_size, queries, responses, scores, response_masks,
             self.current_device)
-        scores = self._scale_scores(scores)
+        scores = scale_scores(scores, self.running if cfg.use_score_scaling else None, cfg.use_score_norm,
+                              cfg.score_clip, self._group.gather)
         # 2. legacy push_to_hub_if_best_kwargs: the policy that sampled these responses, if they score best so far
         self._push_to_hub_if_best(scores)
         # 3. no-grad passes of policy and reference
@@ -309,19 +298,6 @@ class PPOTrainer(LegacyMethods):
         if self.config.optimize_device_cache:
             free_device_cache()
 
-    def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` scores, with ``use_score_scaling`` divided by the running std of every score so far, this step's
-        too (minus their running mean first with ``use_score_norm``), then clipped to ``score_clip``."""
-        cfg = self.config
-        scores = scores.float()
-        if cfg.use_score_scaling:
-            self.running.update(self._group.gather(scores))
-            factor = self.running.std + torch.finfo(scores.dtype).eps
-            scores = (scores - self.running.mean) / factor if cfg.use_score_norm else scores / factor
-        if cfg.score_clip is not None:
-            scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
-        return scores
-
     @torch.no_grad()
     def _rollout_passes(self, inputs: ModelInputs) -> tuple[PolicyOutputs, PolicyOutputs]:
         """The policy's and the reference's outputs on ``inputs``, in eval mode, ``mini_batch_size`` samples at a
@@ -341,9 +317,10 @@ class PPOTrainer(LegacyMethods):
         cfg, all_stats = self.config, []
         batch_size = len(rollout.mask)
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(batch_size, generator=self._shuffle).to(rollout.inputs.input_ids.device)
+            host_order = torch.randperm(batch_size, generator=self._shuffle)  # on the host, as its sizes are
+            order = host_order.to(rollout.inputs.input_ids.device, non_blocking=True)
             for start in range(0, batch_size, cfg.mini_batch_size):
-                mb = rollout.minibatch(order[start:start + cfg.mini_batch_size])  # (b, R_b)
+                mb = rollout.minibatch(*(o[start:start + cfg.mini_batch_size] for o in (order, host_order)))  # (b, R_b)
                 self._minibatches_done = len(all_stats)  # for error messages
                 with self.accelerator.accumulate(self.model):
                     self.model.train()

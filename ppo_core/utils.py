@@ -87,6 +87,19 @@ def tf32_matmuls(enabled: bool, device: torch.device | str) -> Iterator[None]:
         matmul.fp32_precision = "none"
 
 
+def moved(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """``tensors`` on ``device`` in one copy, e.g. a batch's responses to the host: a copy per tensor is a host sync
+    each on a GPU (a copy to the host waits for the GPU, and so does a blocking one to it). A list already there is
+    returned as it is; one that mixes devices or dtypes is moved tensor by tensor."""
+    device = torch.device(device)
+    if all(t.device == device for t in tensors):
+        return list(tensors)
+    if len({(t.device, t.dtype) for t in tensors}) > 1:
+        return [t.to(device) for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device, non_blocking=device.type != "cpu")
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
 @contextlib.contextmanager
 def timed(timing: dict[str, float], key: str) -> Iterator[None]:
     """``timing[key]``: the block's wall-clock seconds (not set when the block raises)."""

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ppo_core.generation import generate_batched
-from ppo_core.utils import set_seed, tf32_matmuls
+from ppo_core.utils import moved, set_seed, tf32_matmuls
 from stages.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
@@ -110,7 +110,7 @@ def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch
         queries = [torch.tensor(q) for q in query_ids[start:start + batch_size]]
         responses = generate_batched(model, tokenizer, queries, model.device, None, len(queries), False, generation,
                                      model.config.is_encoder_decoder, fast_sampling=False)
-        out += [r.tolist() for r in responses]
+        out += [r.tolist() for r in moved(responses, "cpu")]  # to the host in one copy
     return out
 
 

@@ -189,7 +189,7 @@ def test_frozen_matmul_weights_are_kept_in_the_compute_dtype_with_the_same_resul
 def test_generation_with_frozen_weights_in_the_compute_dtype_samples_the_same_tokens(monkeypatch):
     model = lora_policy()
     with monkeypatch.context() as patched:  # a trainer that leaves the frozen float32 weights to autocast
-        patched.setattr(trainer_module, "cast_frozen_matmul_weights", lambda *args, **kwargs: 0)
+        patched.setattr(precision, "cast_frozen_matmul_weights", lambda *args, **kwargs: 0)
         uncast = make_trainer(model=copy.deepcopy(model), accelerator_kwargs={"mixed_precision": "bf16"})
     cast = make_trainer(model=model, accelerator_kwargs={"mixed_precision": "bf16"})
     weights = [t.model.pretrained_model.get_base_model().transformer.h[1].mlp.c_proj.weight for t in (uncast, cast)]
