@@ -268,6 +268,33 @@ def test_logprob_sums_match_one_sample_at_a_time(tiny_run):
     assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_logprob_sums_score_the_response_tokens_without_full_logits(arch):
+    """evaluate's KL comes from ppo_core's scoring pass, as the PPO step's: the LM head at the response positions only,
+    chunk by chunk (evaluate materialised float32 (B, T-1, V) logits and their log-softmax). Its sums equal those
+    of the full logits, and the LM head module's own forward (the full logits) never runs."""
+    import torch
+
+    from stages.evaluate import logprob_sums
+    from tests.tiny import tiny_causal_lm, tiny_seq2seq_lm
+
+    model = (tiny_causal_lm() if arch == "gpt2" else tiny_seq2seq_lm(arch)).eval()
+    queries, responses = [[5, 6, 7], [8, 9], [10]], [[10, 11], [12, 13, 14, 1], [15]]
+    expected = []
+    with torch.no_grad():
+        for q, r in zip(queries, responses):
+            if arch == "gpt2":
+                logits = model(input_ids=torch.tensor([q + r])).logits[0, len(q) - 1:-1]  # (R, V)
+            else:
+                decoder_ids = torch.tensor([[model.config.decoder_start_token_id] + r[:-1]])
+                logits = model(input_ids=torch.tensor([q]), decoder_input_ids=decoder_ids).logits[0]
+            expected.append(float(torch.log_softmax(logits.float(), -1)[torch.arange(len(r)), r].sum()))
+    full_logits = []
+    model.get_output_embeddings().register_forward_hook(lambda *args: full_logits.append(1))
+    assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
+    assert not full_logits
+
+
 def test_real_data_runs_have_no_gold_score(tiny_run, tiny_params, tmp_path):
     """Without the synthetic data the gold score is unknown: ppo and evaluate leave it out rather than guess."""
     from stages import evaluate
