@@ -138,7 +138,7 @@ class PPOConfig:
     dataset_num_proc: int | None = None
     """processes for dataset preprocessing"""
     disable_dropout: bool = True
-    """(ppo_core) set dropout to 0 in the policy so the first PPO ratio is exactly 1; see PPOTrainer"""
+    """(ppo_core) set dropout to 0 in the policy so the first PPO ratio is 1 (exactly on CPUs); see PPOTrainer"""
     max_consecutive_overflows: int = 20
     """(ppo_core) fp16 loss scaling: an overflow skips that optimizer update (counted in ppo/policy/overflowed_updates);
     this many in a row stop the run as diverged (the scale, 2^16 at first, has halved as many times)"""

@@ -3,14 +3,15 @@
 This module is the loop: building the trainer, ``generate``, and ``step`` in numbered steps with its PPO epochs
 over mini-batches (``train_minibatch``, ``loss``). The rest lives beside it: the math in ``ppo_math`` (pure
 functions), the batching, input checks, log-probabilities and the :class:`~ppo_core.rollout.Rollout` the epochs
-consume in ``rollout``/``logprobs``, the statistics in ``stats``, the other processes and the Accelerator in
-``distributed``, the checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, the
-reference policy in ``reference``, and the legacy methods in ``legacy``. Differences from legacy TRL, all
-deliberate fixes:
+consume in ``rollout``/``logprobs``, a mini-batch's backward and optimizer step in ``update``, mixed precision in
+``precision``, the statistics in ``stats``, the other processes and the Accelerator in ``distributed``, the
+checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, the reference policy in
+``reference``, and the legacy methods in ``legacy``. Differences from legacy TRL, all deliberate fixes:
 
 * the loss forward runs in train mode (legacy called ``model.eval()`` before it, so dropout was never
   active there); dropout itself is disabled by default (``PPOConfig.disable_dropout``) so that the
-  first ratio of every step is exactly 1, as the N+ implementation study recommends;
+  first ratio of every step is 1, as the N+ implementation study recommends (exactly on CPUs; on GPUs within
+  rounding, cuBLAS choosing kernels by shape);
 * ``num_shared_layers`` shares the layers' memory with the reference model (legacy duplicated it);
 * padding never enters a statistic: "entropy", KL, rewards and whitening are all masked;
 * a mini-batch over ``ratio_threshold`` is skipped (no backward, no optimizer step) and counted in
@@ -19,7 +20,10 @@ deliberate fixes:
   response positions only, chunk by chunk;
 * encoder-decoder responses are the generated tokens *without* the decoder start token (``step``
   prepends it) and every one of them is scored (legacy returned the start token as the response's first
-  token and left the first generated token out of the loss).
+  token and left the first generated token out of the loss);
+* under fp16 a loss-scale overflow skips that update and is counted (legacy clipped and stepped regardless);
+  ``max_consecutive_overflows`` in a row stop the run;
+* a mini-batch waits for the GPU once (its checks), plus once per optimizer update (see ``update``).
 
 Under N processes (``accelerate launch``), ``step`` on each process's ``batch_size`` samples gives what
 one process gives on the ``N * batch_size`` samples (``global_batch_size``), process 0's first, up to

@@ -249,3 +249,11 @@ def test_generate_and_step_run_with_the_config_s_tf32_setting(tf32, monkeypatch)
     trainer.generate(random_queries(2), max_new_tokens=2, pad_token_id=PAD)
     trainer.step(*make_batch(4))
     assert calls == [(tf32, "cpu"), (tf32, "cpu")]
+
+
+def test_a_test_named_on_cpu_runs_with_no_gpu_visible_on_cpu():
+    """tests/conftest.py: the bit-for-bit tests (named ``*_on_cpu``) see no GPU, in their process and the ones they
+    start, wherever the suite runs."""
+    import os
+
+    assert not torch.cuda.is_available() and os.environ["CUDA_VISIBLE_DEVICES"] == ""

@@ -43,7 +43,7 @@ def test_sft_model_loads_with_plain_transformers(tiny_run, tiny_params):
     assert set(json.loads((tiny_run / SFT_METRICS).read_text())) >= {"train_loss", "eval_loss"}
 
 
-def test_sft_is_deterministic(tiny_run, tiny_params, tmp_path):
+def test_sft_is_deterministic_on_cpu(tiny_run, tiny_params, tmp_path):
     (tmp_path / RAW_SFT).parent.mkdir(parents=True)
     shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
     sft.run(tiny_params, tmp_path)
@@ -107,7 +107,7 @@ def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_param
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).config.vocab_size
 
 
-def test_ppo_is_deterministic(tiny_run, tiny_params, tmp_path):
+def test_ppo_is_deterministic_on_cpu(tiny_run, tiny_params, tmp_path):
     """Same inputs and seed: byte-identical policy, rollouts and stats (so DVC sees no change)."""
     root = tmp_path / "project"
     shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints"))  # a rerun, not a resume
