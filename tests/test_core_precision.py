@@ -14,6 +14,7 @@ from ppo_core import AutoModelForCausalLMWithValueHead, precision
 from ppo_core import trainer as trainer_module
 from ppo_core.rollout import build_model_inputs, policy_outputs
 from ppo_core.utils import tf32_matmuls, tf32_supported
+from tests.conftest import cpu_only
 from tests.test_core_trainer import make_batch, make_trainer, params_snapshot
 from tests.tiny import PAD, random_queries, randomize_lora, tiny_causal_lm, tiny_lora_config
 
@@ -26,7 +27,8 @@ INITIAL_SCALE = 2.0**16  # torch's GradScaler and DeepSpeed start there
 def fp16(monkeypatch):
     """``accelerator_kwargs`` for an fp16 trainer on the CPU. accelerate gives a GPU run a CUDA GradScaler and fp16
     autocast, and a CPU run neither; here the trainer's Accelerator gets torch's CPU GradScaler and autocast to float16,
-    so that accelerate's fp16 path (scaled backward, unscaling clip, scaler step and update) runs as on a GPU."""
+    so that accelerate's fp16 path (scaled backward, unscaling clip, scaler step and update) runs as on a GPU (where
+    the suite runs on one, these tests keep to the CPU)."""
     build = trainer_module.accelerator_for
 
     def with_cpu_scaler(config):
@@ -35,7 +37,8 @@ def fp16(monkeypatch):
         return accelerator
 
     monkeypatch.setattr(trainer_module, "accelerator_for", with_cpu_scaler)
-    return {"mixed_precision": "fp16"}
+    with cpu_only():
+        yield {"mixed_precision": "fp16"}
 
 
 def overflow_at(trainer, backwards: set[int] | None):
@@ -157,7 +160,7 @@ def lora_policy():
     return model
 
 
-def test_frozen_matmul_weights_are_kept_in_the_compute_dtype_with_the_same_results(tmp_path):
+def test_frozen_matmul_weights_are_kept_in_the_compute_dtype_with_the_same_results_on_cpu(tmp_path):
     """LoRA under bf16 autocast: the frozen base's matmul weights are cast to bf16 once (autocast caches its casts only
     for weights that require grad, so it cast the float32 base again at every matmul of every generated token). Each
     matmul gets the bf16 weight autocast would have made: the policy's and the reference's outputs are the same bits.
@@ -186,7 +189,7 @@ def test_frozen_matmul_weights_are_kept_in_the_compute_dtype_with_the_same_resul
     assert {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()} == {torch.float32}
 
 
-def test_generation_with_frozen_weights_in_the_compute_dtype_samples_the_same_tokens(monkeypatch):
+def test_generation_with_frozen_weights_in_the_compute_dtype_samples_the_same_tokens_on_cpu(monkeypatch):
     model = lora_policy()
     with monkeypatch.context() as patched:  # a trainer that leaves the frozen float32 weights to autocast
         patched.setattr(precision, "cast_frozen_matmul_weights", lambda *args, **kwargs: 0)
@@ -248,7 +251,7 @@ def test_generate_and_step_run_with_the_config_s_tf32_setting(tf32, monkeypatch)
     trainer = make_trainer(tf32=tf32)
     trainer.generate(random_queries(2), max_new_tokens=2, pad_token_id=PAD)
     trainer.step(*make_batch(4))
-    assert calls == [(tf32, "cpu"), (tf32, "cpu")]
+    assert calls == [(tf32, trainer.current_device.type)] * 2
 
 
 def test_a_test_named_on_cpu_runs_with_no_gpu_visible_on_cpu():

@@ -37,7 +37,7 @@ def test_a_step_reads_from_the_device_once_per_minibatch_and_once_per_update():
     many = step_syncs(mini_batch_size=2, ppo_epochs=2)  # 8 mini-batches, 8 updates
     # was 28: a bool(isfinite(...)) per statistic, int(max) and nonzero per pass, a masked_var check per variance
     assert (many.total - few.total) / (8 - 2) <= 2, (few.counts, many.counts)
-    assert few.total - 2 * 2 <= 5, few.counts  # per step
+    assert few.total - 2 * 2 <= 6, few.counts  # per step: 5 (+1 on a GPU, the stats' one copy to the host)
 
 
 class TwinProcesses:
