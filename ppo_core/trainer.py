@@ -21,8 +21,8 @@ checkpoint format in ``checkpoint``, the models and their surgery in ``modeling`
 * encoder-decoder responses are the generated tokens *without* the decoder start token (``step``
   prepends it) and every one of them is scored (legacy returned the start token as the response's first
   token and left the first generated token out of the loss);
-* under fp16 a loss-scale overflow skips that update and is counted (legacy clipped and stepped regardless);
-  ``max_consecutive_overflows`` in a row stop the run;
+* under fp16 a loss-scale overflow is a skipped update, counted in the stats (legacy's scaler skipped it unseen),
+  and ``max_consecutive_overflows`` in a row stop the run as diverged;
 * a mini-batch waits for the GPU once (its checks), plus once per optimizer update (see ``update``).
 
 Under N processes (``accelerate launch``), ``step`` on each process's ``batch_size`` samples gives what
