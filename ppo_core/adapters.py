@@ -91,6 +91,11 @@ def merged_copy(model) -> nn.Module:
     """A plain transformers model with the adapter merged into a *copy* of the base weights.
 
     ``model`` is untouched (its base weights stay bit-identical, the reference policy depends on them);
-    the copy costs the memory of a second set of weights while it lives.
+    the copy costs the memory of a second set of weights while it lives. A model of mixed float dtypes (under
+    autocast the trainer keeps frozen matmul weights in bf16 or fp16: ``precision.cast_frozen_matmul_weights``) is
+    merged and returned in float32, the dtype of its adapter and of the weights it trains.
     """
-    return copy.deepcopy(model).merge_and_unload()
+    merged = copy.deepcopy(model)
+    if len({p.dtype for p in merged.parameters() if p.is_floating_point()}) > 1:
+        merged.float()
+    return merged.merge_and_unload()

@@ -3,12 +3,13 @@
 A checkpoint is a directory with one layout, with or without DeepSpeed:
 
 * ``trainer.pt`` (:data:`TRAINER_FILE`): the KL controller, the running score moments, the step counters, the
-  resolved config, a caller's ``extra`` dict (e.g. the data position), the DeepSpeed ZeRO stage (or None), and
-  every process's mini-batch shuffling state and RNG states (Python, NumPy, torch CPU and CUDA), by process index;
-* ``engine/`` (:data:`ENGINE_DIR`): the weights (policy and value head), the optimizer and the lr scheduler, as
-  the engine that trains them writes them: ``state.pt`` (:data:`PLAIN_FILE`, their state dicts, written by the
-  main process), or under DeepSpeed its own checkpoint directory (each process writes its shards, in the tag
-  :data:`DEEPSPEED_TAG`, beside DeepSpeed's recovery scripts).
+  resolved config, a caller's ``extra`` dict (e.g. the data position), the fp16 overflows in a row, the DeepSpeed
+  ZeRO stage (or None), and every process's mini-batch shuffling state and RNG states (Python, NumPy, torch CPU and
+  CUDA), by process index;
+* ``engine/`` (:data:`ENGINE_DIR`): the weights (policy and value head), the optimizer, the lr scheduler and the fp16
+  loss scaler, as the engine that trains them writes them: ``state.pt`` (:data:`PLAIN_FILE`, their state dicts,
+  written by the main process), or under DeepSpeed its own checkpoint directory (each process writes its shards, in
+  the tag :data:`DEEPSPEED_TAG`, beside DeepSpeed's recovery scripts).
 
 It is assembled under a temporary name beside its path and renamed into place once every process is done
 (:func:`replace_dir`), so a reader sees the previous checkpoint or the new one, never a partial one. Restoring it
@@ -59,19 +60,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class PlainEngine:
     """The engine's state without DeepSpeed: the state dicts of the (unwrapped) model, the optimizer and the lr
-    scheduler (None: none), in one file the main process writes."""
+    scheduler (None: none), and under fp16 the loss scaler's (its scale and growth tracker), in one file the main
+    process writes."""
 
     zero_stage = None
 
-    def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler):
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+    def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler, scaler=None):
+        self.model, self.optimizer, self.lr_scheduler, self.scaler = model, optimizer, lr_scheduler, scaler
 
     def save(self, directory: str, is_main_process: bool) -> None:
         if is_main_process:  # the weights and the optimizer state are the same on every process
             os.makedirs(os.path.join(directory, ENGINE_DIR))
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None},
-                       os.path.join(directory, ENGINE_DIR, PLAIN_FILE))
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
+            if self.scaler is not None:  # else a resumed fp16 run would start again from the initial scale
+                state["scaler"] = self.scaler.state_dict()
+            torch.save(state, os.path.join(directory, ENGINE_DIR, PLAIN_FILE))
 
     def load(self, directory: str) -> None:
         state = _read(os.path.join(directory, ENGINE_DIR, PLAIN_FILE), directory)
@@ -79,6 +83,8 @@ class PlainEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.scaler is not None and "scaler" in state:  # a checkpoint of a run without one: the initial scale
+            self.scaler.load_state_dict(state["scaler"])
 
 
 class DeepSpeedEngine:
@@ -99,13 +105,14 @@ class DeepSpeedEngine:
                              "fresh.")
 
 
-def engine_state(accelerator, model, optimizer, lr_scheduler) -> PlainEngine | DeepSpeedEngine:
-    """How a checkpoint holds the trainer's (prepared) ``model``, ``optimizer`` and ``lr_scheduler``: DeepSpeed's own
-    checkpoint of the engine under DeepSpeed, else their state dicts."""
+def engine_state(accelerator, model, optimizer, lr_scheduler, scaler=None) -> PlainEngine | DeepSpeedEngine:
+    """How a checkpoint holds the trainer's (prepared) ``model``, ``optimizer``, ``lr_scheduler`` and fp16 loss
+    ``scaler`` (None: none): DeepSpeed's own checkpoint of the engine under DeepSpeed (its fp16 optimizer's state holds
+    its loss scaler), else their state dicts."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         return DeepSpeedEngine(model, plugin.zero_stage)
-    return PlainEngine(accelerator.unwrap_model(model), optimizer, lr_scheduler)
+    return PlainEngine(accelerator.unwrap_model(model), optimizer, lr_scheduler, scaler)
 
 
 def save(path: str, trainer_state: dict[str, Any], engine: PlainEngine | DeepSpeedEngine, accelerator,

@@ -138,7 +138,13 @@ class PPOConfig:
     dataset_num_proc: int | None = None
     """processes for dataset preprocessing"""
     disable_dropout: bool = True
-    """(ppo_core) set dropout to 0 in the policy so the first PPO ratio is exactly 1; see PPOTrainer"""
+    """(ppo_core) set dropout to 0 in the policy so the first PPO ratio is 1 (exactly on CPUs); see PPOTrainer"""
+    max_consecutive_overflows: int = 20
+    """(ppo_core) fp16 loss scaling: an overflow skips that optimizer update (counted in ppo/policy/overflowed_updates);
+    this many in a row stop the run as diverged (the scale, 2^16 at first, has halved as many times)"""
+    tf32: bool = True
+    """(ppo_core) let float32 matmuls use TF32 on CUDA GPUs that have it (Ampere and newer) while the trainer's
+    generate and step run; false leaves torch's setting as it is (no effect on CPUs)"""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -190,7 +196,7 @@ PPOConfig.__init__ = _reject_unknown_keys(PPOConfig.__init__)
 # (field, lower bound) checks; None values (optional fields) are skipped.
 _POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
              "cliprange", "cliprange_value", "target_kl", "compare_steps", "ratio_threshold", "max_grad_norm",
-             "score_clip", "target", "horizon", "world_size", "dataset_num_proc"]
+             "score_clip", "target", "horizon", "world_size", "dataset_num_proc", "max_consecutive_overflows"]
 _NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed"]
 _UNIT_INTERVAL = ["gamma", "lam"]
 

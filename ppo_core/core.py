@@ -30,6 +30,7 @@ __all__ = [
     "logprobs_from_logits",
     "masked_mean",
     "masked_var",
+    "masked_variances",
     "masked_whiten",
     "stack_dicts",
     "stats_to_np",
@@ -68,11 +69,24 @@ def stack_dicts(stats_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 
 def stats_to_np(stats: Mapping[str, Any]) -> dict[str, Any]:
-    """Tensors -> numpy (float32 for floating point); 0-d results become Python-like numpy scalars."""
+    """Tensors -> numpy (float32 for floating point); 0-d results become Python-like numpy scalars.
+
+    The floating tensors of each device come to the host in one copy: a copy per statistic would be a host sync each
+    on a GPU.
+    """
+    by_device: dict[torch.device, list[str]] = {}
+    for key, value in stats.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.device.type != "cpu":
+            by_device.setdefault(value.device, []).append(key)
+    host: dict[str, torch.Tensor] = {}
+    for keys in by_device.values():
+        flat = torch.cat([stats[k].detach().float().reshape(-1) for k in keys]).cpu()
+        host |= {k: part.view(stats[k].shape) for k, part in zip(keys, flat.split([stats[k].numel() for k in keys]))}
     out: dict[str, Any] = {}
     for key, value in stats.items():
         if isinstance(value, torch.Tensor):
-            value = value.detach().cpu()
+            value = host[key] if key in host else value.detach()
+            value = value.cpu() if value.device.type != "cpu" else value
             if value.is_floating_point():
                 value = value.float()
             value = value.numpy()
@@ -150,11 +164,11 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = Non
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
                sum_across: SumAcross | None = None) -> torch.Tensor:
     """Variance of ``values`` over the masked positions (Bessel-corrected when ``unbiased``); over every
-    process's masked positions when ``sum_across`` is given (two passes: the global mean, then the deviations)."""
-    mask = mask.to(values.dtype)
-    mean = masked_mean(values, mask, sum_across=sum_across)
-    squares, n = _masked_sum_and_count((values - mean) ** 2, mask, sum_across)
-    variance = squares / n
+    process's masked positions when ``sum_across`` is given (two passes: the global mean, then the deviations).
+
+    An empty mask, or a single valid token when ``unbiased``, is a ValueError saying what to change: reading the
+    count costs a host sync (on a GPU), so the trainer's per-mini-batch statistics use :func:`masked_variances`."""
+    variances, n = _masked_variances([values], mask, unbiased, sum_across)
     if unbiased:
         if n == 0:
             raise ValueError(
@@ -166,8 +180,32 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
                 "masked_var: the mask has one valid token, so the unbiased variance is undefined; "
                 "this happens with mini_batch_size=1 and one-token responses. Increase mini_batch_size."
             )
-        variance = variance * n / (n - 1)
-    return variance
+    return variances[0]
+
+
+def masked_variances(values: list[torch.Tensor], mask: torch.Tensor,
+                     sum_across: SumAcross | None = None) -> torch.Tensor:
+    """``(k,)`` the unbiased :func:`masked_var` of each of ``k`` tensors shaped like ``mask``, with two collectives
+    in all and no host sync: an empty mask, or a single valid token, gives NaN (no error; the caller checks)."""
+    return _masked_variances(values, mask, True, sum_across)[0]
+
+
+def _masked_variances(values: list[torch.Tensor], mask: torch.Tensor, unbiased: bool,
+                      sum_across: SumAcross | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``((k,) variances, the valid-token count)``; the sums of every tensor (and the count) go through one
+    collective per pass, and the arithmetic per tensor is :func:`masked_var`'s, op for op."""
+    mask = mask.to(values[0].dtype)
+    # mean = sum(x * m) / sum(m) ;  var = sum((x - mean)^2 * m) / n  (* n / (n - 1) when unbiased)
+    first = torch.stack([*((x * mask).sum() for x in values), mask.sum()])  # (k + 1,)
+    first = sum_across(first) if sum_across is not None else first
+    means, count = first[:-1] / first[-1], first[-1]
+    second = torch.stack([*(((x - m) ** 2 * mask).sum() for x, m in zip(values, means)), mask.sum()])
+    second = sum_across(second) if sum_across is not None else second
+    squares, n = second[:-1], second[-1]
+    variances = squares / n
+    if unbiased:
+        variances = variances * n / (n - 1)
+    return variances, count
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,

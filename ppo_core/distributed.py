@@ -144,7 +144,9 @@ def tokens_per_process(mask: torch.Tensor, group) -> torch.Tensor | None:
 
 def gather_ragged(x: torch.Tensor, group) -> torch.Tensor:
     """``(k, n_p)`` per process -> ``(k, n)``: concatenated along the last dim in process order (the ``n_p`` may
-    differ)."""
+    differ). Alone: a detached copy of ``x``, as the collectives give (no count to read back)."""
+    if group.num_processes == 1:
+        return x.detach().clone()
     counts = group.gather(torch.tensor([x.shape[-1]], device=x.device)).tolist()
     padded = torch.nn.functional.pad(x, (0, max(counts) - x.shape[-1]))  # all_gather needs equal shapes
     parts = group.gather(padded[None])  # (N, k, max n_p)

@@ -2,7 +2,8 @@
 
 Decoder-only models get left-padded queries (generation continues at the right end); encoder-decoders
 get right-padded queries in the encoder (their position ids stay exact) and return only the decoder's
-tokens after its start token.
+tokens after its start token. A batch's queries reach the device in one copy and its tokens come back to the host in
+one copy, for the cuts after EOS (a copy or a read per response would be a host sync each on a GPU).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .utils import swapped
+from .utils import moved, swapped
 
 _torch_multinomial = torch.multinomial  # the original, restored after every sampling call
 
@@ -64,13 +65,14 @@ def _pad(queries: list[torch.Tensor], pad_token_id: int, left: bool = True) -> t
     return input_ids, attention_mask
 
 
+def eos_cut(tokens: list[int], eos_token_ids: set[int]) -> int:
+    """How many of ``tokens`` to keep: up to and including the first EOS (all of them when there is none)."""
+    return next((i + 1 for i, token in enumerate(tokens) if token in eos_token_ids), len(tokens))
+
+
 def cut_after_eos(tokens: torch.Tensor, eos_token_ids: set[int]) -> torch.Tensor:
-    """Keep ``tokens`` up to and including the first EOS (all of it when there is none)."""
-    if not eos_token_ids:
-        return tokens
-    is_eos = torch.isin(tokens, torch.tensor(sorted(eos_token_ids), device=tokens.device))
-    hits = is_eos.nonzero()
-    return tokens[: int(hits[0]) + 1] if len(hits) else tokens
+    """Keep ``tokens`` ``(L,)`` up to and including the first EOS (all of it when there is none)."""
+    return tokens[: eos_cut(tokens.tolist(), eos_token_ids)] if eos_token_ids else tokens
 
 
 def _eos_ids(generation_kwargs: dict[str, Any], tokenizer, model) -> set[int]:
@@ -125,7 +127,7 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         raise ValueError("generate: query_tensor must be a 1-D tensor or a non-empty list of 1-D tensors.")
     outputs: list[torch.Tensor] = []
     for start in range(0, len(query_tensor), batch_size):
-        queries = [q.to(device).long() for q in query_tensor[start:start + batch_size]]
+        queries = [q.long() for q in moved(list(query_tensor[start:start + batch_size]), device)]
         if length_sampler is not None:
             kwargs["max_new_tokens"] = length_sampler()
         input_ids, attention_mask = _pad(queries, kwargs["pad_token_id"], left=not is_encoder_decoder)
@@ -133,7 +135,8 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
             generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         # decoder-only: (b, L + new) with the prompt; encoder-decoder: (b, 1 + new) after the start token
         new_tokens = generated[:, 1:] if is_encoder_decoder else generated[:, input_ids.shape[1]:]
-        for query, response in zip(queries, new_tokens):
-            response = cut_after_eos(response, eos)
+        kept = [eos_cut(row, eos) for row in new_tokens.tolist()]  # the batch's tokens on the host, in one copy
+        for query, response, n in zip(queries, new_tokens, kept):
+            response = response[:n]
             outputs.append(torch.cat([query, response]) if return_prompt and not is_encoder_decoder else response)
     return outputs

@@ -1,4 +1,5 @@
-"""KL-coefficient controllers and running score moments: small state machines with plain-number state.
+"""KL-coefficient controllers and running score moments: small state machines with plain-number state, and the
+score scaling that uses the moments.
 
 Their whole state is a few floats, exposed through ``state_dict``/``load_state_dict`` so a run can be
 checkpointed and resumed exactly.
@@ -7,6 +8,7 @@ checkpointed and resumed exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -82,3 +84,18 @@ class RunningMoments:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.mean, self.var, self.std, self.count = (float(state[k]) for k in ("mean", "var", "std", "count"))
+
+
+def scale_scores(scores: torch.Tensor, running: RunningMoments | None, use_score_norm: bool,
+                 score_clip: float | None, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``(B,)`` scores as ``step`` uses them: with ``running`` moments (``use_score_scaling``), divided by the running
+    std of every score so far, this step's of every process too (``gather``), minus their running mean first with
+    ``use_score_norm``; then clipped to ``[-score_clip, score_clip]`` (None: not clipped)."""
+    scores = scores.float()
+    if running is not None:
+        running.update(gather(scores))
+        factor = running.std + torch.finfo(scores.dtype).eps
+        scores = (scores - running.mean) / factor if use_score_norm else scores / factor
+    if score_clip is not None:
+        scores = scores.clamp(-score_clip, score_clip)
+    return scores

@@ -1,4 +1,4 @@
-"""Language models with a scalar value head, and frozen reference copies that genuinely share layers.
+"""Language models with a scalar value head, and their surgery (dropout, the decoder start token).
 
 ``AutoModelForCausalLMWithValueHead`` wraps any ``transformers.AutoModelForCausalLM`` (GPT-2, Llama,
 Qwen2, GPT-NeoX, OPT, ...), ``AutoModelForSeq2SeqLMWithValueHead`` any encoder-decoder
@@ -13,7 +13,6 @@ registered (``lm_head_parameters()``, see ``ppo_core.zero``).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -31,9 +30,6 @@ logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _VALUE_HEAD_KWARGS = ("summary_dropout_prob", "v_head_initializer_range", "v_head_init_strategy")
-# Where the i-th transformer block lives, per architecture family (legacy LAYER_PATTERNS).
-LAYER_PATTERNS = ("transformer.h.{layer}", "model.decoder.layers.{layer}", "gpt_neox.layers.{layer}",
-                  "model.layers.{layer}", "transformer.layers.{layer}", "model.transformer.h.{layer}")
 
 
 class ValueHead(nn.Module):
@@ -119,9 +115,13 @@ class PreTrainedModelWrapper(nn.Module):
                 adapter to the loaded model, freezing its base weights (needs ``peft``).
             is_trainable: whether a loaded adapter is trained (default True; peft's own default is False).
             **kwargs: ``summary_dropout_prob``, ``v_head_initializer_range``, ``v_head_init_strategy``
-                go to the value head; the rest to the transformers ``from_pretrained``.
+                go to the value head; the rest to the transformers ``from_pretrained``. Without a ``dtype`` (or
+                ``torch_dtype``) the weights load in float32: transformers 5 would load them in their saved dtype,
+                and a bf16 checkpoint would then train bf16 weights without a float32 master copy.
         """
         head_kwargs = {k: kwargs.pop(k) for k in _VALUE_HEAD_KWARGS if k in kwargs}
+        if "dtype" not in kwargs and "torch_dtype" not in kwargs:  # float32 master weights, as legacy TRL had
+            kwargs["dtype"] = torch.float32
         peft_config = kwargs.pop("peft_config", None)
         is_trainable = kwargs.pop("is_trainable", True)
         for unsupported in ("reward_adapter", "load_in_8bit", "load_in_4bit"):
@@ -220,21 +220,31 @@ class PreTrainedModelWrapper(nn.Module):
         head = self.transformers_model.get_output_embeddings()
         return [p for p in (head.weight, getattr(head, "bias", None)) if isinstance(p, nn.Parameter)]
 
+    def _values(self, hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``(B, T, H) -> (B, T)`` on ``device``. With the model across GPUs (``device_map``) the hidden states come
+        from the last shard and the value head sits on the first (where legacy TRL put it): each has its device."""
+        return self.v_head(hidden.to(self.v_head.summary.weight.device)).squeeze(-1).to(device)
+
     def _token_scores(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                       with_entropy: bool, keep_hidden: bool, chunk_size: int | None) -> TokenScores:
         """``hidden (B, T, H)`` -> :class:`TokenScores` at ``positions`` ``(N, 2)`` (row, position) for ``targets``
-        ``(N,)``.
+        ``(N,)``, on the device of ``positions`` (the inputs').
 
-        The LM head runs on the ``N`` selected hidden states only, chunk by chunk (``ppo_core.logprobs``).
+        The LM head runs on the ``N`` selected hidden states only, chunk by chunk (``ppo_core.logprobs``), on its own
+        device: across GPUs (``device_map``) the hidden states, the value head and the LM head may each have another.
+        On one device every move is a no-op.
         """
-        values = self.v_head(hidden).squeeze(-1)  # (B, T)
-        selected = hidden[positions[:, 0], positions[:, 1]]  # (N, H)
+        device = positions.device
+        values = self._values(hidden, device)  # (B, T)
+        selected = hidden[positions[:, 0].to(hidden.device), positions[:, 1].to(hidden.device)]  # (N, H)
         head = self.lm_head()
+        selected, targets = selected.to(head.weight.device), targets.to(head.weight.device)
         if with_entropy:
             logprobs, entropy = selected_logprobs_and_entropy(selected, head, targets, chunk_size)
+            entropy = entropy.to(device)
         else:
             logprobs, entropy = selected_logprobs(selected, head, targets, chunk_size), None
-        return TokenScores(logprobs, entropy, values, selected.detach() if keep_hidden else None)
+        return TokenScores(logprobs.to(device), entropy, values, selected.detach() if keep_hidden else None)
 
 
 class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
@@ -263,11 +273,11 @@ class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
                                       score_chunk_size)
         if kwargs.pop("hidden_only", False):
             hidden = self.backbone_hidden_states(input_ids, attention_mask, kwargs.get("position_ids"))
-            return hidden, self.v_head(hidden).squeeze(-1)
+            return hidden, self._values(hidden, hidden.device)
         kwargs["output_hidden_states"] = True
         out = self.pretrained_model(input_ids=input_ids, past_key_values=past_key_values,
                                     attention_mask=attention_mask, **kwargs)
-        values = self.v_head(out.hidden_states[-1]).squeeze(-1)
+        values = self._values(out.hidden_states[-1], out.logits.device)
         lm_logits = out.logits.float()
         if return_past_key_values:
             return lm_logits, out.loss, values, out.past_key_values
@@ -316,11 +326,11 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
         if kwargs.pop("hidden_only", False):
             hidden = self.decoder_hidden_states(input_ids, attention_mask, kwargs["decoder_input_ids"],
                                                 kwargs.get("decoder_attention_mask"))
-            return hidden, self.v_head(hidden).squeeze(-1)
+            return hidden, self._values(hidden, hidden.device)
         kwargs["output_hidden_states"] = True
         out = self.pretrained_model(input_ids=input_ids, past_key_values=past_key_values,
                                     attention_mask=attention_mask, **kwargs)
-        values = self.v_head(out.decoder_hidden_states[-1]).squeeze(-1)
+        values = self._values(out.decoder_hidden_states[-1], out.logits.device)
         lm_logits = out.logits.float()
         if return_past_key_values:
             return lm_logits, out.loss, values, out.past_key_values
@@ -380,43 +390,6 @@ def _load_value_head_state(path: str) -> dict[str, torch.Tensor] | None:
         if state:
             return {k[len("v_head."):]: v for k, v in state.items()}
     return None
-
-
-def _shared_parameter_names(model: nn.Module, num_shared_layers: int, pattern: str | None) -> list[str]:
-    """Names of the parameters before the first block ``num_shared_layers`` (embeddings and blocks < k)."""
-    names = [n for n, _ in model.named_parameters()]
-    candidates = [pattern] if pattern else list(LAYER_PATTERNS)
-    for candidate in candidates:
-        prefix = candidate.format(layer=num_shared_layers) + "."
-        first = next((i for i, n in enumerate(names) if prefix in n), None)
-        if first is not None:
-            return names[:first]
-    raise ValueError(f"create_reference_model: no layer {num_shared_layers} found with pattern "
-                     f"{pattern or LAYER_PATTERNS}; pass pattern='...{{layer}}' matching the model's block names "
-                     f"(e.g. {names[len(names) // 2]!r}) or fewer shared layers.")
-
-
-def create_reference_model(model: nn.Module, num_shared_layers: int | None = None,
-                           pattern: str | None = None) -> nn.Module:
-    """A frozen, eval-mode copy of ``model`` for the KL penalty.
-
-    With ``num_shared_layers=k``, the embeddings and the first ``k`` blocks are *the same tensors* in
-    both models (one copy in memory) and are frozen in the trained model too, as the legacy function
-    intended. (Legacy TRL froze them but deep-copied them anyway, duplicating the memory; fixed here.)
-    """
-    if num_shared_layers is None:
-        shared: list[str] = []
-    else:
-        shared = _shared_parameter_names(model, num_shared_layers, pattern)
-    params = dict(model.named_parameters())
-    # deepcopy consults the memo first: pre-seeding it with the shared Parameters makes the copy reuse them.
-    memo = {id(params[name]): params[name] for name in shared}
-    ref_model = copy.deepcopy(model, memo)
-    for name in shared:
-        params[name].requires_grad_(False)
-    for param in ref_model.parameters():
-        param.requires_grad_(False)
-    return ref_model.eval()
 
 
 def disable_dropout(model: nn.Module) -> None:

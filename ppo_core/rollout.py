@@ -10,6 +10,10 @@ Every per-token tensor the trainer uses is response-aligned, ``(B, R)``: column 
 Encoder-decoder policies use the same layout for the decoder: ``input_ids`` holds
 ``decoder_start + response + pad`` (so ``query_lens`` is 1: the start token) and the queries go to the
 encoder, right-padded with an attention mask (``encoder_input_ids``, ``encoder_attention_mask``).
+
+No host sync (a GPU waiting for Python to read a value back) in the passes over a batch: every size a pass needs
+(the longest sequence, the number of response tokens) is read from a copy of the lengths kept on the host
+(``ModelInputs.host_lens``), and the inputs of ``step`` reach the device in one copy per list.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .logprobs import full_kl
+from .utils import moved
 from .zero import gathered
+
+
+class Sizes(NamedTuple):
+    """The sizes of a batch that shape its tensors (Python ints)."""
+
+    seq_len: int  # the longest query + response (decoder-only) or start + response (encoder-decoder)
+    width: int  # R, the longest response
+    n_tokens: int  # N, the response tokens in all
+    encoder_len: int  # the longest encoder input (0 for decoder-only models)
 
 
 class ModelInputs(NamedTuple):
@@ -33,14 +47,40 @@ class ModelInputs(NamedTuple):
     response_lens: torch.Tensor  # (B,)
     encoder_input_ids: torch.Tensor | None = None  # (B, S) encoder-decoders: the queries
     encoder_attention_mask: torch.Tensor | None = None  # (B, S) 1 = real query token
+    host_lens: torch.Tensor | None = None  # (B, 3) on the host: query, response, encoder lengths (None: read back)
 
-    def index(self, idx: torch.Tensor) -> ModelInputs:
-        return ModelInputs(*(t[idx] if t is not None else None for t in self))
+    def index(self, idx: torch.Tensor, host_idx: torch.Tensor | None = None) -> ModelInputs:
+        """The samples ``idx``; ``host_idx`` the same indices on the host (default: ``idx`` read back)."""
+        host_idx = host_idx if host_idx is not None or self.host_lens is None else idx.cpu()
+        return ModelInputs(*(t[idx] if t is not None else None for t in self[:-1]),
+                           self.host_lens[host_idx] if self.host_lens is not None else None)
 
-    def response_mask(self) -> torch.Tensor:
-        """``(B, R)`` bool, True at real response tokens."""
-        positions = torch.arange(int(self.response_lens.max()), device=self.response_lens.device)
+    def rows(self, start: int, stop: int) -> ModelInputs:
+        """The samples ``start:stop`` (views)."""
+        return ModelInputs(*(t[start:stop] if t is not None else None for t in self))
+
+    def sizes(self) -> Sizes:
+        """The batch's :class:`Sizes`, from the host lengths (without them: read back from the device, one sync)."""
+        lens = self.host_lens
+        if lens is None:
+            enc = self.encoder_attention_mask
+            lens = torch.stack([self.query_lens, self.response_lens,
+                                enc.sum(1) if enc is not None else torch.zeros_like(self.query_lens)], 1).cpu()
+        lens = lens.numpy()  # (B, 3) on the host (numpy: which a device tensor could not be)
+        return Sizes(int((lens[:, 0] + lens[:, 1]).max()), int(lens[:, 1].max()), int(lens[:, 1].sum()),
+                     int(lens[:, 2].max()))
+
+    def response_mask(self, width: int | None = None) -> torch.Tensor:
+        """``(B, R)`` bool, True at real response tokens (``R``: ``width``, default the longest response)."""
+        width = self.sizes().width if width is None else width
+        positions = torch.arange(width, device=self.response_lens.device)
         return positions[None, :] < self.response_lens[:, None]
+
+
+def _lengths(queries: list[torch.Tensor], responses: list[torch.Tensor], encoder: bool) -> torch.Tensor:
+    """``(B, 3)`` host lengths of :class:`ModelInputs` (tensor shapes: no device read)."""
+    return torch.tensor([[1 if encoder else len(q), len(r), len(q) if encoder else 0]
+                         for q, r in zip(queries, responses)])
 
 
 def build_model_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor],
@@ -52,9 +92,9 @@ def build_model_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor
     # using a non-pad id keeps transformers from warning about a missing attention mask.
     filler = 0 if pad_token_id != 0 else 1
     input_ids = pad_sequence(sequences, batch_first=True, padding_value=filler)
-    query_lens = torch.tensor([len(q) for q in queries], device=device)
-    response_lens = torch.tensor([len(r) for r in responses], device=device)
-    return ModelInputs(input_ids, query_lens, response_lens)
+    lens = _lengths(queries, responses, encoder=False)
+    query_lens, response_lens = lens[:, :2].T.contiguous().to(device, non_blocking=True)
+    return ModelInputs(input_ids, query_lens, response_lens, host_lens=lens)
 
 
 def build_seq2seq_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor], decoder_start_token_id: int,
@@ -68,11 +108,11 @@ def build_seq2seq_inputs(queries: list[torch.Tensor], responses: list[torch.Tens
     pad = pad_token_id if pad_token_id is not None else 0
     encoder_input_ids = pad_sequence(queries, batch_first=True, padding_value=pad)
     encoder_attention_mask = pad_sequence([torch.ones_like(q) for q in queries], batch_first=True, padding_value=0)
-    start = torch.tensor([decoder_start_token_id], dtype=responses[0].dtype, device=device)
+    start = torch.full((1,), decoder_start_token_id, dtype=responses[0].dtype, device=device)
     decoder_ids = pad_sequence([torch.cat([start, r]) for r in responses], batch_first=True, padding_value=pad)
-    query_lens = torch.ones(len(responses), dtype=torch.long, device=device)
-    response_lens = torch.tensor([len(r) for r in responses], device=device)
-    return ModelInputs(decoder_ids, query_lens, response_lens, encoder_input_ids, encoder_attention_mask)
+    lens = _lengths(queries, responses, encoder=True)
+    query_lens, response_lens = lens[:, :2].T.contiguous().to(device, non_blocking=True)
+    return ModelInputs(decoder_ids, query_lens, response_lens, encoder_input_ids, encoder_attention_mask, lens)
 
 
 def model_inputs(queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int | None,
@@ -107,11 +147,16 @@ def checked_step_inputs(batch_size: int, queries, responses, scores, masks, devi
                              "pass exactly config.batch_size samples (drop_last=True in your dataloader).")
     if masks is not None and len(masks) != batch_size:
         raise ValueError(f"step: response_masks has {len(masks)} entries, expected {batch_size}.")
-    queries = [_token_tensor(q, "queries", i).to(device) for i, q in enumerate(queries)]
-    responses = [_token_tensor(r, "responses", i).to(device) for i, r in enumerate(responses)]
-    scores = torch.stack([_scalar_score(s, i) for i, s in enumerate(scores)]).to(device)
+    queries = moved([_token_tensor(q, "queries", i) for i, q in enumerate(queries)], device)  # one copy per list
+    responses = moved([_token_tensor(r, "responses", i) for i, r in enumerate(responses)], device)
+    scores = torch.stack([_scalar_score(s, i) for i, s in enumerate(scores)])
+    finite = torch.isfinite(scores)
+    if not bool(finite.all()):  # one read for all the scores
+        i = int((~finite).nonzero()[0])
+        raise ValueError(f"step: scores[{i}] is {scores[i].item()}; scores must be finite numbers.")
+    scores = scores.to(device, non_blocking=True)
     if masks is not None:
-        masks = [torch.as_tensor(m).to(device) for m in masks]
+        masks = moved([torch.as_tensor(m) for m in masks], device)
         for i, (m, r) in enumerate(zip(masks, responses)):
             if m.shape != r.shape:
                 raise ValueError(f"step: response_masks[{i}] has shape {tuple(m.shape)}, "
@@ -136,10 +181,7 @@ def _scalar_score(s, i: int) -> torch.Tensor:
         raise ValueError(f"step: scores[{i}] must be a scalar (0-d tensor), got shape {tuple(s.shape)}.")
     if not s.is_floating_point() and s.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"step: scores[{i}] must be a number, got dtype {s.dtype}.")
-    s = s.reshape(()).float()
-    if not torch.isfinite(s):
-        raise ValueError(f"step: scores[{i}] is {s.item()}; scores must be finite numbers.")
-    return s
+    return s.reshape(()).float()
 
 
 def build_response_masks(response_masks: list[torch.Tensor] | None, inputs: ModelInputs) -> torch.Tensor:
@@ -168,12 +210,14 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
     per-token outputs come out of its ``forward`` (``score_positions``, see ``modeling``), so a wrapper sees
     everything the pass reads, the LM head included. Gradients flow when called outside ``torch.no_grad``.
     """
-    seq_len = int((inputs.query_lens + inputs.response_lens).max())
+    sizes = inputs.sizes()  # from the host lengths: no device read
+    seq_len = sizes.seq_len
     input_ids = inputs.input_ids[:, :seq_len]
-    valid = inputs.response_mask()  # (B, R)
+    valid = inputs.response_mask(sizes.width)  # (B, R)
     offsets = torch.arange(valid.shape[1], device=valid.device)
     positions = (inputs.query_lens[:, None] - 1 + offsets[None, :]).clamp(max=seq_len - 1)  # (B, R)
-    rows, cols = valid.nonzero(as_tuple=True)  # the N real response tokens
+    # the N real response tokens, row by row: N is known, so the indices come without a device read
+    rows, cols = torch.nonzero_static(valid, size=sizes.n_tokens).unbind(1)  # (N,) each
     src = positions[rows, cols]
     score = dict(score_positions=torch.stack([rows, src], dim=1),  # (N, 2)
                  score_targets=input_ids[rows, src + 1],  # (N,)
@@ -183,7 +227,7 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
     if inputs.encoder_input_ids is None:
         out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **score)
     else:
-        enc_len = int(inputs.encoder_attention_mask.sum(1).max())
+        enc_len = sizes.encoder_len
         out = model(input_ids=inputs.encoder_input_ids[:, :enc_len],
                     attention_mask=inputs.encoder_attention_mask[:, :enc_len],
                     decoder_input_ids=input_ids, decoder_attention_mask=torch.ones_like(input_ids), **score)
@@ -199,7 +243,7 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
 
 def concat_outputs(parts: list[PolicyOutputs], inputs: ModelInputs) -> PolicyOutputs:
     """Concatenate chunked ``PolicyOutputs`` along the batch, re-padding to the batch's response length."""
-    width = int(inputs.response_lens.max())
+    width = inputs.sizes().width
     pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
     logprobs = torch.cat([pad(p.logprobs) for p in parts])
     values = torch.cat([pad(p.values) for p in parts])
@@ -210,9 +254,9 @@ def concat_outputs(parts: list[PolicyOutputs], inputs: ModelInputs) -> PolicyOut
 def chunked_outputs(model, inputs: ModelInputs, chunk_size: int, keep_hidden: bool = False) -> PolicyOutputs:
     """:func:`policy_outputs` of ``inputs``, ``chunk_size`` samples at a time (the activations of one chunk alive at
     once), concatenated: ``(B, R)`` each."""
-    n = len(inputs.query_lens)
-    chunks = [torch.arange(s, min(s + chunk_size, n), device=inputs.input_ids.device) for s in range(0, n, chunk_size)]
-    return concat_outputs([policy_outputs(model, inputs.index(idx), keep_hidden=keep_hidden) for idx in chunks], inputs)
+    starts = range(0, len(inputs.query_lens), chunk_size)
+    parts = [policy_outputs(model, inputs.rows(s, s + chunk_size), keep_hidden=keep_hidden) for s in starts]
+    return concat_outputs(parts, inputs)
 
 
 class Rollout(NamedTuple):
@@ -229,10 +273,11 @@ class Rollout(NamedTuple):
     advantages: torch.Tensor  # (B, R) GAE advantages, whitened over the (global) batch
     returns: torch.Tensor  # (B, R) advantages + values, the value target
 
-    def minibatch(self, idx: torch.Tensor) -> Rollout:
-        """The samples ``idx`` ``(b,)``, each ``(B, R)`` tensor trimmed to their longest response: ``(b, R_b)``."""
-        inputs = self.inputs.index(idx)
-        width = int(inputs.response_lens.max())
+    def minibatch(self, idx: torch.Tensor, host_idx: torch.Tensor | None = None) -> Rollout:
+        """The samples ``idx`` ``(b,)`` (``host_idx``: the same on the host), each ``(B, R)`` tensor trimmed to their
+        longest response: ``(b, R_b)``."""
+        inputs = self.inputs.index(idx, host_idx)
+        width = inputs.sizes().width
         return Rollout(inputs, *(t[idx, :width] for t in self[1:]))
 
 
@@ -243,10 +288,11 @@ def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.
     No gradient, outside any forward: under ZeRO-3 both LM heads are gathered for it (every process calls it).
     """
     policy, ref = _unwrap(model), _unwrap(ref_model)
-    valid = inputs.response_mask()
+    valid = inputs.response_mask()  # a boolean mask: one device read (once per step, with the whole-vocabulary KL)
     kl = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
     with gathered(policy.lm_head_parameters() + ref.lm_head_parameters()):
-        kl[valid] = full_kl(hidden, policy.lm_head(), ref_hidden, ref.lm_head()).float()
+        head, ref_head = policy.lm_head(), ref.lm_head()  # (hidden states from each model's forward, on its head)
+        kl[valid] = full_kl(hidden, head, ref_hidden.to(hidden.device), ref_head).float().to(kl.device)
     return kl
 
 

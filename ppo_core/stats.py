@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .core import masked_mean, masked_var
+from .core import masked_mean, masked_variances
 from .distributed import gather_ragged, mean_across
 from .ppo_math import PolicyLoss, ValueLoss, token_mean
 
@@ -60,26 +60,39 @@ def minibatch_stats(pg: PolicyLoss, vf: ValueLoss, vf_coef: float, mask: torch.T
         group: the run's processes; the variances are over the global mini-batch.
     """
     mean = lambda x: token_mean(x, mask, n_tokens)  # noqa: E731
-    var = lambda x: masked_var(x, mask, sum_across=group.sum_across)  # noqa: E731
+    # both variances in two collectives, without a host sync: fewer than 2 valid tokens give NaN, which the
+    # trainer's one finiteness check of the stats reports (see ``non_finite_stat``)
+    returns_var, values_var = masked_variances([returns, values], mask, sum_across=group.sum_across).unbind()
     stats = {
         "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
         "loss/total": (pg.loss + vf_coef * vf.loss).detach(),
         "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
         "policy/advantages_mean": mean(advantages), "policy/ratio_mean": pg.ratio_mean,
-        "returns/mean": mean(returns), "returns/var": var(returns),
+        "returns/mean": mean(returns), "returns/var": returns_var,
         "val/vpred": mean(vpreds), "val/error": mean((vpreds - returns) ** 2),
-        "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": var(values),
+        "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": values_var,
     }
     if entropy is not None:  # absent only when a caller passes neither logits nor entropy
         stats["policy/entropy"] = mean(entropy)
     return stats
 
 
+def non_finite_count(stats: dict[str, torch.Tensor]) -> torch.Tensor:
+    """0-d float: how many of a mini-batch's ``stats`` hold a non-finite element, on their device, for the caller's one
+    host read per mini-batch (a check per stat would be one host sync each on a GPU)."""
+    flags = [~torch.isfinite(value).all() for value in stats.values()]
+    return torch.stack(flags).sum().float()
+
+
 def non_finite_stat(stats: dict[str, torch.Tensor]) -> str | None:
-    """``"ppo/NAME (VALUE)"`` for the first of a mini-batch's ``stats`` with a non-finite element, or None."""
+    """``"ppo/NAME (VALUE)"`` for the first of a mini-batch's ``stats`` with a non-finite element, or None (one host
+    sync per stat: for the error message, once :func:`non_finite_count` has found one). A variance says when it
+    had fewer than 2 valid tokens (``masked_var``'s case)."""
     for key, value in stats.items():
         if not bool(torch.isfinite(value).all()):
-            return f"ppo/{key} ({value.item() if value.numel() == 1 else value})"
+            hint = ("; fewer than 2 valid tokens in the mini-batch? increase mini_batch_size or make sure responses "
+                    "are non-empty" if key.endswith("/var") else "")
+            return f"ppo/{key} ({value.item() if value.numel() == 1 else value}{hint})"
     return None
 
 
@@ -96,11 +109,12 @@ def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref
         masks: ``(B, R)`` 1 = response token that counts.
         query_lens, response_lens: ``(B,)`` float token counts.
         train_stats: the stats of each mini-batch of the step, in order (see ``PPOTrainer.loss``), each with
-            ``policy/skipped`` (1.0 for a mini-batch the ratio threshold skipped).
+            ``policy/skipped`` (1.0 for a mini-batch the ratio threshold skipped) and, under fp16 loss scaling,
+            ``policy/overflowed`` (1.0 where the loss scaler skipped the optimizer update).
         mini_batch_size: samples per mini-batch, for the number of epochs run.
         group: the run's processes (``ppo_core.distributed``).
     """
-    batch_size, valid = len(scores), masks.bool()
+    batch_size, valid = len(scores), masks.bool().nonzero(as_tuple=True)  # the tokens that count: one device read
     kl_per_sample, entropy, scores, query_lens, response_lens = gather_samples(
         group, (kls * masks).sum(-1), (-logprobs * masks).sum(-1), scores, query_lens, response_lens)
     token_logprobs, token_ref_logprobs, token_advantages = gather_tokens(
@@ -123,12 +137,15 @@ def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref
 def training_stats(train_stats: list[dict[str, torch.Tensor]], batch_size: int, mini_batch_size: int,
                    group) -> dict[str, torch.Tensor]:
     """The mini-batches' stats averaged over the step (``ppo/`` names), the per-mini-batch ratios over the processes,
-    the skipped mini-batches and the epochs run; ``batch_size`` samples per process."""
+    the skipped mini-batches (and overflowed updates), and the epochs run; ``batch_size`` samples per process."""
+    counted = {"policy/skipped": "ppo/policy/skipped_minibatches", "policy/overflowed": "ppo/policy/overflowed_updates"}
     stats = {f"ppo/{key}": torch.stack([s[key] for s in train_stats]).float().mean()
-             for key in train_stats[0] if key != "policy/skipped"}
+             for key in train_stats[0] if key not in counted}
     ratios = torch.stack([s["policy/ratio_mean"] for s in train_stats]).float()
     stats["ppo/policy/ratio"] = mean_across(ratios, group)
-    stats["ppo/policy/skipped_minibatches"] = torch.stack([s["policy/skipped"] for s in train_stats]).sum()
+    for key, name in counted.items():  # overflowed: fp16 runs only (the loss scaler skipped that update)
+        if key in train_stats[0]:
+            stats[name] = torch.stack([s[key] for s in train_stats]).sum()
     stats["ppo/epochs"] = torch.tensor(len(train_stats) / math.ceil(batch_size / mini_batch_size))
     # linear in the per-process val/error share (returns/var is global), so its mean over processes is global
     stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
@@ -147,7 +164,8 @@ def mean_over_processes(stats: dict[str, Any], group) -> dict[str, Any]:
     out = dict(stats)
     if keys:
         dtype = _common_dtype(stats[key] for key in keys)
-        values = torch.stack([stats[key].detach().to(group.device, dtype) for key in keys])  # (k,)
+        # (the host's stats go to the device without waiting for it)
+        values = torch.stack([stats[key].detach().to(group.device, dtype, non_blocking=True) for key in keys])  # (k,)
         means = mean_across(values, group).unbind()
         out.update({key: mean.to(torch.promote_types(stats[key].dtype, torch.float32))
                     for key, mean in zip(keys, means)})

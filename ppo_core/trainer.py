@@ -3,14 +3,15 @@
 This module is the loop: building the trainer, ``generate``, and ``step`` in numbered steps with its PPO epochs
 over mini-batches (``train_minibatch``, ``loss``). The rest lives beside it: the math in ``ppo_math`` (pure
 functions), the batching, input checks, log-probabilities and the :class:`~ppo_core.rollout.Rollout` the epochs
-consume in ``rollout``/``logprobs``, the statistics in ``stats``, the other processes and the Accelerator in
-``distributed``, the checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, the
-reference policy in ``reference``, and the legacy methods in ``legacy``. Differences from legacy TRL, all
-deliberate fixes:
+consume in ``rollout``/``logprobs``, a mini-batch's backward and optimizer step in ``update``, mixed precision in
+``precision``, the statistics in ``stats``, the other processes and the Accelerator in ``distributed``, the
+checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, the reference policy in
+``reference``, and the legacy methods in ``legacy``. Differences from legacy TRL, all deliberate fixes:
 
 * the loss forward runs in train mode (legacy called ``model.eval()`` before it, so dropout was never
   active there); dropout itself is disabled by default (``PPOConfig.disable_dropout``) so that the
-  first ratio of every step is exactly 1, as the N+ implementation study recommends;
+  first ratio of every step is 1, as the N+ implementation study recommends (exactly on CPUs; on GPUs within
+  rounding, cuBLAS choosing kernels by shape);
 * ``num_shared_layers`` shares the layers' memory with the reference model (legacy duplicated it);
 * padding never enters a statistic: "entropy", KL, rewards and whitening are all masked;
 * a mini-batch over ``ratio_threshold`` is skipped (no backward, no optimizer step) and counted in
@@ -19,7 +20,10 @@ deliberate fixes:
   response positions only, chunk by chunk;
 * encoder-decoder responses are the generated tokens *without* the decoder start token (``step``
   prepends it) and every one of them is scored (legacy returned the start token as the response's first
-  token and left the first generated token out of the loss).
+  token and left the first generated token out of the loss);
+* under fp16 a loss-scale overflow is a skipped update, counted in the stats (legacy's scaler skipped it unseen),
+  and ``max_consecutive_overflows`` in a row stop the run as diverged;
+* a mini-batch waits for the GPU once (its checks), plus once per optimizer update (see ``update``).
 
 Under N processes (``accelerate launch``), ``step`` on each process's ``batch_size`` samples gives what
 one process gives on the ``N * batch_size`` samples (``global_batch_size``), process 0's first, up to
@@ -66,10 +70,11 @@ from .distributed import (
     tokens_per_process,
 )
 from .generation import generate_batched
-from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments
+from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
 from .legacy import LegacyMethods, check_arguments, default_optimizer
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
 from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
+from .precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
 from .reference import frozen_reference, placed_reference, reference_policy
 from .rollout import (
     ModelInputs,
@@ -84,6 +89,7 @@ from .rollout import (
     warn_if_start_token_included,
 )
 from .stats import minibatch_stats, non_finite_stat
+from .update import Updates, minibatch_decision
 from .utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
 from .zero import configure_engine, gathered, gathered_for_generation, is_zero3
 
@@ -143,6 +149,7 @@ class PPOTrainer(LegacyMethods):
             model.gradient_checkpointing_enable()
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
         ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
+        prepare_dtypes(self.accelerator, model, ref_model)  # frozen weights in the autocast dtype; half weights warned
 
         # 3. data, optimiser, KL controller
         self.dataset = dataset
@@ -160,7 +167,9 @@ class PPOTrainer(LegacyMethods):
         with deprecated_collectives_ignored(self.is_deepspeed):
             (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
                 model, optimizer, self.dataloader, lr_scheduler)
-            self.ref_model = placed_reference(ref_model, self.accelerator, self._zero3)
+            # under DeepSpeed the reference takes the dtype the engine gave the policy's weights
+            self.ref_model = placed_reference(ref_model, self.accelerator, self._zero3,
+                                              floating_dtype(self.model) if self.is_deepspeed else None)
         self.current_device = self.accelerator.device
         if self.current_device.type == "cpu":  # (N, V) blocks reused, not page-faulted in at every mini-batch
             keep_freed_memory_for_reuse()
@@ -169,11 +178,15 @@ class PPOTrainer(LegacyMethods):
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
         self._warned_negative_kl = self._warned_start_token = False
         self._minibatches_done = 0  # of the current step, for error messages
-        self._window_has_gradients = False  # a backward ran in the current gradient-accumulation window
+        # the backward, clipping and optimizer step of each mini-batch; under DDP and DeepSpeed the last backward of
+        # a window all-reduces or applies its gradients
+        self._updates = Updates(self.accelerator, self.model, self.optimizer, config.max_grad_norm,
+                                config.max_consecutive_overflows, self.is_deepspeed or self.is_distributed)
         self._best_score = -math.inf
 
     # ---- generation --------------------------------------------------------------------------------
     @quiet_deepspeed_collectives
+    @with_tf32
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
                  return_prompt: bool = True, generate_ref_response: bool = False, **generation_kwargs):
         """Sample responses: a 1-D query tensor gives a ``(1, L)`` tensor; a list gives a list of 1-D tensors.
@@ -228,6 +241,7 @@ class PPOTrainer(LegacyMethods):
 
     # ---- the PPO step --------------------------------------------------------------------------------
     @quiet_deepspeed_collectives
+    @with_tf32
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list[torch.Tensor],
              response_masks: list[torch.Tensor] | None = None) -> dict[str, Any]:
         """One PPO update from ``batch_size`` (query, response, score) triples; returns the stats."""
@@ -236,7 +250,8 @@ class PPOTrainer(LegacyMethods):
         queries, responses, scores, response_masks = on_every_process(
             self._group, checked_step_inputs, cfg.batch_size, queries, responses, scores, response_masks,
             self.current_device)
-        scores = self._scale_scores(scores)
+        scores = scale_scores(scores, self.running if cfg.use_score_scaling else None, cfg.use_score_norm,
+                              cfg.score_clip, self._group.gather)
         # 2. legacy push_to_hub_if_best_kwargs: the policy that sampled these responses, if they score best so far
         self._push_to_hub_if_best(scores)
         # 3. no-grad passes of policy and reference
@@ -264,6 +279,8 @@ class PPOTrainer(LegacyMethods):
                 advantages=rollout.advantages)))
         # 8. KL controller, scheduler, step counter
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        if self._updates.loss_scaled:  # fp16: the scale after this step's updates
+            stats["ppo/loss_scale"] = loss_scale(self.accelerator, self.model)
         self._end_step(float(stats["objective/kl"]))
         timing["time/ppo/total"] = time.perf_counter() - t_start
         return convert_to_scalar(stats | timing)
@@ -285,19 +302,6 @@ class PPOTrainer(LegacyMethods):
         if self.config.optimize_device_cache:
             free_device_cache()
 
-    def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` scores, with ``use_score_scaling`` divided by the running std of every score so far, this step's
-        too (minus their running mean first with ``use_score_norm``), then clipped to ``score_clip``."""
-        cfg = self.config
-        scores = scores.float()
-        if cfg.use_score_scaling:
-            self.running.update(self._group.gather(scores))
-            factor = self.running.std + torch.finfo(scores.dtype).eps
-            scores = (scores - self.running.mean) / factor if cfg.use_score_norm else scores / factor
-        if cfg.score_clip is not None:
-            scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
-        return scores
-
     @torch.no_grad()
     def _rollout_passes(self, inputs: ModelInputs) -> tuple[PolicyOutputs, PolicyOutputs]:
         """The policy's and the reference's outputs on ``inputs``, in eval mode, ``mini_batch_size`` samples at a
@@ -317,9 +321,10 @@ class PPOTrainer(LegacyMethods):
         cfg, all_stats = self.config, []
         batch_size = len(rollout.mask)
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(batch_size, generator=self._shuffle).to(rollout.inputs.input_ids.device)
+            host_order = torch.randperm(batch_size, generator=self._shuffle)  # on the host, as its sizes are
+            order = host_order.to(rollout.inputs.input_ids.device, non_blocking=True)
             for start in range(0, batch_size, cfg.mini_batch_size):
-                mb = rollout.minibatch(order[start:start + cfg.mini_batch_size])  # (b, R_b)
+                mb = rollout.minibatch(*(o[start:start + cfg.mini_batch_size] for o in (order, host_order)))  # (b, R_b)
                 self._minibatches_done = len(all_stats)  # for error messages
                 with self.accelerator.accumulate(self.model):
                     self.model.train()
@@ -338,35 +343,20 @@ class PPOTrainer(LegacyMethods):
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
                                           entropy=entropy)
-        bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None
-        raise_if_any(None if bad is None else self._failed(f"non-finite {bad}"), self._group)
-        # decided on the global mini-batch, so that every process skips (or backpropagates) together
-        ratio_mean = mean_across(stats["policy/ratio_mean"], self._group)
-        skipped = ratio_mean > self.config.ratio_threshold
-        stats["policy/skipped"] = skipped.float()
-        if skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
-            warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({ratio_mean:.2f}) exceeds "
+        # one host read: the mean ratio and whether any stat is non-finite, over the global mini-batch (every process
+        # skips, backpropagates or raises together)
+        decision = minibatch_decision(stats, self.config.ratio_threshold, self._group)
+        if decision.non_finite:  # every process raises the failing process's error
+            bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None on a process whose stats are finite
+            raise_if_any(None if bad is None else self._failed(f"non-finite {bad}"), self._group)
+        stats["policy/skipped"] = decision.skipped_flag
+        if decision.skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
+            warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({decision.ratio_mean:.2f}) exceeds "
                           f"ratio_threshold ({self.config.ratio_threshold}); skipping its update.")
-            if self.is_deepspeed and self.accelerator.sync_gradients and self._window_has_gradients:
-                # DeepSpeed steps inside the backward of a window's last mini-batch: without one, the gradients
-                # of this window's other mini-batches would go into the next window's update. A zero loss adds none.
-                self.accelerator.backward((loss_p + loss_v) * 0.0)
-        else:
-            self.accelerator.backward(loss_p + loss_v)
-            self._window_has_gradients = True
-        if self.accelerator.sync_gradients:
-            self._window_has_gradients = False
-            # Clipping with an infinite bound only measures the norm: a non-finite gradient must stop the
-            # run before the optimizer writes it into the weights. (DeepSpeed has stepped already, in backward,
-            # with its own clipping, from PPOConfig (see ``zero.fill_config``): it skips an update whose gradient
-            # norm is not finite, and this returns that norm.)
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm or math.inf)
-            if norm is not None and not torch.isfinite(torch.as_tensor(norm)):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise self._failed(f"non-finite gradient norm ({float(norm)})",
-                                   " Lower learning_rate, set max_grad_norm, or check the scores.")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._updates.backward(loss_p + loss_v, decision.skipped)
+        overflowed = self.accelerator.sync_gradients and self._updates.step(self._failed)
+        if self._updates.loss_scaled:  # fp16: the loss scaler skipped this update (counted in the stats)
+            stats["policy/overflowed"] = torch.full((), float(overflowed), device=self.current_device)
         return stats
 
     def _failed(self, what: str, advice: str = "") -> FloatingPointError:
@@ -421,7 +411,8 @@ class PPOTrainer(LegacyMethods):
         processes = self._group.gather_object({"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()})
         state = {"kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
                  "current_step": self.current_step, "step_count": self.step_count,
-                 "config": flatten_dict(self.config.to_dict()), "extra": extra or {}, "processes": processes}
+                 "config": flatten_dict(self.config.to_dict()), "extra": extra or {}, "processes": processes,
+                 "overflows": self._updates.overflows.state_dict()}
         checkpoint.save(path, state, self._checkpointed_engine(), self.accelerator, tag=str(self.step_count))
 
     @quiet_deepspeed_collectives
@@ -435,9 +426,11 @@ class PPOTrainer(LegacyMethods):
         self.running.load_state_dict(state["running"])
         self._shuffle.set_state(own["shuffle"])
         self.current_step, self.step_count = state["current_step"], state["step_count"]
+        self._updates.overflows.load_state_dict(state.get("overflows", {"in_a_row": 0}))
         checkpoint.set_rng_state(own["rng"])
         return state["extra"]
 
     def _checkpointed_engine(self):
-        return checkpoint.engine_state(self.accelerator, self.model, self.optimizer, self.lr_scheduler)
+        return checkpoint.engine_state(self.accelerator, self.model, self.optimizer, self.lr_scheduler,
+                                       self.accelerator.scaler)
 

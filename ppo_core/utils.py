@@ -1,6 +1,6 @@
 """Small utilities: seeding (legacy API), the CPU allocator setting the trainer applies by default, freeing the
-device cache, a block timer, and a scoped swap of a library function (the CPU fast paths of ``generation`` and
-``cpu_attention``)."""
+device cache, TF32 matmuls on the GPUs that have them, a block timer, and a scoped swap of a library function (the CPU
+fast paths of ``generation`` and ``cpu_attention``)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,47 @@ def free_device_cache() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def tf32_supported(device: torch.device | str) -> bool:
+    """Whether float32 matmuls on ``device`` can use TF32: a CUDA GPU of compute capability 8.0 (Ampere) or newer,
+    unless ``NVIDIA_TF32_OVERRIDE=0`` in the environment (NVIDIA's switch: cuBLAS and cuDNN then never use TF32)."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("NVIDIA_TF32_OVERRIDE") == "0" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool, device: torch.device | str) -> Iterator[None]:
+    """Within the block, float32 matmuls on CUDA use TF32 (inputs rounded to 10 mantissa bits, float32 accumulation:
+    several times the float32 throughput of Ampere and Hopper GPUs) when ``enabled`` and ``device`` has it
+    (:func:`tf32_supported`), and torch's setting is restored on the way out. Where the user has chosen a matmul
+    precision already (torch's ``fp32_precision`` flags, or the legacy ``allow_tf32``), or elsewhere (CPUs), nothing
+    changes. cuDNN's convolutions use TF32 by default in torch."""
+    matmul = torch.backends.cuda.matmul
+    if not (enabled and tf32_supported(device)) or (matmul.fp32_precision, torch.backends.fp32_precision) != (
+            "none", "none"):
+        yield
+        return
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = "none"
+
+
+def moved(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """``tensors`` on ``device`` in one copy, e.g. a batch's responses to the host: a copy per tensor is a host sync
+    each on a GPU (a copy to the host waits for the GPU, and so does a blocking one to it). A list already there is
+    returned as it is; one that mixes devices or dtypes is moved tensor by tensor."""
+    device = torch.device(device)
+    if all(t.device == device for t in tensors):
+        return list(tensors)
+    if len({(t.device, t.dtype) for t in tensors}) > 1:
+        return [t.to(device) for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device, non_blocking=device.type != "cpu")
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 @contextlib.contextmanager

@@ -17,8 +17,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
+from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
 from ppo_core.generation import generate_batched
-from ppo_core.utils import set_seed
+from ppo_core.rollout import model_inputs, policy_outputs
+from ppo_core.utils import moved, set_seed, tf32_matmuls
 from stages.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
@@ -31,13 +33,19 @@ from stages.artifacts import (
     write_json,
     write_parquet,
 )
-from stages.models import is_encoder_decoder, load_reward_model, reward_scores
+from stages.models import is_encoder_decoder, load_float32, load_reward_model, reward_scores
 from stages.params import Params
 from stages.runtime import device, note
 from stages.synthetic import gold_score
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
+    with tf32_matmuls(True, device()):  # on GPUs that have TF32 (NVIDIA_TF32_OVERRIDE=0 turns it off)
+        return compare_policies(params, root)
+
+
+def compare_policies(params: Params, root: Path) -> str:
+    """Sample, score and measure both policies on the held-out prompts; write the samples and the metrics."""
     set_seed(params.seed)
     prompts = read_table(root / TOKENIZED_EVAL, ["query", "input_ids"])
     if params.evaluate.n_prompts is not None and params.evaluate.n_prompts > len(prompts):
@@ -47,7 +55,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     model_class = AutoModelForSeq2SeqLM if is_encoder_decoder(require_dir(root / SFT_MODEL)) else AutoModelForCausalLM
-    policies = {name: model_class.from_pretrained(require_dir(root / path)).to(device()).eval()
+    policies = {name: load_float32(model_class, require_dir(root / path)).to(device()).eval()
                 for name, path in (("sft", SFT_MODEL), ("ppo", PPO_MODEL))}
     rm, rm_tokenizer = load_reward_model(root / REWARD_MODEL)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
@@ -108,50 +116,31 @@ def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch
         queries = [torch.tensor(q) for q in query_ids[start:start + batch_size]]
         responses = generate_batched(model, tokenizer, queries, model.device, None, len(queries), False, generation,
                                      model.config.is_encoder_decoder, fast_sampling=False)
-        out += [r.tolist() for r in responses]
+        out += [r.tolist() for r in moved(responses, "cpu")]  # to the host in one copy
     return out
 
 
 @torch.no_grad()
 def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]], batch_size: int) -> list[float]:
-    """sum_t log pi(response_t | query, response_<t) per sample, from right-padded query + response batches."""
-    if model.config.is_encoder_decoder:
-        return seq2seq_logprob_sums(model, query_ids, response_ids, batch_size)
+    """sum_t log pi(response_t | query, response_<t) per sample, ``batch_size`` samples at a time: ppo_core's scoring
+    pass, as in the PPO step (the LM head at the response positions only, chunk by chunk: no ``(B, T, V)`` float32
+    logits and log-softmax). For an encoder-decoder the query goes to the encoder, start + response to the decoder."""
+    scorer = scoring_model(model)
+    start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
+    pad = model.config.pad_token_id
     sums = []
-    for start in range(0, len(query_ids), batch_size):
-        seqs = [q + r for q, r in zip(query_ids[start:start + batch_size], response_ids[start:start + batch_size])]
-        width = max(len(s) for s in seqs)
-        input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        response_mask = torch.zeros(len(seqs), width - 1)  # position t predicts token t + 1
-        for i, (q, s) in enumerate(zip(query_ids[start:], seqs)):
-            input_ids[i, :len(s)], attention_mask[i, :len(s)] = torch.tensor(s), 1
-            response_mask[i, len(q) - 1:len(s) - 1] = 1
-        logits = model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device)).logits
-        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
-        token_logprobs = logprobs.gather(-1, input_ids[:, 1:, None].to(model.device)).squeeze(-1)  # (B, T-1)
-        sums += (token_logprobs.cpu() * response_mask).sum(-1).tolist()
+    for i in range(0, len(query_ids), batch_size):
+        queries, responses = ([torch.tensor(x, device=model.device) for x in ids[i:i + batch_size]]
+                              for ids in (query_ids, response_ids))
+        logprobs = policy_outputs(scorer, model_inputs(queries, responses, pad, start)).logprobs  # (B, R), 0 at padding
+        sums += logprobs.sum(-1).tolist()
     return sums
 
 
-@torch.no_grad()
-def seq2seq_logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]],
-                         batch_size: int) -> list[float]:
-    """The same for an encoder-decoder: the query to the encoder, the decoder start + response to the decoder."""
-    start_id = model.config.decoder_start_token_id
-    sums = []
-    for start in range(0, len(query_ids), batch_size):
-        queries, responses = query_ids[start:start + batch_size], response_ids[start:start + batch_size]
-        enc = torch.zeros(len(queries), max(map(len, queries)), dtype=torch.long)
-        enc_mask = torch.zeros_like(enc)
-        dec = torch.zeros(len(queries), max(map(len, responses), default=0) + 1, dtype=torch.long)  # (B, R + 1)
-        dec_mask = torch.zeros_like(dec)
-        for i, (q, r) in enumerate(zip(queries, responses)):
-            enc[i, :len(q)], enc_mask[i, :len(q)] = torch.tensor(q), 1
-            dec[i, :len(r) + 1], dec_mask[i, :len(r) + 1] = torch.tensor([start_id, *r]), 1
-        logits = model(input_ids=enc.to(model.device), attention_mask=enc_mask.to(model.device),
-                       decoder_input_ids=dec[:, :-1].to(model.device),
-                       decoder_attention_mask=dec_mask[:, :-1].to(model.device)).logits  # (B, R, V)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, dec[:, 1:, None].to(model.device))
-        sums += (logprobs.squeeze(-1).cpu() * dec_mask[:, 1:]).sum(-1).tolist()
-    return sums
+def scoring_model(model):
+    """The plain transformers LM ``model`` inside ppo_core's value-head class, for its scoring pass. The value head it
+    adds is never read; it is made without drawing from the global RNG, which evaluate's sampling uses."""
+    seq2seq = model.config.is_encoder_decoder
+    wrapper = AutoModelForSeq2SeqLMWithValueHead if seq2seq else AutoModelForCausalLMWithValueHead
+    with torch.random.fork_rng(devices=[]):
+        return wrapper(model, summary_dropout_prob=None).eval()

@@ -49,6 +49,16 @@ def is_encoder_decoder(path: Path) -> bool:
     return bool(AutoConfig.from_pretrained(path).is_encoder_decoder)
 
 
+def load_float32(model_class, path, **kwargs):
+    """`model_class.from_pretrained(path, **kwargs)` with float32 weights, whatever dtype the checkpoint was saved in:
+    transformers 5 loads the saved dtype, so a bf16 checkpoint would train (sft, reward) bf16 weights with no float32
+    master copy, whose updates below bf16's resolution vanish, and evaluate would compare policies at two precisions.
+    bf16 compute is mixed precision (autocast) over these float32 weights."""
+    import torch
+
+    return model_class.from_pretrained(path, dtype=torch.float32, **kwargs)
+
+
 def lora_config(spec, task_type: str):
     """The `peft.LoraConfig` of the `model.lora` params (task_type "CAUSAL_LM" or "SEQ_CLS")."""
     try:
@@ -82,7 +92,7 @@ def load_reward_model(path: Path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(require_dir(path))
-    model = AutoModelForSequenceClassification.from_pretrained(path).to(device()).eval()
+    model = load_float32(AutoModelForSequenceClassification, path).to(device()).eval()
     return model, tokenizer
 
 

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
-from ppo_core.utils import set_seed
+from ppo_core.utils import moved, set_seed
 from stages.artifacts import (
     PPO_CHECKPOINTS,
     PPO_MODEL,
@@ -74,7 +74,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
         # 1. rollout
         started = time.perf_counter()
         response_tensors = trainer.generate(query_tensors, batch_size=len(idx), return_prompt=False, **generation)
-        responses = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
+        response_ids = moved(response_tensors, "cpu")  # to the host in one copy (one per response: a sync each)
+        responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         generated = time.perf_counter()
         # 2. score
         texts = [q + r for q, r in zip(queries, responses)]
@@ -91,9 +92,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
         rollouts = gather_columns({
             "step": [step] * len(idx), "query": queries, "response": responses, "score": scores,
             "kl": [0.0] * len(idx),  # filled below from the gathered stats
-            "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_tensors],
-            "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_tensors],
-            "response_ids": [r.tolist() for r in response_tensors],
+            "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_ids],
+            "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_ids],
+            "response_ids": [r.tolist() for r in response_ids],
         } | ({"gold": gold} if gold else {}), trainer.accelerator)
         rollouts["kl"] = np.asarray(stats["objective/kl_dist"], dtype=float).tolist()
         tables.append(step, stats | seconds, rollouts["score"], rollouts.get("gold"))  # time/*: timings.csv

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
-from ppo_core.utils import set_seed
+from ppo_core.utils import set_seed, tf32_supported
 from stages.artifacts import (
     RAW_PAIRS,
     REWARD_CHECKPOINTS,
@@ -26,7 +26,7 @@ from stages.artifacts import (
     save_pretrained,
     write_json,
 )
-from stages.models import merged, reward_inputs, reward_scores, with_lora
+from stages.models import load_float32, merged, reward_inputs, reward_scores, with_lora
 from stages.params import Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
@@ -44,7 +44,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     eval_idx, train_idx = order[:n_eval], order[n_eval:]
 
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL), model_max_length=params.reward.max_length)
-    model = AutoModelForSequenceClassification.from_pretrained(root / SFT_MODEL, num_labels=1)
+    model = load_float32(AutoModelForSequenceClassification, root / SFT_MODEL, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     model = with_lora(model, params.model.lora, "SEQ_CLS")  # the scalar head is trained in full (modules_to_save)
     chosen_ids = reward_inputs(model, tokenizer, [chosen[i] for i in train_idx])
@@ -99,6 +99,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         per_device_train_batch_size=rm.batch_size, warmup_steps=rm.warmup_ratio, lr_scheduler_type="cosine",
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         remove_unused_columns=False, logging_strategy="no", report_to="none", disable_tqdm=True,
+        tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
     )
 
 

@@ -27,7 +27,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from ppo_core.utils import set_seed
+from ppo_core.utils import set_seed, tf32_supported
 from stages.artifacts import (
     RAW_SFT,
     SFT_CHECKPOINTS,
@@ -40,7 +40,7 @@ from stages.artifacts import (
     write_csv,
     write_json,
 )
-from stages.models import check_model_source, merged, with_lora
+from stages.models import check_model_source, load_float32, merged, with_lora
 from stages.params import ModelParams, Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
@@ -120,6 +120,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         warmup_steps=sft.warmup_ratio, lr_scheduler_type="cosine", weight_decay=sft.weight_decay,
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         logging_strategy="steps", logging_steps=0.02, report_to="none", disable_tqdm=True,  # the loss curve: 50 points
+        tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
     )
 
 
@@ -131,7 +132,7 @@ def build(spec: ModelParams, texts: list[str]):
             tokenizer = AutoTokenizer.from_pretrained(spec.name_or_path)
             model_class = (AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(spec.name_or_path).is_encoder_decoder
                            else AutoModelForCausalLM)
-            model = model_class.from_pretrained(spec.name_or_path)
+            model = load_float32(model_class, spec.name_or_path)
         except (OSError, ValueError) as err:  # e.g. a tokenizer or weights file transformers cannot read
             raise StageError(f"model.name_or_path '{spec.name_or_path}' could not be loaded ({reason(err)}); give a "
                              "local save_pretrained directory, a hub id (with HF_HUB_OFFLINE=0), or null to train the "

@@ -1,7 +1,9 @@
-"""Fixtures of the stage tests: tiny params, and one tiny pipeline run shared by the tests that read its outputs."""
+"""Fixtures of the stage tests: tiny params, and one tiny pipeline run shared by the tests that read its outputs; and
+the CPU-only rule: a test named ``*_on_cpu`` runs with no GPU visible."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -14,6 +16,40 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # quiet progress bars (tqdm reads TQ
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PARAMS = ROOT / "tests" / "fixtures" / "params.tiny.yaml"
+
+
+@contextlib.contextmanager
+def cpu_only():
+    """No GPU for the block, in this process and in the ones it starts. Bit-for-bit claims (the first PPO ratio exactly
+    1, a resumed run equal to an uninterrupted one, two runs byte-identical) hold on CPUs: on a GPU cuBLAS picks its
+    kernels by shape and CUDA's atomics add in no fixed order, so runs agree within float tolerances instead (README,
+    "Reproducibility and resume"). Tests of such claims are named ``*_on_cpu`` and run here, as do the runs they
+    compare against."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")  # the processes a test starts
+        patch.setattr(torch.cuda, "is_available", lambda: False)  # this one (the stages and accelerate ask it)
+        _forget_accelerate_device()  # accelerate chose its device when its state was made: choose again, and after
+        try:
+            yield
+        finally:
+            _forget_accelerate_device()
+
+
+def _forget_accelerate_device() -> None:
+    """Drop accelerate's process-wide state (its device included) in a process that runs alone."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    if PartialState._shared_state and PartialState().num_processes == 1:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only_by_name(request):
+    """The tests named ``*_on_cpu`` run within :func:`cpu_only`."""
+    with cpu_only() if request.node.originalname.endswith("_on_cpu") else contextlib.nullcontext():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +69,9 @@ def tiny_run(tiny_params, tmp_path_factory) -> Path:
     import importlib
 
     root = tmp_path_factory.mktemp("tiny_run")
-    for name, params in params_per_stage(tiny_params).items():
-        importlib.import_module(f"stages.{name}").run(params, root)
+    with cpu_only():  # the run the byte-identity tests (``*_on_cpu``) compare theirs with
+        for name, params in params_per_stage(tiny_params).items():
+            importlib.import_module(f"stages.{name}").run(params, root)
     return root
 
 

@@ -18,7 +18,11 @@ Scenarios (each writes ``OUT_DIR/rank{p}.pt``):
   generating (none: the weights are gathered once per call) and while stepping; then a step whose second
   mini-batch has an infinite gradient (the error, and the weights before and after);
 * ``accumulation`` (one process, with or without DeepSpeed): ``ACCUMULATION``'s steps, where DeepSpeed (not the
-  trainer) accumulates gradients over mini-batches, some of them skipped by the ratio threshold.
+  trainer) accumulates gradients over mini-batches, some of them skipped by the ratio threshold;
+* ``reference_dtype`` (one process, under a DeepSpeed config and bf16): the dtypes of the policy's and the
+  reference's weights, and the first step's KL (the policy is its own reference then);
+* ``window_skip`` (DDP): windows of two mini-batches whose second one is always skipped, so that no mini-batch's own
+  backward runs outside ``no_sync``: the processes must still all-reduce each window's gradients.
 """
 
 from __future__ import annotations
@@ -161,6 +165,28 @@ def run_accumulation() -> dict:
     return {"stats": [local_step(trainer, step) for step in range(STEPS)], "params": params(trainer)}
 
 
+def run_reference_dtype() -> dict:
+    trainer = make_trainer(1)
+    dtypes = {name: sorted({str(p.dtype) for p in model.parameters()})
+              for name, model in (("policy", trainer.model), ("reference", trainer.ref_model))}
+    return {"dtypes": dtypes, "stats": local_step(trainer, 0)}
+
+
+def run_window_skip(num_processes: int) -> dict:
+    """Two steps of 2 epochs, each a window of 2 mini-batches (gradient accumulation 2) whose second is skipped."""
+    trainer = make_trainer(num_processes, mini_batches=2, ppo_epochs=2, gradient_accumulation_steps=2)
+    loss = trainer.loss
+
+    def over_threshold_every_second(*args, **kwargs):
+        loss_p, loss_v, stats = loss(*args, **kwargs)
+        if trainer._minibatches_done % 2 == 1:  # the last mini-batch of each window: its ratio "explodes"
+            stats["policy/ratio_mean"] = stats["policy/ratio_mean"] + 1e3
+        return loss_p, loss_v, stats
+
+    trainer.loss = over_threshold_every_second
+    return {"stats": [local_step(trainer, step) for step in range(2)], "params": params(trainer)}
+
+
 @contextlib.contextmanager
 def counted_fetches(engine):
     """Yields ``[n]``: how many module forwards fetched ZeRO-3 parameters of ``engine`` in the block (0 without
@@ -194,6 +220,10 @@ def main(out_dir: str, scenario: str) -> None:
         result = run_deepspeed(num_processes)
     elif scenario == "accumulation":
         result = run_accumulation()
+    elif scenario == "reference_dtype":
+        result = run_reference_dtype()
+    elif scenario == "window_skip":
+        result = run_window_skip(num_processes)
     elif scenario == "bad_input":
         trainer = make_trainer(num_processes)
         local_step(trainer, 0, corrupt=trainer.accelerator.process_index == num_processes - 1)

@@ -42,8 +42,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def start(target: list[str], num_processes: int = 2, config: str | None = None, cwd: Path = ROOT,
-          env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`accelerate launch ... TARGET` in ``num_processes`` CPU processes, float32, output piped.
+          env: dict[str, str] | None = None, mixed_precision: str = "no") -> subprocess.Popen:
+    """`accelerate launch ... TARGET` in ``num_processes`` CPU processes, float32 (or ``mixed_precision``), output
+    piped.
 
     ``config=None``: DDP over gloo (``ACCELERATE_USE_CPU=1``). ``config="zero2"``/``"zero3"``: DeepSpeed with
     ``configs/{config}.yaml``, gloo too (``DS_ACCELERATOR=cpu``; ``ACCELERATE_USE_CPU`` unset, as it turns DeepSpeed
@@ -52,7 +53,7 @@ def start(target: list[str], num_processes: int = 2, config: str | None = None, 
     how = (["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"] if config is None
            else ["--config_file", str(ROOT / "configs" / f"{config}.yaml")])
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(num_processes),
-           "--mixed_precision", "no", "--main_process_port", str(free_port()), *target]
+           "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()), *target]
     environment = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     environment.update({"ACCELERATE_USE_CPU": "1"} if config is None else {"DS_ACCELERATOR": "cpu"})
     environment.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(env or {}))

@@ -38,9 +38,11 @@ RTOL = ATOL = 1e-5  # two DeepSpeed processes vs one plain process, float32 (see
 TIMEOUT = 300  # generous: other work may share the 2 cores
 
 
-def launch_deepspeed(config: str, scenario: str, out_dir: Path, num_processes: int = 2) -> tuple[int, str, float]:
+def launch_deepspeed(config: str, scenario: str, out_dir: Path, num_processes: int = 2,
+                     mixed_precision: str = "no") -> tuple[int, str, float]:
     """Run ``distributed_step.py`` under ``configs/{config}.yaml`` on CPUs; ``(exit code, output, seconds)``."""
-    proc = launching.start([str(SCRIPT), str(out_dir), scenario], num_processes, config)
+    proc = launching.start([str(SCRIPT), str(out_dir), scenario], num_processes, config,
+                           mixed_precision=mixed_precision)
     return launching.finish(proc, TIMEOUT, f"{config}/{scenario}")
 
 
@@ -114,3 +116,15 @@ def test_deepspeed_accumulates_and_skips_mini_batches_as_the_trainer_does(tmp_pa
     assert sum(s["ppo/policy/skipped_minibatches"] for s in expected["stats"]) > 0
     for key, param in expected["params"].items():
         assert torch.equal(got["params"][key], param), key
+
+
+@pytest.mark.slow
+def test_under_zero2_bf16_the_reference_has_the_policy_s_dtype(tmp_path):
+    """DeepSpeed's bf16 engine holds the policy's weights in bf16; the ZeRO-2 reference, whole on the device, must
+    too: a float32 copy costs twice the memory, runs float32 matmuls, and at step 0, where the policy is its own
+    reference, gives a KL that is not zero. One process on the CPU (DeepSpeed's CPU accelerator has bf16)."""
+    code, output, _ = launch_deepspeed("zero2", "reference_dtype", tmp_path, num_processes=1, mixed_precision="bf16")
+    assert code == 0, output[-3000:]
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert got["stats"]["objective/kl"] == 0 and got["stats"]["ppo/mean_non_score_reward"] == 0
+    assert got["dtypes"] == {"policy": ["torch.bfloat16"], "reference": ["torch.bfloat16"]}

@@ -309,6 +309,23 @@ def test_a_bad_input_on_one_process_stops_both_with_its_message(tmp_path):
     assert not (tmp_path / "rank0.pt").exists() and not (tmp_path / "rank1.pt").exists()
 
 
+@pytest.mark.slow
+def test_ddp_processes_stay_equal_when_a_window_ends_in_a_skipped_minibatch(tmp_path):
+    """With gradient accumulation DDP all-reduces a window's gradients in the backward of its last mini-batch (the
+    others run under ``no_sync``). When the ratio threshold skips that one, a zero-loss backward must still run:
+    without it each process stepped with its own gradients and the replicas drifted apart for good."""
+    code, output, _ = launch("window_skip", tmp_path)
+    assert code == 0, output[-3000:]
+    ranks = load_ranks(tmp_path)
+    for a, b in zip(ranks[0]["stats"], ranks[1]["stats"]):
+        assert_stats_equal(a, b)
+        assert a["ppo/policy/skipped_minibatches"] == 2  # the second mini-batch of each epoch's window
+    initial = distributed_step.tiny_value_model("gpt2", seed=0).state_dict()
+    for key, param in ranks[0]["params"].items():
+        assert torch.equal(param, ranks[1]["params"][key]), key
+    assert any(not torch.equal(param, initial[key]) for key, param in ranks[0]["params"].items())  # updates applied
+
+
 def test_the_collectives_warning_is_ignored_within_the_block_only():
     """Under DeepSpeed the trainer's methods run in ``deprecated_collectives_ignored``: the filter it adds is gone
     once the block ends, so a trainer changes no process-wide warnings setting."""

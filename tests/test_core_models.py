@@ -267,3 +267,34 @@ def test_the_scoring_forward_is_the_hidden_states_through_the_lm_head_bit_for_bi
     for name, param in model.named_parameters():  # the value head gets none: only the log-probs are summed
         assert (param.grad is None and grads[name] is None) or torch.equal(grads[name], param.grad), name
     assert model.lm_head_parameters() == [model.pretrained_model.lm_head.weight]  # GPT-2 et al.: no head bias
+
+
+# ---- a model across GPUs (device_map), with the devices faked --------------------------------------
+GPT2_ACROSS_TWO_GPUS = {  # what device_map="auto" does to a 2-block GPT-2 on two GPUs, and where the value head goes
+    "pretrained_model.transformer.wte": "cuda:0", "pretrained_model.transformer.wpe": "cuda:0",
+    "pretrained_model.transformer.h.0": "cuda:0", "pretrained_model.transformer.h.1": "cuda:1",
+    "pretrained_model.transformer.ln_f": "cuda:1", "pretrained_model.lm_head": "cuda:0",  # tied to wte
+}
+VALUE_HEAD_ON_THE_FIRST_GPU = {"v_head": "cuda:0"}  # model.device at construction, as legacy TRL placed it (no hook)
+
+
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_a_model_across_gpus_scores_each_head_on_its_device_and_returns_on_the_inputs(with_grad):
+    """Under device_map="auto" the hidden states come out of the last shard (cuda:1) while the value head and the tied
+    LM head sit on the first (cuda:0) with the inputs: the scoring forward moves them as legacy TRL did (it raised a
+    device mismatch) and returns on the inputs' device the numbers of one device, bit for bit. The devices are
+    faked (tests/fake_devices.py): labels that torch's device rules are checked against, the arithmetic the CPU's."""
+    from tests.fake_devices import FakeDevices
+
+    model = tiny_value_model("gpt2").eval()
+    queries, responses = mixed_batch()
+    inputs = build_model_inputs(queries, responses, pad_token_id=0)
+    with torch.set_grad_enabled(with_grad):
+        expected = policy_outputs(model, inputs, with_entropy=True)
+        with FakeDevices(model, GPT2_ACROSS_TWO_GPUS, VALUE_HEAD_ON_THE_FIRST_GPU) as fake:
+            got = policy_outputs(model, fake.place(inputs, "cuda:0"), with_entropy=True)
+            assert {t.device for t in (got.logprobs, got.values, got.entropy)} == {torch.device("cuda:0")}
+            logits, _, values = model(fake.place(inputs.input_ids, "cuda:0"))  # the legacy forward
+            assert logits.device == values.device == torch.device("cuda:0")
+    for name in ("logprobs", "values", "entropy"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name

@@ -123,7 +123,7 @@ def test_ppo_stage_under_deepspeed_matches_ddp(config, ppo_run):
 
 
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
-def test_ppo_stage_under_deepspeed_killed_and_rerun_equals_uninterrupted(config, ppo_run, tiny_run, tmp_path):
+def test_ppo_stage_under_deepspeed_killed_and_rerun_equals_uninterrupted_on_cpu(config, ppo_run, tiny_run, tmp_path):
     """SIGKILL to every process a random moment after step 3's rollouts were written (mid-step, mid-checkpoint or
     mid-publishing), the outputs dvc deletes deleted, the stage rerun: every artifact equals the uninterrupted
     run's, byte for byte (DeepSpeed's checkpoint restores the fp32 weights and Adam's state exactly)."""

@@ -20,6 +20,7 @@ from stages.artifacts import (
     PPO_ROLLOUTS,
     PPO_STATS,
     PPO_TIMINGS,
+    RAW_PAIRS,
     RAW_SFT,
     REWARD_METRICS,
     REWARD_MODEL,
@@ -42,7 +43,7 @@ def test_sft_model_loads_with_plain_transformers(tiny_run, tiny_params):
     assert set(json.loads((tiny_run / SFT_METRICS).read_text())) >= {"train_loss", "eval_loss"}
 
 
-def test_sft_is_deterministic(tiny_run, tiny_params, tmp_path):
+def test_sft_is_deterministic_on_cpu(tiny_run, tiny_params, tmp_path):
     (tmp_path / RAW_SFT).parent.mkdir(parents=True)
     shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
     sft.run(tiny_params, tmp_path)
@@ -106,7 +107,7 @@ def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_param
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).config.vocab_size
 
 
-def test_ppo_is_deterministic(tiny_run, tiny_params, tmp_path):
+def test_ppo_is_deterministic_on_cpu(tiny_run, tiny_params, tmp_path):
     """Same inputs and seed: byte-identical policy, rollouts and stats (so DVC sees no change)."""
     root = tmp_path / "project"
     shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints"))  # a rerun, not a resume
@@ -205,6 +206,43 @@ def test_sft_from_a_local_pretrained_path(tiny_run, tiny_params, tmp_path):
     assert loss < json.loads((tiny_run / SFT_METRICS).read_text())["eval_loss"]  # it started from trained weights
 
 
+def test_sft_and_reward_train_float32_weights_from_a_bf16_checkpoint(tiny_run, tiny_params, tmp_path):
+    """transformers 5 loads a checkpoint in its saved dtype: from a bf16 model (sft's model.name_or_path, or the SFT
+    model reward starts from) the stages trained bf16 weights, with no float32 master copy, and saved them so. They
+    load float32 and save float32."""
+    import torch
+    from safetensors.torch import load_file
+
+    from stages import reward
+
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).to(torch.bfloat16).save_pretrained(bf16)
+    AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL).save_pretrained(bf16)
+    dtypes = lambda path: {t.dtype for t in load_file(path / "model.safetensors").values()}  # noqa: E731
+    assert dtypes(bf16) == {torch.bfloat16}
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    sft.run(dataclasses.replace(tiny_params, model=dataclasses.replace(tiny_params.model, name_or_path=str(bf16))),
+            tmp_path)
+    assert dtypes(tmp_path / SFT_MODEL) == {torch.float32}
+    shutil.copytree(tiny_run / RAW_PAIRS.parent, tmp_path / "reward" / RAW_PAIRS.parent)
+    shutil.copytree(bf16, tmp_path / "reward" / SFT_MODEL)
+    reward.run(tiny_params, tmp_path / "reward")
+    assert dtypes(tmp_path / "reward" / REWARD_MODEL) == {torch.float32}
+
+
+def test_sft_and_reward_ask_transformers_for_tf32_only_on_gpus_that_have_it(tiny_params, tmp_path, monkeypatch):
+    """TrainingArguments(tf32=True) where the GPU has TF32 (ppo_core.utils.tf32_supported, which NVIDIA_TF32_OVERRIDE=0
+    turns off), else None: torch's own setting (tf32=True raises on a GPU without it)."""
+    from stages import reward
+
+    for stage in (sft, reward):
+        monkeypatch.setattr(stage, "TrainingArguments", lambda **kwargs: kwargs)
+        assert stage.training_args(tiny_params, tmp_path)["tf32"] is None  # this CPU
+        monkeypatch.setattr(stage, "tf32_supported", lambda device: True)
+        assert stage.training_args(tiny_params, tmp_path)["tf32"] is True
+
+
 def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
     (tmp_path / RAW_SFT).parent.mkdir(parents=True)
     shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
@@ -236,6 +274,33 @@ def test_logprob_sums_match_one_sample_at_a_time(tiny_run):
             logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)  # (T-1, V)
         expected.append(sum(float(logprobs[len(q) - 1 + t, tok]) for t, tok in enumerate(r)))
     assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_logprob_sums_score_the_response_tokens_without_full_logits(arch):
+    """evaluate's KL comes from ppo_core's scoring pass, as the PPO step's: the LM head at the response positions only,
+    chunk by chunk (evaluate materialised float32 (B, T-1, V) logits and their log-softmax). Its sums equal those
+    of the full logits, and the LM head module's own forward (the full logits) never runs."""
+    import torch
+
+    from stages.evaluate import logprob_sums
+    from tests.tiny import tiny_causal_lm, tiny_seq2seq_lm
+
+    model = (tiny_causal_lm() if arch == "gpt2" else tiny_seq2seq_lm(arch)).eval()
+    queries, responses = [[5, 6, 7], [8, 9], [10]], [[10, 11], [12, 13, 14, 1], [15]]
+    expected = []
+    with torch.no_grad():
+        for q, r in zip(queries, responses):
+            if arch == "gpt2":
+                logits = model(input_ids=torch.tensor([q + r])).logits[0, len(q) - 1:-1]  # (R, V)
+            else:
+                decoder_ids = torch.tensor([[model.config.decoder_start_token_id] + r[:-1]])
+                logits = model(input_ids=torch.tensor([q]), decoder_input_ids=decoder_ids).logits[0]
+            expected.append(float(torch.log_softmax(logits.float(), -1)[torch.arange(len(r)), r].sum()))
+    full_logits = []
+    model.get_output_embeddings().register_forward_hook(lambda *args: full_logits.append(1))
+    assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
+    assert not full_logits
 
 
 def test_real_data_runs_have_no_gold_score(tiny_run, tiny_params, tmp_path):

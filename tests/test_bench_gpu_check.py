@@ -1,0 +1,48 @@
+"""bench/gpu_check.sh and bench/gpu_stage.py, as far as a machine without a GPU can check them (the whole script runs
+on the CPU with DRY_RUN=1 in about a minute and a half: not part of the suite)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_stage
+
+
+def test_the_gpu_check_script_parses():
+    result = subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_variant_is_the_params_with_its_changes(tmp_path, tiny_params):
+    from stages.params import load_params
+
+    changes = ["ppo.steps=128", "ppo.accelerator_kwargs={mixed_precision: fp16}",
+               "model.lora={r: 8, alpha: 16, dropout: 0.0, target_modules: [c_attn]}"]
+    path = gpu_stage.params_with(tiny_params.path, changes, tmp_path / "params.yaml")
+    params = load_params(path)
+    assert params.ppo["steps"] == 128 and params.ppo["accelerator_kwargs"] == {"mixed_precision": "fp16"}
+    assert params.model.lora.r == 8 and params.model.lora.target_modules == ["c_attn"]
+    assert params.sft == tiny_params.sft  # the rest as it was
+
+
+def test_mfu_needs_a_known_gpu(monkeypatch):
+    assert gpu_stage.peak_flops("bf16") is None  # no GPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert gpu_stage.peak_flops("bf16") == 989e12 and gpu_stage.peak_flops("tf32") == 494e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert gpu_stage.peak_flops("bf16") is None
+
+
+def test_a_finished_run_is_measured(tiny_run, tiny_params):
+    result = gpu_stage.measure(tiny_run, tiny_params, seconds=2.0)
+    assert result["pass"] and result["dtype"] == "fp32" and result["mfu_update"] is None  # a CPU: no peak to divide by
+    assert result["s_per_step"] == pytest.approx(1.0) and result["tokens_per_s"] > 0
+    assert result["first_kl"] == 0  # the policy is its own reference at step 1 (exactly, on a CPU)
