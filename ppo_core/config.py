@@ -145,6 +145,26 @@ class PPOConfig:
     tf32: bool = True
     """(ppo_core) let float32 matmuls use TF32 on CUDA GPUs that have it (Ampere and newer) while the trainer's
     generate and step run; false leaves torch's setting as it is (no effect on CPUs)"""
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
+                                 "reinforce_plus_plus_baseline"] = "gae"
+    """(ppo_core) 'gae': PPO with a critic (the value head); the others are critic-free (``ppo_core.estimators``):
+    the value head is neither used nor trained and the ppo/val/* stats are absent"""
+    num_generations: int = 1
+    """(ppo_core) samples per prompt, G: the dataloader yields batch_size / G prompts, each G times in a row, and
+    step() checks that every G consecutive queries are one prompt (grpo, dr_grpo, rloo and the baseline need G >= 2)"""
+    kl_in: Literal["reward", "loss"] | None = None
+    """(ppo_core) where the KL to the reference goes: 'reward' (per-token shaping with init_kl_coef and kl_penalty, as
+    legacy PPO) or 'loss' (kl_loss_coef times the kl_estimator term); None: the estimator's reference choice (see
+    ESTIMATOR_DEFAULTS)"""
+    kl_loss_coef: float | None = None
+    """(ppo_core) the KL loss term's coefficient when kl_in is 'loss'; None: the estimator's default"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """(ppo_core) the KL loss term's per-token estimate: k1 the log-ratio, k2 half its square, k3 low-variance"""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
+    """(ppo_core) how the policy loss averages its tokens: over all tokens (PPO), per sequence then over sequences
+    (GRPO), or the token sum over a constant, the step's longest response (Dr. GRPO); None: the estimator's default"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """(ppo_core) grpo: divide the centred scores by their group's std, the batch's, or nothing"""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -163,6 +183,7 @@ class PPOConfig:
                     f"({self.mini_batch_size} * {self.gradient_accumulation_steps} = {self.backward_batch_size})",
                     self.batch_size % self.backward_batch_size == 0, "change batch_size or mini_batch_size")
         self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
+        _resolve_estimator(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PPOConfig:
@@ -173,6 +194,37 @@ class PPOConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# What each estimator's reference implementation does, where PPOConfig leaves it open (None): where the KL goes, its
+# loss coefficient, the loss aggregation. PPO (TRL), GRPO (DeepSeekMath: KL loss k3, beta 0.04, per-sequence means),
+# Dr. GRPO (no KL, no std, a constant normaliser), RLOO (TRL: KL in the reward), REINFORCE++ (OpenRLHF: KL in the
+# reward per token) and its group baseline (OpenRLHF: a KL loss, coefficient 0.001).
+ESTIMATOR_DEFAULTS = {
+    "gae": ("reward", 0.0, "token-mean"),
+    "grpo": ("loss", 0.04, "seq-mean-token-mean"),
+    "dr_grpo": ("loss", 0.0, "seq-mean-token-sum-norm"),
+    "rloo": ("reward", 0.0, "token-mean"),
+    "reinforce_plus_plus": ("reward", 0.0, "token-mean"),
+    "reinforce_plus_plus_baseline": ("loss", 0.001, "token-mean"),
+}
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def _resolve_estimator(config: PPOConfig) -> None:
+    """Fill the estimator settings left None with the estimator's defaults, and check the group sizes."""
+    kl_in, kl_loss_coef, aggregation = ESTIMATOR_DEFAULTS[config.advantage_estimator]
+    config.kl_in = config.kl_in or kl_in
+    config.kl_loss_coef = kl_loss_coef if config.kl_loss_coef is None else config.kl_loss_coef
+    config.loss_aggregation = config.loss_aggregation or aggregation
+    group = config.num_generations
+    check_range("num_generations", group, ">= 2 for advantage_estimator " + config.advantage_estimator,
+                group >= 2 or config.advantage_estimator not in GROUP_ESTIMATORS,
+                "the estimator compares the samples of a prompt")
+    for name in ("batch_size", "mini_batch_size"):
+        value = getattr(config, name)
+        check_range(name, value, f"a multiple of num_generations ({group})", value % group == 0,
+                    "a prompt's samples must not straddle two batches")
 
 
 _HINTS = typing.get_type_hints(PPOConfig)
@@ -196,8 +248,9 @@ PPOConfig.__init__ = _reject_unknown_keys(PPOConfig.__init__)
 # (field, lower bound) checks; None values (optional fields) are skipped.
 _POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
              "cliprange", "cliprange_value", "target_kl", "compare_steps", "ratio_threshold", "max_grad_norm",
-             "score_clip", "target", "horizon", "world_size", "dataset_num_proc", "max_consecutive_overflows"]
-_NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed"]
+             "score_clip", "target", "horizon", "world_size", "dataset_num_proc", "max_consecutive_overflows",
+             "num_generations"]
+_NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed", "kl_loss_coef"]
 _UNIT_INTERVAL = ["gamma", "lam"]
 
 

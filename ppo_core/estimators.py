@@ -19,11 +19,8 @@ import torch
 from .core import SumAcross, masked_whiten
 from .ppo_math import discount_matrix
 
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")  # need G samples of each prompt
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-SCALE_REWARDS = ("group", "batch", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")  # PPOConfig.kl_estimator's choices
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # PPOConfig.loss_aggregation's
 
 
 def grouped(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -34,7 +31,7 @@ def grouped(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scale_rewards: str = "group",
-                     eps: float = 1e-4) -> torch.Tensor:
+                     eps: float = 1e-4, batch_std: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence-level advantages ``(B,)`` of the group estimators, from one score per sample ``(B,)``.
 
     # grpo:    A_i = (r_i - mean_g) / (std_g + eps)            std over the group (unbiased), or the batch's
@@ -42,7 +39,8 @@ def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scal
     # rloo:    A_i =  r_i - (sum_g - r_i) / (G - 1)             the mean of the *other* samples: unbiased baseline
 
     ``scale_rewards`` (grpo only): ``"group"`` divides by each group's std (GRPO), ``"batch"`` by the whole batch's
-    (TRL's ``scale_rewards="batch"``), ``"none"`` by nothing (then grpo is dr_grpo). Needs ``G >= 2``.
+    (TRL's ``scale_rewards="batch"``; ``batch_std``: the global batch's, under N processes), ``"none"`` by nothing
+    (then grpo is dr_grpo). Needs ``G >= 2``.
     """
     if group_size < 2:
         raise ValueError(f"group_advantages: {estimator} compares the samples of a prompt, so it needs "
@@ -56,32 +54,36 @@ def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scal
         return centred.reshape(-1)
     if estimator != "grpo":
         raise ValueError(f"group_advantages: unknown estimator {estimator!r}; one of grpo, dr_grpo, rloo.")
-    std = groups.std(dim=1, keepdim=True) if scale_rewards == "group" else scores.std()
+    if scale_rewards == "group":
+        std = groups.std(dim=1, keepdim=True)
+    else:
+        std = scores.std() if batch_std is None else batch_std
     return (centred / (std + eps)).reshape(-1)
 
 
-def reinforce_plus_plus_advantages(scores: torch.Tensor, kls: torch.Tensor, mask: torch.Tensor, kl_coef: float,
-                                   gamma: float = 1.0, group_size: int | None = None,
-                                   sum_across: SumAcross | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ token advantages and returns ``(B, R)``: the discounted return of the KL-shaped reward, whitened
-    over every valid token of the (global) batch.
+def centred_on_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(B,)`` scores minus their group's mean (REINFORCE++-baseline's baseline, before the KL shaping)."""
+    groups = grouped(scores, group_size)
+    return (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
 
-    # r_t = -kl_coef * KL_t  (+ score on the last valid token)
+
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                                   sum_across: SumAcross | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ token advantages and returns ``(B, R)``, from the KL-shaped per-token rewards ``(B, R)``
+    (``ppo_math.shape_rewards``): the discounted return, whitened over every valid token of the (global) batch.
+
     # G_t = sum_{s>=t} gamma^(s-t) r_s ;  A = whiten(G) over the mask (and over processes with ``sum_across``)
 
-    With ``group_size`` (REINFORCE++-baseline) the score is first centred on its group's mean: ``r - mean_g``.
+    REINFORCE++-baseline shapes rewards from scores centred on their group first (:func:`centred_on_groups`).
     Returns ``(advantages, returns)``, zero at masked positions.
     """
-    if group_size is not None:
-        groups = grouped(scores, group_size)
-        scores = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
-    mask = mask.to(kls.dtype)
-    rewards = -kl_coef * kls * mask
-    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
-    last = (mask * positions).argmax(dim=1)  # (B,) the last valid token
-    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores.to(rewards.dtype)
+    mask = mask.to(rewards.dtype)
+    rewards = rewards * mask
     returns = (rewards @ discount_matrix(rewards.shape[1], gamma, rewards.dtype, rewards.device)) * mask
     return masked_whiten(returns, mask, sum_across=sum_across) * mask, returns
+
+
+K3_MAX = 10.0  # the cap on the k3 estimate of one token's KL
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -90,18 +92,22 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     # k1 = log p - log q                       unbiased, high variance, can be negative
     # k2 = 0.5 * (log p - log q)^2             biased, low variance (the gradient of k2 is that of KL to first order)
     # k3 = exp(log q - log p) - (log q - log p) - 1    unbiased, low variance, >= 0 (GRPO's)
+
+    k3 grows as exp(-d) where the policy has moved far below the reference (d = log p - log q << 0): it is capped
+    at ``K3_MAX`` (10, as veRL's ``low_var_kl``), so that one such token cannot make the loss infinite; a capped
+    token gives no KL gradient.
     """
     diff = logprobs - ref_logprobs
     if estimator == "k1":
         return diff
     if estimator == "k2":
         return 0.5 * diff.square()
-    if estimator == "k3":
-        return torch.expm1(-diff) + diff  # exp(-d) - 1 + d, accurate near d = 0
+    if estimator == "k3":  # exp(-d) - 1 + d, accurate near d = 0; d clamped first so that exp cannot overflow
+        return (torch.expm1(-diff.clamp(min=-K3_MAX)) + diff).clamp(max=K3_MAX)
     raise ValueError(f"kl_estimate: estimator must be one of {KL_ESTIMATORS} (got {estimator!r}).")
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None,
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | torch.Tensor | None = None,
               n_tokens: torch.Tensor | float | None = None, n_sequences: torch.Tensor | float | None = None,
               ) -> torch.Tensor:
     """A per-token loss ``(B, R)`` reduced to a scalar over the valid tokens.
@@ -121,7 +127,7 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: in
         per_sequence = (loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         return per_sequence.sum() / sequences
     if mode == "seq-mean-token-sum-norm":
-        return (loss * mask).sum() / (sequences * (norm_length or mask.shape[1]))
+        return (loss * mask).sum() / (sequences * (mask.shape[1] if norm_length is None else norm_length))
     raise ValueError(f"aggregate: mode must be one of {LOSS_AGGREGATIONS} (got {mode!r}).")
 
 
@@ -132,3 +138,12 @@ def check_groups(queries: list[torch.Tensor], group_size: int) -> int | None:
         if any(q.shape != first.shape or not torch.equal(q, first) for q in queries[start + 1:start + group_size]):
             return start // group_size
     return None
+
+
+def check_prompt_groups(queries: list[torch.Tensor], group_size: int) -> None:
+    """Raise a ValueError naming the first block of ``group_size`` consecutive queries that are not one prompt."""
+    bad = check_groups(queries, group_size)
+    if bad is not None:
+        raise ValueError(f"step: queries {bad * group_size}-{(bad + 1) * group_size - 1} (group {bad}) are not one "
+                         f"prompt; with num_generations={group_size} every {group_size} consecutive samples answer "
+                         "one query (trainer.dataloader repeats each prompt that many times in a row)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -42,6 +42,13 @@ def check_arguments(config, model, ref_model, tokenizer) -> None:
         raise ValueError("PPOTrainer: tokenizer must be a transformers PreTrainedTokenizerBase.")
 
 
+def repeated(collate: Callable, times: int) -> Callable:
+    """``collate`` of each row ``times`` times in a row (``num_generations`` samples of every prompt)."""
+    if times == 1:
+        return collate
+    return lambda rows: collate([row for row in rows for _ in range(times)])
+
+
 def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """``[{k: v}, ...] -> {k: [v, ...]}``: keeps variable-length queries as a list of tensors."""
     return {key: [row[key] for row in rows] for key in rows[0]}
@@ -68,8 +75,10 @@ class LegacyMethods:
         if hasattr(dataset, "remove_columns") and self.config.remove_unused_columns:
             dataset = self._remove_unused_columns(dataset)
         generator = torch.Generator().manual_seed(self.config.seed)
-        return DataLoader(dataset, batch_size=self.config.batch_size, collate_fn=data_collator or ragged_collator,
-                          shuffle=True, drop_last=True, generator=generator)
+        size = self.config.num_generations  # batch_size / G prompts, each G times in a row: step's groups
+        return DataLoader(dataset, batch_size=self.config.batch_size // size,
+                          collate_fn=repeated(data_collator or ragged_collator, size), shuffle=True, drop_last=True,
+                          generator=generator)
 
     def _remove_unused_columns(self, dataset):
         # Called before the model is prepared: the columns the value-head model's forward takes.

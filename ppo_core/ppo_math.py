@@ -8,6 +8,7 @@ positions count. Values and log-probabilities at masked positions are ignored by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -138,17 +139,22 @@ class PolicyLoss(NamedTuple):
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cliprange: float, n_tokens: torch.Tensor | float | None = None) -> PolicyLoss:
+                mask: torch.Tensor, cliprange: float, n_tokens: torch.Tensor | float | None = None,
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PolicyLoss:
     """PPO clipped surrogate objective, all inputs ``(B, R)``; every ``E_mask`` is a :func:`token_mean`.
 
     # ratio = exp(log p_new - log p_old)
     # L     = E_mask[ max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) ]
+
+    ``reduce`` replaces the loss's token mean (the critic-free estimators' per-sequence means, see
+    ``estimators.aggregate``); the statistics stay token means.
     """
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = token_mean(torch.max(unclipped, clipped), mask, n_tokens)
+    per_token = torch.max(unclipped, clipped)
+    loss = token_mean(per_token, mask, n_tokens) if reduce is None else reduce(per_token)
     with torch.no_grad():
         clipfrac = token_mean((clipped > unclipped).to(logprobs.dtype), mask, n_tokens)
         approxkl = 0.5 * token_mean(log_ratio.square(), mask, n_tokens)

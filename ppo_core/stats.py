@@ -46,32 +46,41 @@ def gather_tokens(group, *per_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(g.to(x.dtype) for g, x in zip(gathered, per_token))
 
 
-def minibatch_stats(pg: PolicyLoss, vf: ValueLoss, vf_coef: float, mask: torch.Tensor, advantages: torch.Tensor,
-                    returns: torch.Tensor, vpreds: torch.Tensor, values: torch.Tensor, entropy: torch.Tensor | None,
-                    n_tokens: torch.Tensor | None, group) -> dict[str, torch.Tensor]:
+def minibatch_stats(pg: PolicyLoss, vf: ValueLoss | None, vf_coef: float, mask: torch.Tensor,
+                    advantages: torch.Tensor, returns: torch.Tensor, vpreds: torch.Tensor, values: torch.Tensor,
+                    entropy: torch.Tensor | None, n_tokens: torch.Tensor | None, group,
+                    kl: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The legacy stats of one mini-batch's loss (0-d, names without ``ppo/``); call it without gradients.
 
     Args:
         pg, vf: the mini-batch's policy and value losses; ``vf_coef`` weighs the value loss in ``loss/total``.
+            ``vf`` is None for the critic-free estimators: no value loss, and no ``val/*`` nor ``returns/*`` stats
+            (the value head is neither used nor trained).
         mask: ``(b, R)`` 1 = response token that counts.
         advantages, returns, vpreds, values, entropy: ``(b, R)``; ``entropy`` may be None (no ``policy/entropy``).
         n_tokens: the token count the losses' means divide by (``distributed.tokens_per_process``): the token
             means are this process's shares of the global mini-batch's (see ``PPOTrainer.loss``).
         group: the run's processes; the variances are over the global mini-batch.
+        kl: the KL loss term (before its coefficient) when the KL is in the loss: ``policy/kl_loss``.
     """
     mean = lambda x: token_mean(x, mask, n_tokens)  # noqa: E731
-    # both variances in two collectives, without a host sync: fewer than 2 valid tokens give NaN, which the
-    # trainer's one finiteness check of the stats reports (see ``non_finite_stat``)
-    returns_var, values_var = masked_variances([returns, values], mask, sum_across=group.sum_across).unbind()
     stats = {
-        "loss/policy": pg.loss.detach(), "loss/value": vf.loss.detach(),
-        "loss/total": (pg.loss + vf_coef * vf.loss).detach(),
+        "loss/policy": pg.loss.detach(), "loss/total": pg.loss.detach(),
         "policy/approxkl": pg.approxkl, "policy/policykl": pg.policykl, "policy/clipfrac": pg.clipfrac,
         "policy/advantages_mean": mean(advantages), "policy/ratio_mean": pg.ratio_mean,
-        "returns/mean": mean(returns), "returns/var": returns_var,
-        "val/vpred": mean(vpreds), "val/error": mean((vpreds - returns) ** 2),
-        "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": values_var,
     }
+    if kl is not None:
+        stats["policy/kl_loss"] = kl.detach()
+    if vf is not None:
+        # both variances in two collectives, without a host sync: fewer than 2 valid tokens give NaN, which the
+        # trainer's one finiteness check of the stats reports (see ``non_finite_stat``)
+        returns_var, values_var = masked_variances([returns, values], mask, sum_across=group.sum_across).unbind()
+        stats |= {
+            "loss/value": vf.loss.detach(), "loss/total": (pg.loss + vf_coef * vf.loss).detach(),
+            "returns/mean": mean(returns), "returns/var": returns_var,
+            "val/vpred": mean(vpreds), "val/error": mean((vpreds - returns) ** 2),
+            "val/clipfrac": vf.clipfrac, "val/mean": mean(values), "val/var": values_var,
+        }
     if entropy is not None:  # absent only when a caller passes neither logits nor entropy
         stats["policy/entropy"] = mean(entropy)
     return stats
@@ -148,7 +157,8 @@ def training_stats(train_stats: list[dict[str, torch.Tensor]], batch_size: int, 
             stats[name] = torch.stack([s[key] for s in train_stats]).sum()
     stats["ppo/epochs"] = torch.tensor(len(train_stats) / math.ceil(batch_size / mini_batch_size))
     # linear in the per-process val/error share (returns/var is global), so its mean over processes is global
-    stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+    if "ppo/val/error" in stats:  # with a critic (GAE)
+        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
     return stats
 
 

@@ -56,6 +56,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from . import checkpoint
+from .advantages import kl_loss, loss_reduction, step_advantages
 from .config import PPOConfig
 from .core import convert_to_scalar, entropy_from_logits, flatten_dict, stats_to_np
 from .cpu_attention import float32_attention_on_cpu
@@ -69,11 +70,12 @@ from .distributed import (
     raise_if_any,
     tokens_per_process,
 )
+from .estimators import check_prompt_groups
 from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
 from .legacy import LegacyMethods, check_arguments, default_optimizer
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
-from .ppo_math import gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
+from .ppo_math import kl_penalty, policy_loss, value_loss
 from .precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
 from .reference import frozen_reference, placed_reference, reference_policy
 from .rollout import (
@@ -177,6 +179,7 @@ class PPOTrainer(LegacyMethods):
         self.step_count = 0  # completed step() calls
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
         self._warned_negative_kl = self._warned_start_token = False
+        self._norm_length = None  # Dr. GRPO's loss normaliser, set by each step
         self._minibatches_done = 0  # of the current step, for error messages
         # the backward, clipping and optimizer step of each mini-batch; under DDP and DeepSpeed the last backward of
         # a window all-reduces or applies its gradients
@@ -250,6 +253,8 @@ class PPOTrainer(LegacyMethods):
         queries, responses, scores, response_masks = on_every_process(
             self._group, checked_step_inputs, cfg.batch_size, queries, responses, scores, response_masks,
             self.current_device)
+        if cfg.num_generations > 1:  # every G consecutive samples answer one prompt (the estimators' groups)
+            on_every_process(self._group, check_prompt_groups, queries, cfg.num_generations)
         scores = scale_scores(scores, self.running if cfg.use_score_scaling else None, cfg.use_score_norm,
                               cfg.score_clip, self._group.gather)
         # 2. legacy push_to_hub_if_best_kwargs: the policy that sampled these responses, if they score best so far
@@ -259,13 +264,15 @@ class PPOTrainer(LegacyMethods):
         mask = build_response_masks(response_masks, inputs)
         with timed(timing, "time/ppo/forward_pass"):
             old, ref = self._rollout_passes(inputs)
-        # 4. KL-shaped rewards
+        # 4. per-token KL (in the reward, or, with kl_in "loss", in the loss instead)
         with timed(timing, "time/ppo/compute_rewards"):
-            shaped = shape_rewards(scores, self._kl_per_token(inputs, old, ref), mask, self.kl_ctl.value)
-        # 5. advantages and returns, whitened over the global batch
+            kls = self._kl_per_token(inputs, old, ref)
+        # 5. KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator), over the global batch
         with timed(timing, "time/ppo/compute_advantages"):
-            adv = gae_advantages(old.values, shaped.rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
-                                 sum_across=self._group.sum_across)
+            shaped, adv = step_advantages(cfg, scores, kls, old.values, mask,
+                                          self.kl_ctl.value if cfg.kl_in == "reward" else 0.0, self._group)
+        if cfg.loss_aggregation == "seq-mean-token-sum-norm":  # its constant: the global batch's longest response
+            self._norm_length = self._group.gather(mask.sum(dim=1)).max()  # the same on every process
         rollout = Rollout(inputs, mask, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)
         # 6. PPO epochs over shuffled mini-batches
         with timed(timing, "time/ppo/optimize_step"):
@@ -331,7 +338,8 @@ class PPOTrainer(LegacyMethods):
                     with self._forward_precision():
                         out = policy_outputs(self.model, mb.inputs, with_entropy=True)
                     stats = self.train_minibatch(mb.old_logprobs, mb.old_values, out.logprobs, None, out.values,
-                                                 mb.mask, mb.advantages, mb.returns, entropy=out.entropy)
+                                                 mb.mask, mb.advantages, mb.returns, entropy=out.entropy,
+                                                 ref_logprobs=mb.ref_logprobs)
                 all_stats.append(stats)
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
@@ -339,10 +347,10 @@ class PPOTrainer(LegacyMethods):
         return all_stats
 
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns,
-                        entropy=None) -> dict[str, torch.Tensor]:
+                        entropy=None, ref_logprobs=None) -> dict[str, torch.Tensor]:
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
-                                          entropy=entropy)
+                                          entropy=entropy, ref_logprobs=ref_logprobs)
         # one host read: the mean ratio and whether any stat is non-finite, over the global mini-batch (every process
         # skips, backpropagates or raises together)
         decision = minibatch_decision(stats, self.config.ratio_threshold, self._group)
@@ -368,30 +376,36 @@ class PPOTrainer(LegacyMethods):
         return FloatingPointError(f"PPO step {self.step_count + 1}, mini-batch {done + 1}: {what} before the update; "
                                   f"{held}.{advice}")
 
-    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
-        """Clipped policy loss and ``vf_coef`` times the clipped value loss, with legacy stats.
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
+             ref_logprobs=None):
+        """Clipped policy loss (plus the KL loss term with ``kl_in="loss"``) and ``vf_coef`` times the clipped value
+        loss (critic-free estimators: none, and no ``val/*`` stats), with legacy stats.
 
         ``logits`` (``(b, R, V)``) is accepted for API compatibility; the trainer passes the per-token
         ``entropy`` instead, computed without materialising the logits.
 
-        Under N processes, each token mean (the losses and the token statistics) divides this process's sum
-        by the global mini-batch's token count over N (:func:`~ppo_core.distributed.tokens_per_process`), not
-        by its own count. DDP averages the gradients over the processes, which then gives the gradient of the
-        token mean over the global mini-batch whatever each process's count; legacy TRL's per-process means
-        weighted the tokens of a process with fewer tokens more. The stats returned are these per-process
-        shares (the variances excepted: computed over the global mini-batch); ``gather_stats`` averages them
-        into the global values.
+        Under N processes each token mean divides this process's sum by the global mini-batch's token count over N
+        (:func:`~ppo_core.distributed.tokens_per_process`, which says why); the stats are per-process shares
+        (the variances excepted) that ``gather_stats`` averages into the global values.
         """
         cfg = self.config
         n_tokens = tokens_per_process(mask, self._group)
-        pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens)
-        vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens)
+        norm_length = self._norm_length if self._norm_length is not None else mask.shape[1]
+        pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens,
+                         loss_reduction(cfg, mask, n_tokens, norm_length))
+        critic = cfg.advantage_estimator == "gae"
+        vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens) if critic else None
+        kl = kl_loss(cfg, logprobs, ref_logprobs, mask, n_tokens, norm_length)
         if entropy is None and logits is not None:
             entropy = entropy_from_logits(logits)
         with torch.no_grad():
             stats = minibatch_stats(pg, vf, cfg.vf_coef, mask, advantages, returns, vpreds, values, entropy, n_tokens,
-                                    self._group)
-        return pg.loss, cfg.vf_coef * vf.loss, stats
+                                    self._group, kl)
+        loss_p = pg.loss if kl is None else pg.loss + cfg.kl_loss_coef * kl
+        # critic-free: the value head stays in the graph with a zero loss, so that DDP, which expects a gradient for
+        # every parameter it wraps, gets one (zeros) and the weights match a single process's
+        loss_v = cfg.vf_coef * vf.loss if critic else 0.0 * vpreds.sum()
+        return loss_p, loss_v, stats
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
         """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""

@@ -40,9 +40,11 @@ def run(params: Params, root: Path = Path(".")) -> str:
     config = ppo_config(params)
     prompts = read_table(root / TOKENIZED_TRAIN, ["query", "input_ids"])
     world = process_state().num_processes  # under `accelerate launch`: ppo.batch_size is per process, as in the seed
-    if len(prompts) < config.batch_size * world:
-        raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than ppo.batch_size={config.batch_size} "
-                         f"x {world} processes; lower ppo.batch_size in {params.path} or give more prompts")
+    per_step = config.batch_size * world // config.num_generations  # distinct prompts in a global batch
+    if len(prompts) < per_step:
+        raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than the {per_step} of one step "
+                         f"(ppo.batch_size={config.batch_size} x {world} processes / ppo.num_generations="
+                         f"{config.num_generations}); lower ppo.batch_size in {params.path} or give more prompts")
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     seq2seq, lora = is_encoder_decoder(root / SFT_MODEL), params.model.lora
     longest, context = max(map(len, prompts["input_ids"])), model_context(root / SFT_MODEL)
@@ -61,7 +63,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
-    batches = query_batches(len(prompts), config.global_batch_size, params.seed)  # global batches
+    batches = query_batches(len(prompts), config.global_batch_size, params.seed, config.num_generations)
     start, tables = resume(trainer, params, root)
     for _ in range(start):  # the data position: the batches the checkpointed steps consumed
         next(batches)
@@ -113,13 +115,16 @@ def run(params: Params, root: Path = Path(".")) -> str:
             f"kl {last['kl']:.2f} -> {PPO_MODEL}")
 
 
-def query_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
-    """Endless batches of row indices: a seeded shuffle per epoch, the last incomplete batch dropped."""
+def query_batches(n: int, batch_size: int, seed: int, group_size: int = 1) -> Iterator[list[int]]:
+    """Endless batches of row indices: a seeded shuffle per epoch, the last incomplete batch dropped. With
+    ``group_size`` G, a batch holds ``batch_size / G`` prompts, each G times in a row (the same rollout budget, G
+    samples of every prompt)."""
     rng = random.Random(f"{seed}-ppo")
+    prompts = batch_size // group_size
     while True:
         order = list(range(n))
         rng.shuffle(order)
-        for start in range(0, n - batch_size + 1, batch_size):
-            yield order[start:start + batch_size]
+        for start in range(0, n - prompts + 1, prompts):
+            yield [i for i in order[start:start + prompts] for _ in range(group_size)]
 
 

@@ -49,6 +49,12 @@ CONFIGS = {  # per-config options; batch sizes are set per process below
     "whiten": dict(ppo_epochs=2, whiten_rewards=True, use_score_scaling=True, use_score_norm=True),
     "skip": dict(ppo_epochs=3, ratio_threshold=1.0005),
     "early_stop": dict(ppo_epochs=4, early_stopping=True, target_kl=1e-5),
+    # critic-free: groups of 2 samples of one prompt (whole groups per process), the KL in the loss; and the
+    # group baseline of REINFORCE++, whitened over the global batch
+    "grpo": dict(ppo_epochs=2, advantage_estimator="grpo", num_generations=2),
+    # the constant normaliser of Dr. GRPO is the global batch's longest response, whichever process holds it
+    "dr_grpo": dict(ppo_epochs=2, advantage_estimator="dr_grpo", num_generations=2),
+    "reinforce_baseline": dict(ppo_epochs=2, advantage_estimator="reinforce_plus_plus_baseline", num_generations=2),
 }
 
 # Windows of 2 mini-batches of 2 (batch 8); the ratio threshold skips some mini-batches, some of them at the end
@@ -56,11 +62,13 @@ CONFIGS = {  # per-config options; batch sizes are set per process below
 ACCUMULATION = dict(ppo_epochs=3, ratio_threshold=1.0005, gradient_accumulation_steps=2)
 
 
-def global_batch(step: int):
-    """The ``step``-th global batch of (query, response, score) triples."""
+def global_batch(step: int, group_size: int = 1):
+    """The ``step``-th global batch of (query, response, score) triples; with ``group_size``, each query that many
+    times in a row."""
     gen = torch.Generator().manual_seed(100 + step)
     responses = [torch.randint(3, VOCAB, (n,), generator=gen) for n in RESPONSE_LENS]
-    return random_queries(GLOBAL_BATCH, seed=step), responses, list(torch.randn(GLOBAL_BATCH, generator=gen))
+    queries = [q for q in random_queries(GLOBAL_BATCH // group_size, seed=step) for _ in range(group_size)]
+    return queries, responses, list(torch.randn(GLOBAL_BATCH, generator=gen))
 
 
 def make_trainer(num_processes: int, mini_batches: int = 1, sgd: bool = False, model=None, **options) -> PPOTrainer:
@@ -76,7 +84,7 @@ def local_step(trainer: PPOTrainer, step: int, corrupt: bool = False) -> dict:
     """``step`` on this process's share of the ``step``-th global batch; the stats without timings."""
     n, p = trainer.accelerator.num_processes, trainer.accelerator.process_index
     part = slice(p * GLOBAL_BATCH // n, (p + 1) * GLOBAL_BATCH // n)
-    queries, responses, scores = (x[part] for x in global_batch(step))
+    queries, responses, scores = (x[part] for x in global_batch(step, trainer.config.num_generations))
     if corrupt:
         scores[0] = torch.tensor(float("nan"))
     with warnings.catch_warnings():

@@ -9,12 +9,14 @@ import torch
 
 from ppo_core.estimators import (
     aggregate,
+    centred_on_groups,
     check_groups,
     group_advantages,
     grouped,
     kl_estimate,
     reinforce_plus_plus_advantages,
 )
+from ppo_core.ppo_math import shape_rewards
 
 F64 = torch.float64
 
@@ -81,7 +83,8 @@ def test_group_advantages_properties():
 def test_reinforce_plus_plus_by_hand():
     kls = torch.tensor([[0.5, 1.0], [2.0, 9.0]], dtype=F64)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=F64)
-    advantages, returns = reinforce_plus_plus_advantages(torch.tensor([1.0, -1.0], dtype=F64), kls, mask, 0.1)
+    shaped = shape_rewards(torch.tensor([1.0, -1.0], dtype=F64), kls, mask, 0.1)
+    advantages, returns = reinforce_plus_plus_advantages(shaped.rewards, mask)
     # rewards: row 0 [-0.05, -0.1 + 1] ; row 1 [-0.2 - 1, masked]   returns (gamma 1): [0.85, 0.9] ; [-1.2, 0]
     torch.testing.assert_close(returns, torch.tensor([[0.85, 0.9], [-1.2, 0.0]], dtype=F64))
     valid = [0.85, 0.9, -1.2]  # whitened over the three valid tokens (unbiased variance)
@@ -92,26 +95,21 @@ def test_reinforce_plus_plus_by_hand():
 
 
 def test_reinforce_plus_plus_baseline_centres_scores_on_their_group():
-    kls = torch.zeros(4, 3, dtype=F64)
-    mask = torch.ones(4, 3, dtype=F64)
-    scores = torch.tensor([3.0, 1.0, 10.0, 12.0], dtype=F64)
-    _, returns = reinforce_plus_plus_advantages(scores, kls, mask, 0.1, group_size=2)
-    # scores minus their group's mean: [1, -1, -1, 1], the return of every token (no KL, gamma 1)
-    torch.testing.assert_close(returns, torch.tensor([[1.0] * 3, [-1.0] * 3, [-1.0] * 3, [1.0] * 3], dtype=F64))
+    # scores minus their group's mean: 3, 1 -> 1, -1 ; 10, 12 -> -1, 1
+    got = centred_on_groups(torch.tensor([3.0, 1.0, 10.0, 12.0], dtype=F64), 2)
+    torch.testing.assert_close(got, torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=F64))
 
 
 def test_reinforce_plus_plus_returns_equal_a_naive_loop():
     g = torch.Generator().manual_seed(3)
-    kls, scores = torch.rand(5, 7, generator=g, dtype=F64), torch.randn(5, generator=g, dtype=F64)
+    rewards = torch.randn(5, 7, generator=g, dtype=F64)
     lengths = [7, 3, 1, 5, 6]
     mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(7)] for n in lengths], dtype=F64)
-    _, returns = reinforce_plus_plus_advantages(scores, kls, mask, 0.2, gamma=0.9)
+    _, returns = reinforce_plus_plus_advantages(rewards, mask, gamma=0.9)
     for i, n in enumerate(lengths):
-        rewards = [-0.2 * kls[i, t].item() for t in range(n)]
-        rewards[-1] += scores[i].item()
         running = 0.0
         for t in reversed(range(n)):
-            running = rewards[t] + 0.9 * running
+            running = rewards[i, t].item() + 0.9 * running
             assert returns[i, t].item() == pytest.approx(running, abs=1e-12)
         assert (returns[i, n:] == 0).all()
 
@@ -126,6 +124,20 @@ def test_kl_estimates_by_hand():
     assert (kl_estimate(torch.randn(100, dtype=F64), torch.randn(100, dtype=F64), "k3") >= 0).all()
     with pytest.raises(ValueError, match="k1"):
         kl_estimate(logp, ref, "k4")
+
+
+def test_k3_is_capped_where_the_policy_moved_far_below_the_reference():
+    # a token 100 nats less likely under the policy: exp(100) overflows float32; the estimate is capped at 10
+    # (veRL's low_var_kl) and that token gives no gradient
+    logp = torch.tensor([-101.0, -3.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.0, -30.0])
+    kl = kl_estimate(logp, ref, "k3")
+    assert torch.isfinite(kl).all()
+    assert kl[0].item() == 10.0 and kl[2].item() == 10.0  # d = -100 and d = +29 (k3 = d - 1 + e^-d = 28)
+    assert kl[1].item() == pytest.approx(math.exp(2) - 1 - 2)  # d = -2: under the cap, exact
+    kl.sum().backward()
+    assert logp.grad[0].item() == 0.0 and logp.grad[2].item() == 0.0
+    assert logp.grad[1].item() == pytest.approx(1 - math.exp(2))  # d/dd (e^-d - 1 + d) = 1 - e^-d
 
 
 def test_loss_aggregation_by_hand():
@@ -143,3 +155,14 @@ def test_check_groups_names_the_first_group_that_is_not_one_prompt():
     assert check_groups([a, a, b, b], 2) is None
     assert check_groups([a, a, b, a], 2) == 1
     assert check_groups([a, torch.tensor([1, 2, 3])], 2) == 0
+
+
+def test_the_config_s_choices_are_the_math_layer_s():
+    import typing
+
+    from ppo_core import PPOConfig
+    from ppo_core.estimators import KL_ESTIMATORS, LOSS_AGGREGATIONS
+
+    hints = typing.get_type_hints(PPOConfig)
+    assert typing.get_args(hints["kl_estimator"]) == KL_ESTIMATORS
+    assert typing.get_args(typing.get_args(hints["loss_aggregation"])[0]) == LOSS_AGGREGATIONS

@@ -1,0 +1,113 @@
+"""The critic-free estimators inside the legacy loop: the seed's loop runs unchanged with G samples per prompt, the
+value head is left alone, the KL goes where the estimator puts it, the loop learns, and a resumed run is exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ppo_core import PPOConfig, PPOTrainer
+from tests.tiny import random_queries, tiny_tokenizer, tiny_value_model
+
+torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
+
+CRITIC_FREE = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+TARGET = 7  # the rewarded token of the learning test
+
+
+def grouped_queries(prompts: int, size: int, seed: int) -> list[torch.Tensor]:
+    return [q for q in random_queries(prompts, seed=seed) for _ in range(size)]
+
+
+def make_trainer(estimator: str, size: int = 4, batch: int = 16, seed: int = 0, **options) -> PPOTrainer:
+    config = PPOConfig(batch_size=batch, mini_batch_size=batch // 2, learning_rate=1e-3, ppo_epochs=2, seed=seed,
+                       advantage_estimator=estimator, num_generations=size, **options)
+    return PPOTrainer(config, tiny_value_model("gpt2", seed=seed), tokenizer=tiny_tokenizer())
+
+
+def rollout(trainer: PPOTrainer, step: int, size: int):
+    queries = grouped_queries(trainer.config.batch_size // size, size, seed=step)
+    responses = trainer.generate(queries, return_prompt=False, batch_size=len(queries), max_new_tokens=8,
+                                 do_sample=True, top_k=0, top_p=1.0, pad_token_id=trainer.tokenizer.eos_token_id)
+    return queries, responses, [(r == TARGET).sum().float() for r in responses]
+
+
+def test_the_dataloader_yields_each_prompt_num_generations_times_in_a_row():
+    rows = [{"input_ids": torch.tensor([3 + i, 4 + i]), "query": f"prompt {i}"} for i in range(12)]
+    config = PPOConfig(batch_size=8, mini_batch_size=4, num_generations=4, advantage_estimator="grpo")
+    trainer = PPOTrainer(config, tiny_value_model("gpt2"), tokenizer=tiny_tokenizer(), dataset=rows)
+    batch = next(iter(trainer.dataloader))
+    assert len(batch["query"]) == 8 and len(set(batch["query"])) == 2  # 8 / 4 prompts, each 4 times
+    assert batch["query"][:4] == [batch["query"][0]] * 4 and batch["query"][4:] == [batch["query"][4]] * 4
+    assert all(torch.equal(q, batch["input_ids"][0]) for q in batch["input_ids"][:4])
+
+
+def test_step_names_the_block_that_is_not_one_prompt():
+    trainer = make_trainer("grpo", size=4, batch=8)
+    queries, responses, scores = rollout(trainer, 0, 4)
+    queries[6] = torch.tensor([5, 6, 7])
+    with pytest.raises(ValueError, match=r"^step: queries 4-7 \(group 1\) are not one prompt; with "
+                                         r"num_generations=4 every 4 consecutive samples answer one query"):
+        trainer.step(queries, responses, scores)
+
+
+@pytest.mark.parametrize("estimator", CRITIC_FREE)
+def test_critic_free_steps_leave_the_value_head_alone_and_report_no_value_stats(estimator):
+    size = 1 if estimator == "reinforce_plus_plus" else 4
+    trainer = make_trainer(estimator, size=size)
+    head = {k: v.clone() for k, v in trainer.model.v_head.state_dict().items()}
+    body = trainer.model.pretrained_model.lm_head.weight.detach().clone()
+    stats = trainer.step(*rollout(trainer, 0, size))
+    assert all(torch.equal(v, trainer.model.v_head.state_dict()[k]) for k, v in head.items())  # no value gradient
+    assert all(p.grad is None for p in trainer.model.v_head.parameters())
+    assert not torch.equal(body, trainer.model.pretrained_model.lm_head.weight)  # the policy trained
+    assert not [k for k in stats if k.startswith(("ppo/val/", "ppo/returns/"))] and "ppo/loss/value" not in stats
+    assert np.isfinite(stats["ppo/loss/policy"]) and np.isfinite(stats["objective/kl"])
+    kl_in_loss = estimator in ("grpo", "reinforce_plus_plus_baseline")  # dr_grpo: coefficient 0, no term
+    assert ("ppo/policy/kl_loss" in stats) == kl_in_loss
+
+
+def test_the_kl_loss_term_is_k3_and_pulls_toward_the_reference():
+    trainer = make_trainer("grpo", kl_loss_coef=1.0)
+    stats = trainer.step(*rollout(trainer, 0, 4))
+    # at the first mini-batch the policy is the reference: k3 = exp(0) - 0 - 1 = 0 exactly; later ones, >= 0
+    assert stats["ppo/policy/kl_loss"] >= 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", CRITIC_FREE)
+def test_the_seed_loop_learns_with_each_estimator(estimator):
+    """The tiny rule task of test_core_learning: how often token w7 appears, with 4 samples per prompt."""
+    size = 1 if estimator == "reinforce_plus_plus" else 4
+    trainer = make_trainer(estimator, size=size)
+    means = []
+    for step in range(30):
+        queries, responses, scores = rollout(trainer, step, size)
+        trainer.step(queries, responses, scores)
+        means.append(torch.stack(scores).mean().item())
+    first, last = np.mean(means[:5]), np.mean(means[-5:])
+    assert last > 2 * first and last > first + 0.5, f"{estimator}: mean score {first:.2f} -> {last:.2f}"
+
+
+def test_a_grpo_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run_on_cpu(tmp_path):
+    uninterrupted = make_trainer("grpo")
+    expected = [uninterrupted.step(*rollout(uninterrupted, step, 4)) for step in range(3)][-1]
+    first = make_trainer("grpo")
+    for step in range(2):
+        first.step(*rollout(first, step, 4))
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = make_trainer("grpo")
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    got = resumed.step(*rollout(resumed, 2, 4))
+    for name, param in uninterrupted.model.state_dict().items():
+        assert torch.equal(param, resumed.model.state_dict()[name]), name
+    assert got["ppo/loss/total"] == expected["ppo/loss/total"]
+
+
+def test_batch_sizes_must_be_multiples_of_num_generations():
+    with pytest.raises(ValueError, match=r"PPOConfig.mini_batch_size must be a multiple of num_generations \(4\), "
+                                         r"got 6"):
+        PPOConfig(batch_size=12, mini_batch_size=6, num_generations=4, advantage_estimator="grpo")
+    with pytest.raises(ValueError, match="num_generations must be >= 2 for advantage_estimator rloo, got 1"):
+        PPOConfig(advantage_estimator="rloo")
