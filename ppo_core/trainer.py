@@ -152,6 +152,8 @@ class PPOTrainer(LegacyMethods):
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
         ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
         prepare_dtypes(self.accelerator, model, ref_model)  # frozen weights in the autocast dtype; half weights warned
+        if config.advantage_estimator != "gae":  # critic-free: the value head is neither used nor trained, and is
+            model.v_head.requires_grad_(False)  # frozen so that DDP does not wait for its gradient
 
         # 3. data, optimiser, KL controller
         self.dataset = dataset
@@ -402,10 +404,7 @@ class PPOTrainer(LegacyMethods):
             stats = minibatch_stats(pg, vf, cfg.vf_coef, mask, advantages, returns, vpreds, values, entropy, n_tokens,
                                     self._group, kl)
         loss_p = pg.loss if kl is None else pg.loss + cfg.kl_loss_coef * kl
-        # critic-free: the value head stays in the graph with a zero loss, so that DDP, which expects a gradient for
-        # every parameter it wraps, gets one (zeros) and the weights match a single process's
-        loss_v = cfg.vf_coef * vf.loss if critic else 0.0 * vpreds.sum()
-        return loss_p, loss_v, stats
+        return loss_p, (cfg.vf_coef * vf.loss if critic else torch.zeros_like(pg.loss)), stats
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
         """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""

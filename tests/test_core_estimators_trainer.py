@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from ppo_core import PPOConfig, PPOTrainer
-from tests.tiny import random_queries, tiny_tokenizer, tiny_value_model
+from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
+from tests.tiny import (
+    random_queries,
+    randomize_lora,
+    tiny_causal_lm,
+    tiny_lora_config,
+    tiny_seq2seq_lm,
+    tiny_tokenizer,
+    tiny_value_model,
+)
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
 
@@ -60,7 +68,7 @@ def test_critic_free_steps_leave_the_value_head_alone_and_report_no_value_stats(
     body = trainer.model.pretrained_model.lm_head.weight.detach().clone()
     stats = trainer.step(*rollout(trainer, 0, size))
     assert all(torch.equal(v, trainer.model.v_head.state_dict()[k]) for k, v in head.items())  # no value gradient
-    assert all(p.grad is None for p in trainer.model.v_head.parameters())
+    assert all(p.grad is None and not p.requires_grad for p in trainer.model.v_head.parameters())  # frozen
     assert not torch.equal(body, trainer.model.pretrained_model.lm_head.weight)  # the policy trained
     assert not [k for k in stats if k.startswith(("ppo/val/", "ppo/returns/"))] and "ppo/loss/value" not in stats
     assert np.isfinite(stats["ppo/loss/policy"]) and np.isfinite(stats["objective/kl"])
@@ -111,3 +119,32 @@ def test_batch_sizes_must_be_multiples_of_num_generations():
         PPOConfig(batch_size=12, mini_batch_size=6, num_generations=4, advantage_estimator="grpo")
     with pytest.raises(ValueError, match="num_generations must be >= 2 for advantage_estimator rloo, got 1"):
         PPOConfig(advantage_estimator="rloo")
+
+
+@pytest.mark.parametrize("policy", ["lora-gpt2", "t5", "lora-t5"])
+def test_grpo_steps_with_lora_and_encoder_decoder_policies(policy):
+    """GRPO with its KL loss: against the adapter-disabled policy for LoRA (no reference copy), and through the
+    encoder-decoder path; only the trainable weights move, never the value head."""
+    peft = pytest.importorskip("peft") if policy.startswith("lora") else None
+    if policy == "lora-gpt2":
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm("gpt2"),
+                                                                  peft_config=tiny_lora_config())
+    elif policy == "t5":
+        model = AutoModelForSeq2SeqLMWithValueHead(tiny_seq2seq_lm("t5"))
+    else:
+        model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(
+            tiny_seq2seq_lm("t5"), peft_config=tiny_lora_config(target_modules=("q", "v")))
+    if peft is not None:
+        randomize_lora(model)  # a fresh adapter is the identity: make the policy differ from its reference
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, learning_rate=1e-2, seed=0,
+                       advantage_estimator="grpo", num_generations=4, kl_loss_coef=0.1)
+    trainer = PPOTrainer(config, model, tokenizer=tiny_tokenizer())
+    assert (trainer.ref_model is None) == (peft is not None)
+    for step in range(2):
+        stats = trainer.step(*rollout(trainer, step, 4))
+        assert np.isfinite(stats["ppo/loss/policy"]) and stats["ppo/policy/kl_loss"] >= 0
+    assert stats["objective/kl"] != 0
+    for name, param in model.named_parameters():
+        trainable = ("lora_" in name) if peft is not None else not name.startswith("v_head.")
+        assert torch.equal(param, before[name]) != trainable, name
