@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -81,6 +82,7 @@ def open_checkpoint_dir(directory: Path, expected: dict[str, Any], params: Param
     it), False when it is now empty but for the fingerprint (start fresh). State written for other params
     or inputs is discarded with a note, or refused with a StageError when `checkpoint.on_mismatch: stop`."""
     directory = Path(directory)
+    shutil.rmtree(discarded(directory), ignore_errors=True)  # a finished run's state, killed while being deleted
     path = directory / FINGERPRINT
     found = json.loads(path.read_text()) if path.exists() else None
     if found == expected:
@@ -98,12 +100,24 @@ def open_checkpoint_dir(directory: Path, expected: dict[str, Any], params: Param
 
 def discard(directory: Path) -> None:
     """Delete a stage's resumable state once its outputs are published (main process): a finished run is never
-    resumed. A kill before this leaves state whose rerun republishes the same outputs."""
-    shutil.rmtree(directory, ignore_errors=True)
+    resumed. A kill before this leaves state whose rerun republishes the same outputs; the state is first renamed
+    aside (one atomic step), so a kill while deleting it leaves no half-deleted state to resume from, only a
+    `.tmp-` name that the next discard or `open_checkpoint_dir` removes."""
+    directory = Path(directory)
+    doomed = discarded(directory)
+    shutil.rmtree(doomed, ignore_errors=True)  # left by a kill during an earlier discard
+    if directory.exists():
+        os.replace(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
     try:
         Path(directory).parent.rmdir()  # data/checkpoints, once no stage has state left there
     except OSError:
         pass
+
+
+def discarded(directory: Path) -> Path:
+    """Where :func:`discard` moves `directory` to delete it."""
+    return directory.with_name(f".tmp-{directory.name}-discarded")
 
 
 def first_difference(old: dict[str, Any], new: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from ruamel.yaml import YAML
 
-from stages import ppo, ppo_run, resume, reward, sft
+from stages import ppo, ppo_run, report, resume, reward, sft
 from stages.artifacts import (
     PPO_CHECKPOINTS,
     PPO_MODEL,
@@ -41,10 +41,20 @@ DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["
 
 
 def digests(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
-    """{relative path: sha256} of every file under root/data, but those under an `exclude` prefix."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+    """{relative path: sha256} of every file under root/data, but those under an `exclude` prefix; the report page
+    without its chart of wall-clock seconds per step (the one part of it that two runs may not share)."""
+    return {str(p.relative_to(root)): hashlib.sha256(content(p)).hexdigest()
             for p in sorted((root / "data").rglob("*")) if p.is_file()
             and not str(p.relative_to(root)).startswith(exclude)}
+
+
+def content(path: Path) -> bytes:
+    data = path.read_bytes()
+    if path.parent.name == "report" and path.name == "index.html":
+        timings = rb'<(div|p) [^>]*id="' + report.TIMINGS_ID.encode() + rb'".*?</\1>'
+        data, found = re.subn(timings, b"", data, flags=re.S)
+        assert found == 1, f"{path}: no element with id {report.TIMINGS_ID}"
+    return data
 
 
 EXCLUDE = ("data/logs/", "data/checkpoints/")  # wall-clock timings; the state of a run in progress
@@ -249,6 +259,30 @@ def test_a_finished_run_leaves_no_state_and_a_rerun_trains_again(tiny_run, tiny_
     assert len(steps) == -(-tiny_params.ppo["steps"] // tiny_params.ppo["batch_size"])
     assert digests(root, EXCLUDE) == digests(tiny_run, EXCLUDE)
     assert not (root / PPO_CHECKPOINTS).exists()
+
+
+def test_a_discard_killed_midway_leaves_no_state_to_resume(tiny_params, tmp_path, monkeypatch):
+    """A kill while a finished run's state is being deleted leaves no half-deleted checkpoint (one that would be
+    resumed, or fail to load): the state is renamed aside first, and the leftover is removed by the next run."""
+    directory = tmp_path / "checkpoints" / "ppo"
+    (directory / "state" / "engine" / "shards").mkdir(parents=True)
+    (directory / "state" / "trainer.pt").write_bytes(b"state")
+    (directory / resume.FINGERPRINT).write_text("{}")
+    rmtree = shutil.rmtree
+
+    def killed_after_the_rename(path, ignore_errors=False):
+        if not Path(path).exists():
+            return
+        raise SystemExit("killed")  # the first real deletion: of the state, moved aside
+
+    monkeypatch.setattr(resume.shutil, "rmtree", killed_after_the_rename)
+    with pytest.raises(SystemExit):
+        resume.discard(directory)
+    monkeypatch.setattr(resume.shutil, "rmtree", rmtree)
+    assert not directory.exists() and resume.discarded(directory).is_dir()
+    assert not resume.open_checkpoint_dir(directory, {"params": {}}, tiny_params, "ppo")  # starts fresh
+    assert not resume.discarded(directory).exists()
+    assert sorted(p.name for p in directory.iterdir()) == [resume.FINGERPRINT]
 
 
 def test_a_code_change_starts_fresh_instead_of_resuming(tiny_run, tiny_params, tmp_path, monkeypatch, capfd):
