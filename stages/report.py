@@ -47,6 +47,7 @@ CHARTS = [
     ("Clipping and approximate KL", [("clipfrac", "policy clip fraction"), ("approxkl", "approx. KL")], ""),
     ("Response length", [("response_len", "tokens")], "tokens"),
 ]
+TIMINGS_ID = "step-seconds"  # the one element of the page that differs between two runs of the same inputs
 TIME_PARTS = {"generate": "time/generate", "score": "time/score", "step()": "time/ppo/total"}
 STYLE = """body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1180px;color:#222}
 h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}table{border-collapse:collapse;
@@ -149,8 +150,8 @@ def charts(curves: pd.DataFrame) -> str:
 def time_chart(path: Path) -> str:
     """Where each step's time went (generate, score, step()), from the last run that executed: not a DVC output."""
     if not path.exists():
-        return ('<p class="note">No timings: the ppo stage was restored from DVC\'s cache rather than run here '
-                f"({path} holds the wall-clock seconds of runs that executed).</p>")
+        return (f'<p class="note" id="{TIMINGS_ID}">No timings: the ppo stage was restored from DVC\'s cache rather '
+                f"than run here ({path} holds the wall-clock seconds of runs that executed).</p>")
     timings = pd.read_csv(path)
     parts = {name: timings[column] for name, column in TIME_PARTS.items() if column in timings}
     fig, ax = figure("Seconds per step", "seconds")
@@ -159,7 +160,7 @@ def time_chart(path: Path) -> str:
         ax.bar(timings["step"], seconds, bottom=bottom, label=name)
         bottom = bottom + seconds
     ax.legend()
-    return f'<div class="charts">{svg(fig)}</div>'
+    return f'<div class="charts" id="{TIMINGS_ID}">{svg(fig)}</div>'
 
 
 def side_by_side(samples: pd.DataFrame, n: int = 8) -> str:
