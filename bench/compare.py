@@ -8,6 +8,7 @@ request):
   ppo_core               this interpreter                               bench/ppo_step.py --impl ppo_core
   ppo_core, bf16 mixed   this interpreter                               bench/ppo_step.py --impl ppo_core --bf16
   ppo_core, LoRA r=16    this interpreter (with peft)                   bench/ppo_step.py --impl ppo_core --lora
+  ppo_core, grpo ...     this interpreter                               bench/ppo_step.py --estimator grpo (etc.)
 The two floors matter because the venvs carry different transformers versions (5.x vs 4.46): each trainer's
 "ratio to floor" is taken against the floor of its own venv, so it measures the trainer, not transformers.
 Without a TRL venv the TRL rows are skipped with a note.
@@ -22,6 +23,8 @@ processes took more than --max-others of the CPU is redone (up to --retries time
     .venv/bin/python bench/compare.py --shapes tiny --steps 20
     .venv/bin/python bench/compare.py --impls floor ppo_core ppo_core_bf16 --shapes 32k
     .venv/bin/python bench/compare.py --impls ppo_core ppo_core_lora --shapes base --steps 5 --warmup 1
+    .venv/bin/python bench/compare.py --impls floor ppo_core grpo dr_grpo rloo reinforce_plus_plus \
+        reinforce_plus_plus_baseline --shapes 32k                # the critic-free estimators against GAE
 
 Logs go to bench/results/ (git-ignored), with the whole result as JSON; the table also goes to
 bench/results/latest.md.
@@ -45,8 +48,9 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 TRL_PYTHON = os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python")
-IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora"]
-DEFAULT_IMPLS = IMPLS[:-1]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]  # critic-free
+IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS]
+DEFAULT_IMPLS = IMPLS[:5]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
 BF16 = "ppo_core, bf16 mixed"
 LORA = "ppo_core, LoRA r=16"
 
@@ -82,6 +86,9 @@ def planned_runs(impls: list) -> tuple:
         runs.append(Run(BF16, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--bf16"), "floor"))
     if "ppo_core_lora" in impls:  # adapter + value head trained, adapter-disabled reference (no weight copy)
         runs.append(Run(LORA, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--lora"), "floor"))
+    for estimator in (e for e in ESTIMATORS if e in impls):  # the same 64 rollouts per step, G=4 where grouped
+        runs.append(Run(f"ppo_core, {estimator}", sys.executable,
+                        ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", estimator), "floor"))
     return runs, notes
 
 
@@ -273,6 +280,9 @@ def summary(results: dict) -> str:
                          f"{low['weights_mb']:.1f} vs {full['weights_mb']:.1f} MiB of weights (policy + reference) "
                          f"and {low['optimizer_state_mb']:.1f} vs {full['optimizer_state_mb']:.1f} MiB of optimizer "
                          f"state, peak RSS {by[LORA]['peak_rss_mb']:.0f} vs {by['ppo_core']['peak_rss_mb']:.0f} MiB")
+        for estimator in ESTIMATORS:  # a critic-free step against a GAE step (the issue: no more costly)
+            if (ratio := ratio_stats(rounds, f"ppo_core, {estimator}", "ppo_core")) is not None:
+                parts.append(f"{estimator} {fmt_ratio(ratio)}x the s/step of GAE")
         lines.append(f"- {shape}: ppo_core " + ", ".join(parts))
     return "\n".join(lines)
 

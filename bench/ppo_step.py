@@ -38,6 +38,9 @@ def import_impl(impl: str):
     return lib.PPOConfig, lib.PPOTrainer, lib.AutoModelForCausalLMWithValueHead
 
 
+ESTIMATORS = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+
+
 def lora_config(r: int, alpha: int):
     """LoRA on GPT-2's fused attention projection (`c_attn`, peft's default for GPT-2), no dropout."""
     from peft import LoraConfig
@@ -46,7 +49,15 @@ def lora_config(r: int, alpha: int):
                       task_type="CAUSAL_LM")
 
 
-def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lora=None):
+GROUP_SIZE = 4  # samples per prompt of the group estimators (the same 64 rollouts per step: 16 prompts x 4)
+
+
+def group_size(estimator: str) -> int:
+    """G for ``--estimator``: 1 for GAE and REINFORCE++, which compare no samples of one prompt."""
+    return 1 if estimator in ("gae", "reinforce_plus_plus") else GROUP_SIZE
+
+
+def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lora=None, estimator: str = "gae"):
     """The seed's construction: value-head model from a local dir, default reference, local tokenizer.
 
     With `lora` (a peft LoraConfig) the policy gets a fresh adapter on the loaded model: the trainer then
@@ -60,6 +71,8 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
         seed=setting.seed,
         # bf16 is mixed precision through accelerate (autocast, float32 master weights), as users run it.
         accelerator_kwargs={"mixed_precision": "bf16"} if bf16 else {},
+        # ppo_core's critic-free estimators (each with its reference defaults); the legacy PPOConfig has no such field
+        **({"advantage_estimator": estimator, "num_generations": group_size(estimator)} if estimator != "gae" else {}),
     )
     torch.manual_seed(setting.seed)  # the value head is initialised at load time
     with tempfile.TemporaryDirectory() as model_dir:
@@ -92,9 +105,12 @@ def memory_breakdown(trainer) -> dict:
     }
 
 
-def run_step(trainer, step: int, vocab_size: int, setting: common.Setting) -> dict:
-    """One iteration of the seed's loop; returns its timings, mean score and a few trainer stats."""
+def run_step(trainer, step: int, vocab_size: int, setting: common.Setting, group: int = 1) -> dict:
+    """One iteration of the seed's loop; returns its timings, mean score and a few trainer stats. With ``group``
+    G, the batch is its first ``batch_size / G`` queries, each G times in a row (as the trainer's dataloader lays
+    it out)."""
     queries = common.make_queries(step, vocab_size, setting)
+    queries = [q for q in queries[: len(queries) // group] for _ in range(group)]
 
     # 1. generate (the trainer pads, batches and strips the prompt)
     with common.Timer() as t_gen:
@@ -128,23 +144,28 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (ppo_core only; needs peft)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (TRL's example: 16)")
     parser.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (TRL's example: 16)")
+    parser.add_argument("--estimator", default="gae", choices=ESTIMATORS,
+                        help=f"advantage estimator (ppo_core only; the group ones with G={GROUP_SIZE})")
     args = parser.parse_args()
     if args.lora and args.impl != "ppo_core":
         parser.error("--lora is benchmarked for --impl ppo_core only (the TRL venv has no peft)")
+    if args.estimator != "gae" and args.impl != "ppo_core":
+        parser.error("--estimator is ppo_core's (legacy TRL has GAE only)")
 
     common.set_threads(args.threads)
     setting = common.Setting()
     lora = lora_config(args.lora_r, args.lora_alpha) if args.lora else None
-    trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora)
-    vocab = common.SHAPES[args.shape].vocab_size
+    trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora, args.estimator)
+    vocab, group = common.SHAPES[args.shape].vocab_size, group_size(args.estimator)
 
     impl = f"{args.impl}, LoRA r={args.lora_r}" if args.lora else args.impl
+    impl += f", {args.estimator}" + (f" G={group}" if group > 1 else "") if args.estimator != "gae" else ""
     if args.serve:
-        common.serve(lambda step: run_step(trainer, step, vocab, setting),
+        common.serve(lambda step: run_step(trainer, step, vocab, setting, group),
                      lambda: dict(common.describe(impl, args, setting, digest), memory=memory_breakdown(trainer)))
         return
     n_steps = args.warmup + args.steps
-    steps, others_frac = common.run_steps(lambda step: run_step(trainer, step, vocab, setting), n_steps)
+    steps, others_frac = common.run_steps(lambda step: run_step(trainer, step, vocab, setting, group), n_steps)
     last = steps[-max(1, len(steps) // 4) :]  # the last quarter of the run
     result = common.summarize(impl, args, setting, digest, steps, others_frac)
     result.update(
