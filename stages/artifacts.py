@@ -8,6 +8,7 @@ same rows give the same bytes and DVC sees no change.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -47,10 +48,13 @@ REWARD_CHECKPOINTS = Path("data/checkpoints/reward")
 PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
 # Wall-clock timings of the last run that executed: different every run, so kept out of the hashed outputs.
 PPO_TIMINGS = Path("data/logs/ppo/timings.csv")
-# The run's report pages (they show the timings): rewritten whenever the report stage runs, not cached.
-REPORT = Path("data/report/index.html")
+PPO_TIMINGS_RUN = Path("data/logs/ppo/run.json")  # which results they are the timings of: {"curves_sha256": ...}
+REPORT_TIMINGS = Path("data/logs/report")  # the report's chart of them, one SVG per run, linked from the page
+# The page of a sweep (`rlhf report --experiments`, outside DVC: it reads the experiments DVC has).
 REPORT_SWEEP = Path("data/report/experiments.html")
-NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"), Path("data/report"))
+NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"), REPORT_SWEEP)
+# The run's report page: a DVC output like any result (the same bytes for the same results).
+REPORT = Path("data/report/index.html")
 STATE = {"sft": (SFT_CHECKPOINTS,), "reward": (REWARD_CHECKPOINTS,), "ppo": (PPO_CHECKPOINTS, PPO_TIMINGS.parent)}
 
 
@@ -112,6 +116,15 @@ def write_parquet(columns: dict[str, Sequence[Any]], path: Path) -> None:
     table = pa.table({name: list(values) for name, values in columns.items()})
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, **PARQUET_OPTIONS)
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_json(obj: Any, path: Path) -> None:

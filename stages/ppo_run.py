@@ -25,10 +25,12 @@ from stages.artifacts import (
     PPO_ROLLOUTS,
     PPO_STATS,
     PPO_TIMINGS,
+    PPO_TIMINGS_RUN,
     REWARD_MODEL,
     atomic_path,
     fresh_dir,
     remove_stale_temporaries,
+    sha256_file,
     write_csv,
     write_json,
     write_parquet,
@@ -124,6 +126,7 @@ def publish(trainer: PPOTrainer, root: Path, tables: StepTables, tokenizer) -> N
         last = tables.curves[-1]
         write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
                    root / PPO_METRICS)
+        write_json({"curves_sha256": sha256_file(root / PPO_CURVES)}, root / PPO_TIMINGS_RUN)  # for the report
     trainer.accelerator.wait_for_everyone()
     if main:
         discard(root / PPO_CHECKPOINTS)

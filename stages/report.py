@@ -5,11 +5,13 @@ curves (the proxy reward and the gold score together, so over-optimisation shows
 coefficient; entropy; the losses; clip fractions; response length; where a step's time goes), samples (held-out
 prompts answered by both policies; the best and worst rollouts of the first and last steps), the reward model's
 held-out accuracy, SFT's loss curve, and the params that differ from the committed params.yaml. Charts are SVG
-drawn by matplotlib and inlined: the page loads nothing, runs no script, and opens from a file anywhere.
+drawn by matplotlib and inlined: the page fetches nothing from a network, runs no script, and opens from a file.
 
-The page is not a DVC output: it shows the wall-clock timings (data/logs), which differ every run, and it is
-rewritten whenever the stage runs (`dvc repro` runs it when a result it shows changes). `rlhf report
---experiments` writes the page of a sweep instead (stages/report_sweep.py).
+The page is a DVC output like every result: the same results give the same bytes, so a fresh clone's run reproduces
+the committed dvc.lock and DVC's run-cache restores the page with the stages before it. The one thing on it that
+differs every run, the wall-clock seconds per step, is therefore not in it: it links to that chart, drawn beside
+the timings in data/logs (see `time_chart`). `rlhf report --experiments` writes the page of a sweep instead
+(stages/report_sweep.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -28,12 +31,15 @@ from stages.artifacts import (
     PPO_CURVES,
     PPO_ROLLOUTS,
     PPO_TIMINGS,
+    PPO_TIMINGS_RUN,
     REPORT,
+    REPORT_TIMINGS,
     REWARD_METRICS,
     SFT_CURVE,
     SFT_METRICS,
     atomic_path,
     read_table,
+    sha256_file,
 )
 from stages.params import Params
 from stages.runtime import StageError
@@ -47,7 +53,7 @@ CHARTS = [
     ("Clipping and approximate KL", [("clipfrac", "policy clip fraction"), ("approxkl", "approx. KL")], ""),
     ("Response length", [("response_len", "tokens")], "tokens"),
 ]
-TIMINGS_ID = "step-seconds"  # the one element of the page that differs between two runs of the same inputs
+TIMINGS_ID = "step-seconds"  # the element that links to the chart of wall-clock seconds per step
 TIME_PARTS = {"generate": "time/generate", "score": "time/score", "step()": "time/ppo/total"}
 STYLE = """body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1180px;color:#222}
 h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}table{border-collapse:collapse;
@@ -64,7 +70,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     evaluation = json.loads((root / EVAL_METRICS).read_text())
     sections = [
         ("Evaluation on the held-out prompts", evaluation_table(evaluation)),
-        ("PPO, step by step", charts(curves) + time_chart(root / PPO_TIMINGS)),
+        ("PPO, step by step", charts(curves) + time_chart(root)),
         ("Held-out prompts: SFT and PPO side by side", side_by_side(read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS))),
         ("Rollouts: the best and worst of the first and last steps", extremes(root / PPO_ROLLOUTS, curves)),
         ("Reward model and SFT", models(root)),
@@ -147,20 +153,31 @@ def charts(curves: pd.DataFrame) -> str:
     return f'<div class="charts">{"".join(out)}</div>'
 
 
-def time_chart(path: Path) -> str:
-    """Where each step's time went (generate, score, step()), from the last run that executed: not a DVC output."""
-    if not path.exists():
-        return (f'<p class="note" id="{TIMINGS_ID}">No timings: the ppo stage was restored from DVC\'s cache rather '
-                f"than run here ({path} holds the wall-clock seconds of runs that executed).</p>")
-    timings = pd.read_csv(path)
-    parts = {name: timings[column] for name, column in TIME_PARTS.items() if column in timings}
-    fig, ax = figure("Seconds per step", "seconds")
-    bottom = 0
-    for name, seconds in parts.items():
-        ax.bar(timings["step"], seconds, bottom=bottom, label=name)
-        bottom = bottom + seconds
-    ax.legend()
-    return f'<div class="charts" id="{TIMINGS_ID}">{svg(fig)}</div>'
+def time_chart(root: Path) -> str:
+    """Where each step's time went (generate, score, step()): an image linked from the page, not drawn in it.
+
+    Wall-clock seconds differ every run, and the page is a DVC output that must not (the same results, the same
+    bytes), so the chart lives in data/logs/report, named after the results it belongs to (the SHA-256 of
+    curves.csv), and the page links to it. It is drawn when the timings in data/logs/ppo are those of these
+    results (a ppo run that executed here); where they are not, the page shows the link's text instead."""
+    run_id = sha256_file(root / PPO_CURVES)
+    image = REPORT_TIMINGS / f"step-seconds-{run_id[:16]}.svg"
+    if (root / PPO_TIMINGS).exists() and (root / PPO_TIMINGS_RUN).exists() and \
+            json.loads((root / PPO_TIMINGS_RUN).read_text()).get("curves_sha256") == run_id:
+        timings = pd.read_csv(root / PPO_TIMINGS)
+        parts = {name: timings[column] for name, column in TIME_PARTS.items() if column in timings}
+        fig, ax = figure("Seconds per step", "seconds")
+        bottom = 0
+        for name, seconds in parts.items():
+            ax.bar(timings["step"], seconds, bottom=bottom, label=name)
+            bottom = bottom + seconds
+        ax.legend()
+        with atomic_path(root / image) as tmp:
+            tmp.write_text(svg(fig))
+    missing = (f"Seconds per step: not measured in this workspace ({image} is drawn where the ppo run of these "
+               "results executed; a run restored from DVC's cache has no timings)")
+    return (f'<div class="charts" id="{TIMINGS_ID}"><img src="{os.path.relpath(image, REPORT.parent)}" '
+            f'width="380" alt="{html.escape(missing)}"></div>')
 
 
 def side_by_side(samples: pd.DataFrame, n: int = 8) -> str:

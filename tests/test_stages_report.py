@@ -36,8 +36,32 @@ def test_the_report_shows_the_run_and_needs_nothing_from_outside(page, tiny_run)
         assert section in text, section
     metrics = json.loads((tiny_run / "data" / "eval" / "metrics.json").read_text())
     assert f"<b>{metrics['win_rate']:.3f}</b>" in text
-    assert text.count("<svg") >= 8  # six curve charts, the time split, SFT's loss
+    assert text.count("<svg") >= 7  # six curve charts and SFT's loss, inline
     assert not EXTERNAL.search(text), EXTERNAL.search(text)  # no script, stylesheet, image or font to fetch
+    chart = timings_chart(page)  # the wall-clock seconds per step: beside the page, drawn from this run's timings
+    assert chart.read_text().startswith("<svg") and chart.is_relative_to(page.parents[2] / "data" / "logs")
+
+
+def timings_chart(page: Path) -> Path:
+    """The file the page's one image links to."""
+    links = re.findall(r'<img src="([^"]+)"', page.read_text())
+    assert len(links) == 1, links
+    return (page.parent / links[0]).resolve()
+
+
+def test_a_run_restored_from_dvc_s_cache_gets_the_same_page_and_no_chart(page, tiny_params, tmp_path):
+    """Without this run's timings (its ppo stage restored from DVC's cache, or timings of other results) the page is
+    the same bytes, and no chart is drawn: the image's text says why."""
+    root = tmp_path / "restored"
+    shutil.copytree(page.parents[2] / "data", root / "data", ignore=shutil.ignore_patterns("logs", "report"))
+    report.run(tiny_params, root)
+    assert (root / REPORT).read_bytes() == page.read_bytes()
+    assert not timings_chart(root / REPORT).exists() and "not measured in this workspace" in page.read_text()
+    (root / "data" / "logs").mkdir()
+    shutil.copytree(page.parents[2] / "data" / "logs" / "ppo", root / "data" / "logs" / "ppo")
+    (root / "data" / "logs" / "ppo" / "run.json").write_text('{"curves_sha256": "of other results"}')
+    report.run(tiny_params, root)
+    assert (root / REPORT).read_bytes() == page.read_bytes() and not timings_chart(root / REPORT).exists()
 
 
 def test_the_report_is_the_same_for_the_same_results(page, tiny_params):
@@ -66,8 +90,8 @@ def test_the_report_renders_in_a_browser_with_no_request_leaving_the_machine(pag
     """Every chart is an SVG element of the page Chromium rendered, and the page asked the network for nothing
     (checked against a page that does ask, so that the check can fail)."""
     dom, urls = page_requests(page, tmp_path / "profile")
-    assert dom.count("<svg") >= 8 and "RLHF run report" in dom
-    assert urls == set()
+    assert dom.count("<svg") >= 7 and "RLHF run report" in dom
+    assert urls <= {timings_chart(page).as_uri()}  # the one image: a file beside the page
     control = tmp_path / "control.html"
     control.write_text('<html><body><img src="http://127.0.0.1:9/x.png"></body></html>')
     assert page_requests(control, tmp_path / "control-profile")[1] == {"http://127.0.0.1:9/x.png"}

@@ -20,7 +20,7 @@ import pytest
 import torch
 from ruamel.yaml import YAML
 
-from stages import ppo, ppo_run, report, resume, reward, sft
+from stages import ppo, ppo_run, resume, reward, sft
 from stages.artifacts import (
     PPO_CHECKPOINTS,
     PPO_MODEL,
@@ -41,20 +41,10 @@ DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["
 
 
 def digests(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
-    """{relative path: sha256} of every file under root/data, but those under an `exclude` prefix; the report page
-    without its chart of wall-clock seconds per step (the one part of it that two runs may not share)."""
-    return {str(p.relative_to(root)): hashlib.sha256(content(p)).hexdigest()
+    """{relative path: sha256} of every file under root/data, but those under an `exclude` prefix."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted((root / "data").rglob("*")) if p.is_file()
             and not str(p.relative_to(root)).startswith(exclude)}
-
-
-def content(path: Path) -> bytes:
-    data = path.read_bytes()
-    if path.parent.name == "report" and path.name == "index.html":
-        timings = rb'<(div|p) [^>]*id="' + report.TIMINGS_ID.encode() + rb'".*?</\1>'
-        data, found = re.subn(timings, b"", data, flags=re.S)
-        assert found == 1, f"{path}: no element with id {report.TIMINGS_ID}"
-    return data
 
 
 EXCLUDE = ("data/logs/", "data/checkpoints/")  # wall-clock timings; the state of a run in progress
