@@ -60,7 +60,8 @@ def clone(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_make_run_ends_with_the_report(clone):
     page = (clone / "data" / "report" / "index.html").read_text()
-    assert page.count("<svg") >= 8 and "Win rate of PPO over SFT" in page
+    assert page.count("<svg") >= 7 and "Win rate of PPO over SFT" in page  # the charts; the seconds per step:
+    assert len(list((clone / "data" / "logs" / "report").glob("step-seconds-*.svg"))) == 1  # linked, not inline
 
 
 @pytest.mark.slow
