@@ -168,6 +168,28 @@ def test_ppo_with_the_reward_adapter_resumes_to_the_same_artifacts_on_cpu(lora_r
         ppo.run(stop, changed)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [None, "zero3"])
+def test_ppo_scores_with_the_reward_adapter_in_two_processes(config, lora_run, tiny_params, tmp_path):
+    """Under `accelerate launch` (DDP, or DeepSpeed ZeRO-3 with the weights sharded) each process scores its share
+    with the reward adapter as the merged reward model does."""
+    from tests.conftest import write_params
+    from tests.test_stages_distributed import PPO_CHANGES, launch_stage
+
+    if config is not None:
+        pytest.importorskip("deepspeed")
+    root = project(lora_run, tmp_path / "project")
+    lora = {"r": LORA.r, "alpha": LORA.alpha, "dropout": LORA.dropout, "target_modules": LORA.target_modules}
+    changes = {key.replace("__", "."): value for key, value in PPO_CHANGES.items()} | {"model.lora": lora}
+    code, output = launch_stage("ppo", write_params(root, changes), root, config=config)
+    assert code == 0, output[-3000:]
+    rollouts = pd.read_parquet(root / PPO_ROLLOUTS / rollout_file(0))
+    rm, tokenizer = load_reward_model(root / REWARD_MODEL)
+    separate = reward_scores(rm, tokenizer, (rollouts["query"] + rollouts["response"]).tolist(), 8)
+    torch.testing.assert_close(torch.tensor(rollouts["score"].tolist()), torch.tensor(separate), atol=SCORE_TOL,
+                               rtol=0)
+
+
 def test_the_reward_adapter_is_used_only_with_lora_the_reward_model_and_a_causal_lm(lora_run, tiny_run, tiny_params):
     lora = with_lora(tiny_params)
     assert scoring.reward_adapter(lora, lora_run, seq2seq=False) == lora_run / REWARD_ADAPTER
