@@ -116,8 +116,8 @@ def main() -> None:
     shared_rss = rows["shared"][0]
     gap = max(abs(a - b) for a, b in zip(scores["shared"], scores["separate"]))
     print(f"\nppo stage, model.lora r=8, GPT-2 {args.n_layer} layers x n_embd {args.n_embd} ({n_params / 1e6:.1f} M "
-          f"parameters, {n_params * 4 / 2**20:.0f} MiB in float32), 2 PPO steps of 16 rollouts, {torch.get_num_threads()} threads; "
-          f"setup (prepare, sft, reward, tokenize) {setup_seconds:.0f} s\n")
+          f"parameters, {n_params * 4 / 2**20:.0f} MiB in float32), 2 PPO steps of 16 rollouts, "
+          f"{torch.get_num_threads()} threads; setup (prepare, sft, reward, tokenize) {setup_seconds:.0f} s\n")
     print("| reward model | peak RSS (MiB) | vs shared | wall (s) | first-step scores vs shared |")
     print("|---|---|---|---|---|")
     checks = {"shared": "-", "separate": f"max abs diff {gap:.1e}", "no reward model": "another scorer"}
