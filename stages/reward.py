@@ -2,7 +2,8 @@
 
 The model is `AutoModelForSequenceClassification` with one label, scoring `prompt + response` at its last
 token. Loss: -log sigmoid(r_chosen - r_rejected), averaged over the pairs of a batch. Reports the pairwise
-accuracy (r_chosen > r_rejected) on held-out pairs.
+accuracy (r_chosen > r_rejected) on held-out pairs. With `model.lora`, a LoRA on the SFT model (the head trained in
+full) saved merged, and also alone with its head in `adapter/`: the ppo stage scores with it on its policy's base.
 """
 
 from __future__ import annotations
