@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
-from . import adapters
+from . import adapters, reward_adapter
 from .logprobs import LMHead, selected_logprobs, selected_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,9 @@ class PreTrainedModelWrapper(nn.Module):
             peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig(r=16, lora_alpha=16)``): add a fresh
                 adapter to the loaded model, freezing its base weights (needs ``peft``).
             is_trainable: whether a loaded adapter is trained (default True; peft's own default is False).
+            reward_adapter, reward_adapter_name: a PEFT reward model's directory (``task_type="SEQ_CLS"``, trained on
+                the same base), loaded frozen beside the policy's adapter as ``reward_adapter_name`` (default
+                ``"reward_adapter"``) for ``compute_reward_score`` (``ppo_core.reward_adapter``; needs a PEFT policy).
             **kwargs: ``summary_dropout_prob``, ``v_head_initializer_range``, ``v_head_init_strategy``
                 go to the value head; the rest to the transformers ``from_pretrained``. Without a ``dtype`` (or
                 ``torch_dtype``) the weights load in float32: transformers 5 would load them in their saved dtype,
@@ -124,10 +127,11 @@ class PreTrainedModelWrapper(nn.Module):
             kwargs["dtype"] = torch.float32
         peft_config = kwargs.pop("peft_config", None)
         is_trainable = kwargs.pop("is_trainable", True)
-        for unsupported in ("reward_adapter", "load_in_8bit", "load_in_4bit"):
+        reward = kwargs.pop("reward_adapter", None), kwargs.pop("reward_adapter_name", "reward_adapter")
+        for unsupported in ("load_in_8bit", "load_in_4bit"):
             if kwargs.get(unsupported) is not None:
                 raise ValueError(f"{cls.__name__}.from_pretrained: '{unsupported}' is not supported yet "
-                                 "(quantised policies and reward adapters are planned); load the full model.")
+                                 "(quantised policies are planned); load the full model.")
             kwargs.pop(unsupported, None)
         source, path = pretrained_model_name_or_path, None
         if isinstance(source, PreTrainedModel) or adapters.is_peft_model(source):
@@ -146,6 +150,8 @@ class PreTrainedModelWrapper(nn.Module):
         if peft_config is not None:
             model = adapters.add_adapter(model, peft_config)
         wrapped = cls(model, **head_kwargs)
+        if reward[0] is not None:  # a frozen reward model on the same base weights (ppo_core.reward_adapter)
+            reward_adapter.attach(wrapped, *reward)
         head_state = _load_value_head_state(path) if path is not None else None
         if head_state is not None:
             wrapped.v_head.load_state_dict(head_state)
@@ -174,6 +180,8 @@ class PreTrainedModelWrapper(nn.Module):
 
     def push_to_hub(self, *args, **kwargs):
         return self.pretrained_model.push_to_hub(*args, **kwargs)
+
+    compute_reward_score = reward_adapter.compute_reward_score  # with from_pretrained(..., reward_adapter=DIR)
 
     # ---- model API -------------------------------------------------------------------------------
     @property

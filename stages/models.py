@@ -87,11 +87,15 @@ def merged(model):
     return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
 
-def load_reward_model(path: Path):
-    """Load the reward model of the reward stage (scalar head) and its tokenizer, in eval mode."""
+def load_reward_model(path: Path, policy=None):
+    """The reward model of the reward stage (scalar head) in eval mode, and its tokenizer; given a `policy` that carries
+    the reward stage's adapter (ppo_core's `from_pretrained(..., reward_adapter=...)`), that policy instead of a
+    second copy of the base weights (`reward_scores` scores with its `compute_reward_score`)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(require_dir(path))
+    if policy is not None:
+        return policy, tokenizer
     model = load_float32(AutoModelForSequenceClassification, path).to(device()).eval()
     return model, tokenizer
 
@@ -106,7 +110,8 @@ def reward_inputs(model, tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def reward_scores(model, tokenizer, texts: Sequence[str], batch_size: int) -> list[float]:
-    """Scalar reward of each text (the head's raw output), truncated to the tokenizer's model_max_length."""
+    """Scalar reward of each text (the head's raw output), truncated to the tokenizer's model_max_length. `model` is
+    the reward model, or a policy with the reward adapter (`load_reward_model`), pooled as the reward model pools."""
     import torch
 
     tokenizer.padding_side = "right"
@@ -114,7 +119,21 @@ def reward_scores(model, tokenizer, texts: Sequence[str], batch_size: int) -> li
     with torch.no_grad():
         for start in range(0, len(texts), batch_size):
             ids = reward_inputs(model, tokenizer, list(texts[start:start + batch_size]))
-            batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
-            logits = model(**batch.to(model.device)).logits  # (B, 1)
+            batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
+            if getattr(model, "supports_rm_adapter", False):
+                per_token = model.compute_reward_score(batch["input_ids"], batch["attention_mask"])  # (B, T, 1)
+                logits = at_last_token(per_token, batch["input_ids"], tokenizer.pad_token_id)  # (B, 1)
+            else:
+                logits = model(**batch).logits  # (B, 1)
             scores += logits[:, 0].float().cpu().tolist()
     return scores
+
+
+def at_last_token(per_token, input_ids, pad_token_id: int):
+    """``(B, T, L) -> (B, L)``: each row's scores at its rightmost non-pad token, where transformers' sequence
+    classifiers (GPT-2, Llama, ...) pool theirs."""
+    import torch
+
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
+    last = (positions * (input_ids != pad_token_id).int()).argmax(-1)  # (B,)
+    return per_token[torch.arange(len(input_ids), device=per_token.device), last.to(per_token.device)]

@@ -31,7 +31,7 @@ from stages.models import is_encoder_decoder, lora_config, model_context
 from stages.params import Params, ppo_config
 from stages.ppo_run import checkpoint, gather_columns, publish, record, resume
 from stages.runtime import Progress, StageError, process_state
-from stages.scoring import build_scorer, scored
+from stages.scoring import build_scorer, reward_adapter, scored
 from stages.synthetic import gold_score
 
 
@@ -56,9 +56,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
                          f"(tokenize.max_query_tokens) in {params.path}")
     policy_class = AutoModelForSeq2SeqLMWithValueHead if seq2seq else AutoModelForCausalLMWithValueHead
     adapter = {"peft_config": lora_config(lora, "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")} if lora else {}
+    shared = reward_adapter(params, root, seq2seq)  # LoRA: the reward model is an adapter on the policy's base too
+    if shared is not None:
+        adapter["reward_adapter"] = str(shared)
     model = policy_class.from_pretrained(root / SFT_MODEL, **adapter)
-    score = build_scorer(params, root)  # before the trainer: under ZeRO-3, models built after it come out sharded
-    # reference: a frozen copy of SFT, or with LoRA the same weights with the adapter disabled
+    # before the trainer: under ZeRO-3, models built after it come out sharded
+    score = build_scorer(params, root, model if shared is not None else None)
+    # reference: a frozen copy of SFT, or with LoRA the same weights with the adapters disabled
     trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}

@@ -134,11 +134,11 @@ def publish(trainer: PPOTrainer, root: Path, tables: StepTables, tokenizer) -> N
 
 def save_policy(path: Path, policy, tokenizer) -> None:
     """The policy as a plain transformers model (LoRA merged in), its value head, and with LoRA the adapter
-    alone in `adapter/` (loadable with peft on the SFT model), atomically."""
+    alone in `adapter/` (loadable with peft on the SFT model; not the reward adapter beside it), atomically."""
     with atomic_path(path) as tmp:
         policy.save_pretrained(tmp, merge_adapter=policy.is_peft_model)
         if policy.is_peft_model:
-            policy.save_pretrained(tmp / "adapter")
+            policy.save_pretrained(tmp / "adapter", selected_adapters=[policy.pretrained_model.active_adapter])
         tokenizer.save_pretrained(tmp)
 
 

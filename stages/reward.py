@@ -2,7 +2,8 @@
 
 The model is `AutoModelForSequenceClassification` with one label, scoring `prompt + response` at its last
 token. Loss: -log sigmoid(r_chosen - r_rejected), averaged over the pairs of a batch. Reports the pairwise
-accuracy (r_chosen > r_rejected) on held-out pairs.
+accuracy (r_chosen > r_rejected) on held-out pairs. With `model.lora`, a LoRA on the SFT model (the head trained in
+full) saved merged, and also alone with its head in `adapter/`: the ppo stage scores with it on its policy's base.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 from ppo_core.utils import set_seed, tf32_supported
 from stages.artifacts import (
     RAW_PAIRS,
+    REWARD_ADAPTER,
     REWARD_CHECKPOINTS,
     REWARD_METRICS,
     REWARD_MODEL,
     SFT_MODEL,
+    atomic_path,
     read_table,
     remove_stale_temporaries,
     require_dir,
-    save_pretrained,
     write_json,
 )
 from stages.models import load_float32, merged, reward_inputs, reward_scores, with_lora
@@ -75,13 +77,23 @@ def run(params: Params, root: Path = Path(".")) -> str:
                "eval_margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval,
                "n_train": len(train), "n_eval": n_eval}
     if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes
-        save_pretrained(root / REWARD_MODEL, merged(model), tokenizer)
+        save_reward_model(root / REWARD_MODEL, model, tokenizer)
         write_json(metrics, root / REWARD_METRICS)
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():  # published: the run is finished, and a rerun trains from the start
         discard(checkpoints)
     return (f"{len(train)} pairs, held-out pairwise accuracy {metrics['eval_accuracy']:.3f} ({n_eval} pairs) "
             f"-> {REWARD_MODEL}")
+
+
+def save_reward_model(path: Path, model, tokenizer) -> None:
+    """The reward model as a plain transformers model (LoRA merged in: what evaluate loads), and with LoRA the adapter
+    and its score head alone in `adapter/` (what ppo scores with, on its policy's base weights), atomically."""
+    with atomic_path(path) as tmp:
+        if hasattr(model, "merge_and_unload"):  # before merging, which folds the adapter into the base weights
+            model.save_pretrained(tmp / REWARD_ADAPTER.name)
+        merged(model).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
 
 
 def bradley_terry_loss(r_chosen: list[float], r_rejected: list[float]) -> float:

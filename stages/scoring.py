@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import pipeline
 
-from stages.artifacts import REWARD_MODEL
+from stages.artifacts import REWARD_ADAPTER, REWARD_MODEL
 from stages.models import load_reward_model, reward_scores
 from stages.params import Params
 from stages.resume import CODE_ROOT, digest
@@ -32,11 +32,13 @@ from stages.runtime import StageError, device, process_state, reason, warning
 REWARDS = "rewards"  # the package of user reward functions, a dep of the ppo stage in dvc.yaml
 
 
-def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float]]:
-    """The reward function chosen by `scorer.source`: texts (query + response) -> one float each."""
+def build_scorer(params: Params, root: Path, policy=None) -> Callable[[list[str]], list[float]]:
+    """The reward function chosen by `scorer.source`: texts (query + response) -> one float each. `policy`: the policy
+    carrying the reward stage's adapter (see `reward_adapter`), which then scores instead of a reward model of its
+    own."""
     spec = params.scorer
     if spec.source == "reward_model":
-        model, tokenizer = load_reward_model(root / REWARD_MODEL)
+        model, tokenizer = load_reward_model(root / REWARD_MODEL, policy)
         return lambda texts: reward_scores(model, tokenizer, texts, spec.batch_size)
     if spec.source == "pipeline":
         try:
@@ -69,6 +71,20 @@ def build_scorer(params: Params, root: Path) -> Callable[[list[str]], list[float
         raise StageError(f"{where} is not an importable 'module:function' ({module_name} has no function "
                          f"'{attr}')")
     return fn  # its output is checked by `scored`
+
+
+def reward_adapter(params: Params, root: Path, seq2seq: bool) -> Path | None:
+    """The reward stage's LoRA adapter (with its score head) when the ppo stage scores with it on the policy's own base
+    weights, one copy of them for policy, reference and reward model: with `model.lora`, the trained reward model as
+    `scorer.source` and a causal LM (ppo_core loads reward adapters into those only). None: the reward model is loaded
+    on its own (merged, a second copy of the base weights)."""
+    if params.model.lora is None or params.scorer.source != "reward_model" or seq2seq:
+        return None
+    path = root / REWARD_ADAPTER
+    if not (path / "adapter_config.json").is_file():
+        raise StageError(f"{path}: no reward adapter (the reward stage saves one with model.lora set); rerun the "
+                         "reward stage with the same model.lora (`dvc repro -f reward`)")
+    return path
 
 
 def raised_at(err: BaseException) -> str:
