@@ -118,6 +118,28 @@ def test_ppo_is_deterministic_on_cpu(tiny_run, tiny_params, tmp_path):
         assert (root / rel).read_bytes() == (tiny_run / rel).read_bytes(), rel
 
 
+def test_ppo_with_a_group_estimator_samples_each_prompt_g_times_within_the_same_budget(tiny_run, tiny_params,
+                                                                                        tmp_path):
+    """`-S ppo.advantage_estimator=grpo -S ppo.num_generations=4` and nothing else: the same rollouts in all
+    (ppo.steps), from steps / 4 distinct prompts, each sampled 4 times in a row within its step; no critic stats."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "ppo", "eval", "report", "logs"))
+    shutil.rmtree(root / PPO_MODEL, ignore_errors=True)
+    group = 4
+    params = dataclasses.replace(tiny_params, ppo={**tiny_params.ppo, "advantage_estimator": "grpo",
+                                                   "num_generations": group})
+    ppo.run(params, root)
+    rollouts = pd.read_parquet(root / PPO_ROLLOUTS)
+    assert len(rollouts) == tiny_params.ppo["steps"]
+    blocks = rollouts["query"].groupby(rollouts.index // group)
+    assert (blocks.nunique() == 1).all() and rollouts["query"].nunique() == len(rollouts) // group
+    assert (rollouts.groupby("step").size() == tiny_params.ppo["batch_size"]).all()
+    stats = pd.read_parquet(root / PPO_STATS)
+    assert not [c for c in stats.columns if c.startswith(("ppo/val/", "ppo/returns/")) or c == "ppo/loss/value"]
+    assert {"ppo/loss/policy", "objective/kl"} <= set(stats.columns)
+    assert pd.read_csv(root / PPO_CURVES)["loss_value"].isna().all()  # no critic: nothing to draw
+
+
 def test_evaluate_metrics_are_those_of_its_samples(tiny_run, tiny_params):
     """metrics.json summarises samples.parquet: each policy's means, and the win rate over the same prompts."""
     metrics = json.loads((tiny_run / EVAL_METRICS).read_text())
