@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -66,7 +65,7 @@ def _hidden_size(config) -> int:
                      "pass a model whose config has hidden_size.")
 
 
-class PreTrainedModelWrapper(nn.Module):
+class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
     """A transformers LM, optionally inside a PEFT adapter, plus a scalar value head (legacy TRL's base class).
 
     The shared half of :class:`AutoModelForCausalLMWithValueHead` and
@@ -108,7 +107,7 @@ class PreTrainedModelWrapper(nn.Module):
         self._init_weights(v_head_initializer_range=v_head_initializer_range, v_head_init_strategy=v_head_init_strategy)
         self.is_sequential_parallel = False
         self.supports_rm_adapter = False
-        self.register_load_state_dict_pre_hook(_module_keys)  # legacy keys, also when a wrapper (DDP) loads it
+        self.register_load_state_dict_pre_hook(weights.module_keys)  # legacy keys, also when DDP/DeepSpeed load
 
     def _init_weights(self, v_head_initializer_range: float = 0.2, v_head_init_strategy: str | None = None) -> None:
         """The value head's initialisation: torch's default (``None``), or ``"normal"``: weight ~ N(0,
@@ -189,35 +188,6 @@ class PreTrainedModelWrapper(nn.Module):
         state = {f"v_head.{k}": v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
         save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
 
-    def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload what :meth:`save_pretrained` writes (the model and its value head, as legacy TRL pushed them) to the
-        hub repository ``repo_id`` (``ppo_core.weights.push_saved`` says where each kwarg goes)."""
-        return weights.push_saved(self.save_pretrained, repo_id, **kwargs)
-
-    def post_init(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load the value head from the ``v_head.*`` entries of ``state_dict`` (the others are ignored), as legacy
-        TRL's ``from_pretrained`` did with a checkpoint's weights."""
-        head = {k[len(weights.HEAD):]: v for k, v in state_dict.items() if k.startswith(weights.HEAD)}
-        self.v_head.load_state_dict(head, strict=False)
-
-    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The wrapped model's state dict under its own keys (``AutoModelForCausalLM``'s, or for a PEFT policy the
-        ``PeftModel``'s: base weights and adapter) plus the value head's as ``v_head.*``, as legacy TRL gave it
-        (without ``nn.Module``'s ``pretrained_model.`` prefix). :meth:`load_state_dict` takes it, or the prefixed
-        keys."""
-        own = super().state_dict(prefix=prefix, keep_vars=keep_vars)
-        return weights.unprefixed(own, prefix, into=destination)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict`` of a :meth:`state_dict`, of a legacy TRL one (the same keys), of the wrapped
-        model's own (``strict=False`` then: no ``v_head.*``) or of one with ``pretrained_model.``-prefixed keys."""
-        metadata = getattr(state_dict, "_metadata", None)
-        state_dict = OrderedDict(state_dict)
-        weights.prefixed(state_dict)
-        if metadata is not None:
-            state_dict._metadata = weights.prefixed_metadata(metadata)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
     # ---- model API -------------------------------------------------------------------------------
     @property
     def transformers_model(self) -> PreTrainedModel:
@@ -241,6 +211,17 @@ class PreTrainedModelWrapper(nn.Module):
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable(**kwargs)
         model.enable_input_require_grads()
+
+    def gradient_checkpointing_disable(self):
+        model = self.transformers_model
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+    def enable_input_require_grads(self):
+        self.transformers_model.enable_input_require_grads()
+
+    def _has_lm_head(self) -> bool:
+        """Whether the wrapped model has an output projection (legacy: a module named in ``lm_head_namings``)."""
+        return self.transformers_model.get_output_embeddings() is not None
 
     def lm_head(self) -> LMHead:
         """The output projection and the logit transforms this architecture applies after it."""
@@ -407,12 +388,6 @@ def _decoder_output_scale(config) -> float:
     if flag is None and config.model_type in ("umt5", "switch_transformers"):
         flag = config.tie_word_embeddings
     return float(config.d_model) ** -0.5 if flag else 1.0
-
-
-def _module_keys(module, state_dict, prefix, *_) -> None:
-    """Load-state-dict pre-hook of the value-head models: the legacy keys under ``prefix`` as ``nn.Module`` names
-    them (``weights.prefixed``); it runs too when a wrapper (DDP, DeepSpeed) loads its own state dict."""
-    weights.prefixed(state_dict, prefix)
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -4,9 +4,10 @@ head is saved, and pushing what ``save_pretrained`` writes.
 * **Loading kwargs** (:func:`loading_kwargs`): float32 master weights unless the caller asks for a dtype (``dtype``,
   or legacy TRL's ``torch_dtype``); quantised loading (``load_in_8bit``, ``load_in_4bit``, ``quantization_config``)
   is refused with one error saying what to do instead.
-* **State-dict keys** (:func:`unprefixed`, :func:`prefixed`): legacy TRL's ``state_dict`` held the wrapped
-  transformers model's own keys plus ``v_head.*``, where ``nn.Module`` would put ``pretrained_model.`` before the
-  model's. The value-head models give the legacy keys and load either form.
+* **State-dict keys** (:class:`LegacyStateDict`, mixed into the value-head models; :func:`unprefixed`,
+  :func:`prefixed`): legacy TRL's ``state_dict`` held the wrapped transformers model's own keys plus ``v_head.*``,
+  where ``nn.Module`` would put ``pretrained_model.`` before the model's. The value-head models give the legacy keys
+  and load either form.
 * **The value head on disk** (:data:`VALUE_HEAD_FILE`, :func:`load_value_head_state`): ours beside the model's
   weights, legacy TRL's inside them.
 """
@@ -95,6 +96,46 @@ def prefixed(state: dict, prefix: str = "") -> None:
 def prefixed_metadata(metadata: Mapping[str, Any]) -> OrderedDict:
     """The ``_metadata`` of a state dict for :func:`prefixed` (at the root): module names renamed as its keys are."""
     return OrderedDict((_add_inner(name + ".")[:-1] if name else INNER[:-1], value) for name, value in metadata.items())
+
+
+def module_keys(module, state_dict: dict, prefix: str, *_) -> None:
+    """Load-state-dict pre-hook of the value-head models: their keys under ``prefix`` as ``nn.Module`` names them
+    (:func:`prefixed`). It runs too when a wrapper (DDP, a DeepSpeed engine) loads its own state dict."""
+    prefixed(state_dict, prefix)
+
+
+class LegacyStateDict:
+    """Mixed into the value-head models (before ``nn.Module``): legacy TRL's ``state_dict`` keys, the loading of
+    either form, ``post_init`` and ``push_to_hub``. Reads ``v_head`` and ``save_pretrained``."""
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The wrapped model's state dict under its own keys (``AutoModelForCausalLM``'s, or for a PEFT policy the
+        ``PeftModel``'s: base weights and adapter) plus the value head's as ``v_head.*``, as legacy TRL gave it
+        (without ``nn.Module``'s ``pretrained_model.`` prefix). :meth:`load_state_dict` takes it, or the prefixed
+        keys."""
+        own = super().state_dict(prefix=prefix, keep_vars=keep_vars)
+        return unprefixed(own, prefix, into=destination)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` of a :meth:`state_dict`, of a legacy TRL one (the same keys), of the wrapped
+        model's own (``strict=False`` then: no ``v_head.*``) or of one with ``pretrained_model.``-prefixed keys."""
+        metadata = getattr(state_dict, "_metadata", None)
+        state_dict = OrderedDict(state_dict)
+        prefixed(state_dict)
+        if metadata is not None:
+            state_dict._metadata = prefixed_metadata(metadata)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def post_init(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load the value head from the ``v_head.*`` entries of ``state_dict`` (the others are ignored), as legacy
+        TRL's ``from_pretrained`` did with a checkpoint's weights."""
+        self.v_head.load_state_dict({k[len(HEAD):]: v for k, v in state_dict.items() if k.startswith(HEAD)},
+                                    strict=False)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Upload what ``save_pretrained`` writes (the model and its value head, as legacy TRL pushed them) to the
+        hub repository ``repo_id`` (:func:`push_saved` says where each kwarg goes)."""
+        return push_saved(self.save_pretrained, repo_id, **kwargs)
 
 
 # ---- the value head on disk --------------------------------------------------------------------------------------

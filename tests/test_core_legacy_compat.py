@@ -412,8 +412,15 @@ def test_every_legacy_method_is_there():
     assert [name for name in legacy if not callable(getattr(PPOTrainer, name, None))] == []
     for cls in (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead):
         names = ["from_pretrained", "save_pretrained", "push_to_hub", "state_dict", "post_init", "forward",
-                 "generate", "_init_weights"]
+                 "generate", "_init_weights", "_has_lm_head", "gradient_checkpointing_enable",
+                 "gradient_checkpointing_disable", "enable_input_require_grads"]
         assert [name for name in names if not callable(getattr(cls, name, None))] == [], cls
+    model = tiny_value_model("gpt2")
+    assert model._has_lm_head()
+    model.gradient_checkpointing_enable()
+    assert model.pretrained_model.is_activation_checkpointing
+    model.gradient_checkpointing_disable()
+    assert not model.pretrained_model.is_activation_checkpointing
 
 
 def test_prefixed_state_dict_metadata_survives_a_round_trip():
