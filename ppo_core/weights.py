@@ -43,11 +43,11 @@ def loading_kwargs(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs.setdefault("dtype", torch.float32)
     asked = [name for name in QUANTISED_LOADING if kwargs.get(name) not in (None, False)]
     if asked:
-        raise ValueError(f"{owner}.from_pretrained: {', '.join(asked)}: quantised (bitsandbytes 8-/4-bit) policies are "
-                         "not supported (ppo_core trains and scores the model's own weights; bitsandbytes also needs a "
-                         "CUDA GPU). Load the model unquantised, in bf16 to halve its memory (dtype=torch.bfloat16), "
-                         "and train a LoRA adapter (peft_config=LoraConfig(...)): the reference is then the same "
-                         "weights with the adapter disabled, held once.")
+        raise ValueError(f"{owner}.from_pretrained: {', '.join(asked)}: quantised policies are not supported "
+                         "(ppo_core trains and scores the model's own weights; bitsandbytes' 8- and 4-bit loading also "
+                         "needs a CUDA GPU). Load the model unquantised, in bf16 to halve its memory "
+                         "(dtype=torch.bfloat16), and train a LoRA adapter (peft_config=LoraConfig(...)): the "
+                         "reference is then the same weights with the adapter disabled, held once.")
     for name in QUANTISED_LOADING:  # load_in_8bit=False and the like: transformers 5 no longer takes them
         kwargs.pop(name, None)
     return kwargs
@@ -134,8 +134,11 @@ class LegacyStateDict:
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload what ``save_pretrained`` writes (the model and its value head, as legacy TRL pushed them) to the
-        hub repository ``repo_id`` (:func:`push_saved` says where each kwarg goes)."""
-        return push_saved(self.save_pretrained, repo_id, **kwargs)
+        hub repository ``repo_id``: ``max_shard_size``, ``safe_serialization`` and ``merge_adapter`` go to
+        ``save_pretrained``, the rest as :func:`push_saved` says."""
+        saving = {k: kwargs.pop(k) for k in ("max_shard_size", "safe_serialization", "merge_adapter") if k in kwargs}
+        kwargs.pop("use_temp_dir", None)  # transformers' option: a temporary directory is what is uploaded anyway
+        return push_saved(lambda directory: self.save_pretrained(directory, **saving), repo_id, **kwargs)
 
 
 # ---- the value head on disk --------------------------------------------------------------------------------------

@@ -253,6 +253,8 @@ def test_model_push_to_hub_uploads_the_value_head_too(monkeypatch):
     (repo, files, kwargs), = uploads
     assert repo == "me/policy" and kwargs == {"commit_message": "ppo"}
     assert {"config.json", "model.safetensors", "value_head.safetensors"} <= set(files)
+    tiny_value_model("gpt2").push_to_hub("me/sharded", max_shard_size="20KB")  # a save_pretrained option
+    assert "model.safetensors.index.json" in uploads[1][1] and uploads[1][2] == {}
 
 
 # ---- 6. quantised loading, adapters ------------------------------------------------------------------------------
