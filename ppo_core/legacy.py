@@ -1,34 +1,42 @@
-"""TRL 0.11's ``PPOTrainer`` API beyond the loop, kept thin: the methods its users call that ``step`` does not need,
-and the legacy-named entry points to the statistics (``record_step_stats``, ``gather_stats``, ``log_stats``).
+"""TRL 0.11's ``PPOTrainer`` API beyond the loop, kept thin: the methods its users call that ``step`` does not need
+(each over the functions ``step`` uses), and the legacy-named entry points to the statistics (``record_step_stats``,
+``gather_stats``, ``log_stats``).
 
 :class:`LegacyMethods` is mixed into :class:`~ppo_core.trainer.PPOTrainer` and reads its attributes (``config``,
 ``accelerator``, ``model``, ``kl_ctl``, ...). Beside it, what the legacy constructor starts from: the checks of its
-arguments, the data collator of ``prepare_dataloader`` and the default Adam optimizer.
+arguments, the data collator of ``prepare_dataloader`` and the default Adam optimizer. The legacy methods ppo_core
+does not keep, and why, are listed in the README ("What differs from TRL 0.11").
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from transformers import PreTrainedTokenizerBase
 
 from .config import PPOConfig
 from .distributed import quiet_deepspeed_collectives
+from .generation import generate_batched
 from .modeling import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
-from .ppo_math import kl_penalty, shape_rewards
+from .ppo_math import full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
+from .precision import floating_dtype, with_tf32
+from .reference import placed_reference
 from .rollout import build_response_masks, checked_step_inputs, policy_outputs
 from .stats import mean_over_processes, reward_stats, step_stats
-from .zero import gathered
+from .weights import push_saved
+from .zero import gathered, gathered_for_generation
 
 
-def check_arguments(config, model, ref_model, tokenizer) -> None:
-    """Raise a ValueError saying what to pass instead, for a constructor argument ``PPOTrainer`` cannot use."""
+def check_arguments(config, model, ref_model, tokenizer, training_data_collator=None) -> None:
+    """Raise a ValueError saying what to pass instead, for a constructor argument ``PPOTrainer`` cannot use; warn
+    that a ``training_data_collator`` is not used."""
     if not isinstance(config, PPOConfig):
         raise ValueError(f"PPOTrainer: config must be a PPOConfig, got {type(config).__name__}.")
     if not isinstance(model, PreTrainedModelWrapper):
@@ -40,6 +48,9 @@ def check_arguments(config, model, ref_model, tokenizer) -> None:
                          "(or, for a PEFT policy, the adapter-disabled model).")
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise ValueError("PPOTrainer: tokenizer must be a transformers PreTrainedTokenizerBase.")
+    if training_data_collator is not None:
+        warnings.warn("PPOTrainer: training_data_collator is not used: the trainer pads the queries and responses "
+                      "of each step itself (each sequence right-padded with the tokenizer's pad token).", stacklevel=3)
 
 
 def repeated(collate: Callable, times: int) -> Callable:
@@ -49,9 +60,25 @@ def repeated(collate: Callable, times: int) -> Callable:
     return lambda rows: collate([row for row in rows for _ in range(times)])
 
 
-def ragged_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """``[{k: v}, ...] -> {k: [v, ...]}``: keeps variable-length queries as a list of tensors."""
-    return {key: [row[key] for row in rows] for key in rows[0]}
+def default_collator(rows: list[Any]) -> Any:
+    """The collation without a ``data_collator`` (legacy: ``collate_fn=None``, torch's default collation).
+
+    Rows of tuples of tensors, tensors, numbers...: as torch's default collation batches them, e.g. a dataset of
+    ``(query, response)`` tensor pairs gives ``(queries (B, Lq), responses (B, Lr))``. Dict rows (a ``datasets``
+    dataset): ``{k: v} -> {k: [v, ...]}``, each column a list of the rows' values, so that variable-length queries stay
+    a list of 1-D tensors (torch's collation raises on them), in every batch whatever lengths it happens to hold; a
+    column of token-id lists (``datasets`` without ``set_format("torch")``) gives 1-D LongTensors.
+    """
+    if isinstance(rows[0], Mapping):
+        return {key: [_token_ids(row[key]) for row in rows] for key in rows[0]}
+    return default_collate(rows)
+
+
+def _token_ids(value: Any) -> Any:
+    """A list of ints as a 1-D LongTensor; anything else as it is."""
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return torch.tensor(value, dtype=torch.long)
+    return value
 
 
 def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -77,15 +104,76 @@ class LegacyMethods:
         generator = torch.Generator().manual_seed(self.config.seed)
         size = self.config.num_generations  # batch_size / G prompts, each G times in a row: step's groups
         return DataLoader(dataset, batch_size=self.config.batch_size // size,
-                          collate_fn=repeated(data_collator or ragged_collator, size), shuffle=True, drop_last=True,
+                          collate_fn=repeated(data_collator or default_collator, size), shuffle=True, drop_last=True,
                           generator=generator)
 
+    def _initial_dataloader(self, dataset, data_collator) -> DataLoader | None:
+        """The constructor's ``dataloader``: over ``dataset``, or None, with legacy's warning that ``batch_size`` must
+        then be what the loop passes to ``step``."""
+        if dataset is not None:
+            return self.prepare_dataloader(dataset, data_collator)
+        message = ("PPOTrainer: no dataset is provided, so trainer.dataloader is None. Make sure to set "
+                   f"config.batch_size (now {self.config.batch_size}) to the correct value before training: step() "
+                   "takes that many queries, responses and scores per call")
+        if self.accelerator.num_processes > 1:
+            message += (f" on each of the {self.accelerator.num_processes} processes (give each its own share of the "
+                        "data, e.g. with trainer.accelerator.prepare(your_dataloader))")
+        warnings.warn(message + ".", UserWarning, stacklevel=3)
+        return None
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """``_signature_columns``: the dataset columns ``prepare_dataloader`` keeps (the value-head model's forward
+        arguments, plus ``label``, ``query`` and ``response`` for logging)."""
+        if getattr(self, "_signature_columns", None) is None:
+            keep = list(inspect.signature(AutoModelForCausalLMWithValueHead.forward).parameters)  # before prepare
+            self._signature_columns = keep + ["label", "query", "response", "input_ids", "attention_mask"]
+
     def _remove_unused_columns(self, dataset):
-        # Called before the model is prepared: the columns the value-head model's forward takes.
-        keep = set(inspect.signature(AutoModelForCausalLMWithValueHead.forward).parameters)
-        keep |= {"label", "query", "response", "input_ids", "attention_mask"}
-        drop = [c for c in dataset.column_names if c not in keep]
+        self._set_signature_columns_if_needed()
+        drop = [c for c in dataset.column_names if c not in self._signature_columns]
         return dataset.remove_columns(drop) if drop else dataset
+
+    @staticmethod
+    def _filter_kwargs(kwargs: dict[str, Any], target_func: Callable) -> dict[str, Any]:
+        """The entries of ``kwargs`` that ``target_func`` takes by name."""
+        return {k: v for k, v in kwargs.items() if k in inspect.signature(target_func).parameters}
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(self.config.is_encoder_decoder)
+
+    @property
+    def is_peft_model(self) -> bool:
+        return bool(self.config.is_peft_model)
+
+    @property
+    def optional_peft_ctx(self) -> Callable[[], contextlib.AbstractContextManager]:
+        """Legacy: a context factory under which the policy is its reference: ``disable_adapter`` of a PEFT policy
+        (``nullcontext`` otherwise)."""
+        if not self.is_peft_model:
+            return contextlib.nullcontext
+        return self.accelerator.unwrap_model(self.model).pretrained_model.disable_adapter
+
+    @quiet_deepspeed_collectives
+    @with_tf32
+    def _generate_batched(self, model, query_tensors, length_sampler: Callable[[], int] | None = None,
+                          batch_size: int = 4, return_prompt: bool = True, pad_to_multiple_of: int | None = None,
+                          remove_padding: bool = True, **generation_kwargs):
+        """What ``generate`` runs for ``model`` (the policy, or the reference: ``self.model`` or ``self.ref_model``):
+        ``batch_size`` queries at a time, each response cut after its first EOS (see ``generate``).
+
+        ``pad_to_multiple_of`` only widened legacy's padding, which is stripped from the outputs: it changes nothing
+        here. ``remove_padding=False`` (legacy: keep what ``generate`` gave after the EOS) is refused.
+        """
+        if not remove_padding:
+            raise ValueError("_generate_batched: remove_padding=False is not supported: each response is cut after "
+                             "its first EOS (the EOS kept) and holds no padding; leave remove_padding=True.")
+        model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
+        # under ZeRO-3: the weights gathered once for the whole call, not per layer and token
+        with gathered_for_generation(model), self.accelerator.autocast():
+            return generate_batched(self.accelerator.unwrap_model(model).pretrained_model, self.tokenizer,
+                                    query_tensors, self.current_device, length_sampler, batch_size, return_prompt,
+                                    generation_kwargs, self.config.is_encoder_decoder)
 
     def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
         """Validate lengths, types and shapes; return device tensors (scores as one ``(B,)`` tensor)."""
@@ -123,9 +211,34 @@ class LegacyMethods:
         return out.logprobs, logits, out.values, build_response_masks(response_masks, inputs)
 
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
-        """``(rewards, non_score_rewards, kls)``, each ``(B, R)`` (``kl_penalty`` ``full`` needs ``step``)."""
-        mode = "kl" if self.config.kl_penalty == "full" else self.config.kl_penalty
-        return tuple(shape_rewards(scores, kl_penalty(logprobs, ref_logprobs, mode), masks, self.kl_ctl.value))
+        """``(rewards, non_score_rewards, kls)``, each ``(B, R)``, zero at masked positions: the per-token KL penalty
+        times ``-kl_ctl.value``, plus each ``(B,)`` score on the last valid token. With ``kl_penalty="full"``
+        ``logprobs`` and ``ref_logprobs`` are the whole log-softmax distributions ``(B, R, V)``, as legacy passed."""
+        if self.config.kl_penalty == "full" and logprobs.dim() != masks.dim() + 1:
+            raise ValueError(f"compute_rewards: kl_penalty='full' needs the whole log-probability distributions, "
+                             f"(B, R, V) (log_softmax of the logits), got shape {tuple(logprobs.shape)}.")
+        return tuple(shape_rewards(scores, self._kl_penalty(logprobs, ref_logprobs), masks, self.kl_ctl.value))
+
+    def _kl_penalty(self, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+        """The per-token KL penalty of ``config.kl_penalty``: ``kl``, ``abs``, ``mse`` from the sampled tokens'
+        log-probabilities (``(B, R)`` -> ``(B, R)``), ``full`` from the whole distributions (``(B, R, V)`` ->
+        ``(B, R)``); see ``ppo_math.kl_penalty`` and ``ppo_math.full_kl_penalty``."""
+        if self.config.kl_penalty == "full":
+            return full_kl_penalty(logprob, ref_logprob)
+        return kl_penalty(logprob, ref_logprob, self.config.kl_penalty)
+
+    def compute_advantages(self, values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor):
+        """Legacy: GAE over ``(B, R)`` ``values`` and ``rewards`` with ``config.gamma`` and ``config.lam`` (rewards
+        whitened first with ``config.whiten_rewards``) -> ``(values * mask, advantages, returns)``.
+
+        ``returns = A + values``; the advantages are whitened over the mask and detached, as legacy's; they are zero
+        at masked positions and, under N processes, whitened over every process's tokens, as ``step`` does (legacy
+        left padding in the whitened advantages and whitened per process). See ``ppo_math.gae_advantages``.
+        """
+        cfg = self.config
+        out = gae_advantages(values, rewards, mask, cfg.gamma, cfg.lam, cfg.whiten_rewards,
+                             sum_across=self._group.sum_across)
+        return values * mask.to(values.dtype), out.advantages, out.returns
 
     def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
         """The legacy stats dict of one step (see :func:`ppo_core.stats.step_stats`), from ``step``'s tensors:
@@ -158,16 +271,51 @@ class LegacyMethods:
         return logs
 
     def _push_to_hub_if_best(self, scores: torch.Tensor) -> None:
-        """``push_to_hub_if_best_kwargs``: every ``compare_steps`` logged steps, push the policy when the mean score
-        (``(B,)`` per process, all processes) is the best so far."""
+        """``push_to_hub_if_best_kwargs``: every ``compare_steps`` logged steps, ``push_to_hub(**kwargs)`` when the mean
+        score (``(B,)`` per process, all processes) is the best so far."""
         kwargs = self.config.push_to_hub_if_best_kwargs
         if not kwargs or self.current_step % self.config.compare_steps:
             return
         mean = self._group.gather(scores).mean().item()
         if mean > self._best_score:
             self._best_score = mean
+            self.push_to_hub(**kwargs)
+
+    def _save_pretrained(self, save_directory: str) -> None:
+        """Legacy: the policy (``save_pretrained``: the model and its value head), the tokenizer and a model card in
+        ``save_directory``. Every process calls it (under ZeRO-3 the weights are gathered from all); the main process
+        writes."""
+        with self.whole_policy() as model:
             if self.accelerator.is_main_process:
-                self.accelerator.unwrap_model(self.model).push_to_hub(**kwargs)
+                model.save_pretrained(save_directory)
+                self.tokenizer.save_pretrained(save_directory)
+                self.create_model_card(save_directory)
+        self.accelerator.wait_for_everyone()
+
+    def save_pretrained(self, save_directory: str, push_to_hub: bool = False, repo_id: str | None = None,
+                        **push_to_hub_kwargs) -> None:
+        """Legacy (``PyTorchModelHubMixin``): :meth:`_save_pretrained` into ``save_directory``, then with
+        ``push_to_hub=True`` :meth:`push_to_hub` to ``repo_id`` (default: the directory's name)."""
+        os.makedirs(save_directory, exist_ok=True)
+        self._save_pretrained(save_directory)
+        if push_to_hub:
+            self.push_to_hub(repo_id or os.path.basename(os.path.abspath(save_directory)), **push_to_hub_kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Legacy (``PyTorchModelHubMixin``): upload what :meth:`_save_pretrained` writes to the hub repository
+        ``repo_id`` (``ppo_core.weights.push_saved`` says where each kwarg goes). Every process calls it; the main
+        process uploads."""
+        return push_saved(self._save_pretrained, repo_id, upload=self.accelerator.is_main_process, **kwargs)
+
+    def _prepare_deepspeed(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Legacy: a frozen ``model`` (e.g. a reward model) placed for inference as the reference is: under ZeRO-3
+        sharded as the policy (a DeepSpeed engine without optimizer, to call like the model), else whole on this
+        process's device, in the policy's dtype under DeepSpeed; in eval mode."""
+        placed = placed_reference(model, self.accelerator, self._zero3,
+                                  floating_dtype(self.model) if self.is_deepspeed else None)
+        if not self._zero3:
+            placed.eval()  # a ZeRO-3 engine is in eval mode already
+        return placed
 
     def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
         """Write a short model card (``README.md``) into ``path``."""

@@ -14,7 +14,6 @@ registered (``lm_head_parameters()``, see ``ppo_core.zero``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import NamedTuple
@@ -23,13 +22,14 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
-from . import adapters, reward_adapter
+from . import adapters, reward_adapter, weights
 from .logprobs import LMHead, selected_logprobs, selected_logprobs_and_entropy
+from .weights import VALUE_HEAD_FILE
 
 logger = logging.getLogger(__name__)
 
-VALUE_HEAD_FILE = "value_head.safetensors"
 _VALUE_HEAD_KWARGS = ("summary_dropout_prob", "v_head_initializer_range", "v_head_init_strategy")
+_FROM_CONFIG = object()  # summary_dropout_prob not given: the wrapped model's config.summary_dropout_prob, else 0.1
 
 
 class ValueHead(nn.Module):
@@ -65,7 +65,7 @@ def _hidden_size(config) -> int:
                      "pass a model whose config has hidden_size.")
 
 
-class PreTrainedModelWrapper(nn.Module):
+class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
     """A transformers LM, optionally inside a PEFT adapter, plus a scalar value head (legacy TRL's base class).
 
     The shared half of :class:`AutoModelForCausalLMWithValueHead` and
@@ -75,11 +75,15 @@ class PreTrainedModelWrapper(nn.Module):
     """
 
     transformers_parent_class = None  # the transformers Auto class that loads the LM
+    lm_head_namings = ["lm_head", "embed_out"]  # legacy TRL's names of an LM head (ppo_core asks the model for it)
+    supported_args = _VALUE_HEAD_KWARGS  # the from_pretrained kwargs that go to the value head
+    supported_modules = ("v_head",)  # the modules beside the wrapped model, with their own state-dict keys
     is_encoder_decoder = False
-    supported_args = _VALUE_HEAD_KWARGS
 
-    def __init__(self, pretrained_model: PreTrainedModel, summary_dropout_prob: float | None = 0.1,
+    def __init__(self, pretrained_model: PreTrainedModel, summary_dropout_prob: float | None = _FROM_CONFIG,
                  v_head_initializer_range: float = 0.2, v_head_init_strategy: str | None = None):
+        """``summary_dropout_prob`` (the value head's dropout; None or 0: none), when not given, is the wrapped model's
+        ``config.summary_dropout_prob`` if it has one, else 0.1 (legacy TRL read the config first)."""
         super().__init__()
         name = type(self).__name__
         self.is_peft_model = adapters.is_peft_model(pretrained_model)
@@ -91,16 +95,28 @@ class PreTrainedModelWrapper(nn.Module):
             kind, other = (("not an encoder-decoder", "AutoModelForCausalLMWithValueHead") if self.is_encoder_decoder
                            else ("an encoder-decoder", "AutoModelForSeq2SeqLMWithValueHead"))
             raise ValueError(f"{name}: {type(lm).__name__} is {kind} model; wrap it with {other}.")
+        if lm.get_output_embeddings() is None:
+            raise ValueError(f"{name}: {type(lm).__name__} has no language-model head (a bare transformer body, such "
+                             f"as GPT2Model or model.transformer); pass the model with its head, as "
+                             f"{self.transformers_parent_class.__name__}.from_pretrained loads it.")
         self.pretrained_model = pretrained_model
+        if summary_dropout_prob is _FROM_CONFIG:
+            summary_dropout_prob = getattr(lm.config, "summary_dropout_prob", 0.1)
         self.v_head = ValueHead(_hidden_size(lm.config), summary_dropout_prob)
         self.v_head.to(lm.device)
+        self._init_weights(v_head_initializer_range=v_head_initializer_range, v_head_init_strategy=v_head_init_strategy)
+        self.is_sequential_parallel = False
+        self.supports_rm_adapter = False
+        self.register_load_state_dict_pre_hook(weights.module_keys)  # legacy keys, also when DDP/DeepSpeed load
+
+    def _init_weights(self, v_head_initializer_range: float = 0.2, v_head_init_strategy: str | None = None) -> None:
+        """The value head's initialisation: torch's default (``None``), or ``"normal"``: weight ~ N(0,
+        ``v_head_initializer_range``), bias 0."""
         if v_head_init_strategy == "normal":
             nn.init.normal_(self.v_head.summary.weight, mean=0.0, std=v_head_initializer_range)
             nn.init.zeros_(self.v_head.summary.bias)
         elif v_head_init_strategy is not None:
             raise ValueError(f"v_head_init_strategy must be None or 'normal', got {v_head_init_strategy!r}.")
-        self.is_sequential_parallel = False
-        self.supports_rm_adapter = False
 
     # ---- construction and persistence -------------------------------------------------------------
     @classmethod
@@ -113,7 +129,8 @@ class PreTrainedModelWrapper(nn.Module):
                 ``adapter_config.json``), a ``PreTrainedModel`` or a ``peft.PeftModel``.
             peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig(r=16, lora_alpha=16)``): add a fresh
                 adapter to the loaded model, freezing its base weights (needs ``peft``).
-            is_trainable: whether a loaded adapter is trained (default True; peft's own default is False).
+            is_trainable: whether a loaded adapter is trained (default True; legacy TRL's and peft's default is
+                False, which left PPO training the value head alone); ignored when no adapter is loaded.
             reward_adapter, reward_adapter_name: a PEFT reward model's directory (``task_type="SEQ_CLS"``, trained on
                 the same base), loaded frozen beside the policy's adapter as ``reward_adapter_name`` (default
                 ``"reward_adapter"``) for ``compute_reward_score`` (``ppo_core.reward_adapter``; needs a PEFT policy).
@@ -121,18 +138,14 @@ class PreTrainedModelWrapper(nn.Module):
                 go to the value head; the rest to the transformers ``from_pretrained``. Without a ``dtype`` (or
                 ``torch_dtype``) the weights load in float32: transformers 5 would load them in their saved dtype,
                 and a bf16 checkpoint would then train bf16 weights without a float32 master copy.
+                ``load_in_8bit``, ``load_in_4bit`` and ``quantization_config`` raise a ValueError saying what to do
+                instead (``ppo_core.weights.loading_kwargs``).
         """
         head_kwargs = {k: kwargs.pop(k) for k in _VALUE_HEAD_KWARGS if k in kwargs}
-        if "dtype" not in kwargs and "torch_dtype" not in kwargs:  # float32 master weights, as legacy TRL had
-            kwargs["dtype"] = torch.float32
         peft_config = kwargs.pop("peft_config", None)
         is_trainable = kwargs.pop("is_trainable", True)
         reward = kwargs.pop("reward_adapter", None), kwargs.pop("reward_adapter_name", "reward_adapter")
-        for unsupported in ("load_in_8bit", "load_in_4bit"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(f"{cls.__name__}.from_pretrained: '{unsupported}' is not supported yet "
-                                 "(quantised policies are planned); load the full model.")
-            kwargs.pop(unsupported, None)
+        kwargs = weights.loading_kwargs(cls.__name__, kwargs)  # float32 unless a dtype is given; no quantisation
         source, path = pretrained_model_name_or_path, None
         if isinstance(source, PreTrainedModel) or adapters.is_peft_model(source):
             model = source
@@ -152,7 +165,7 @@ class PreTrainedModelWrapper(nn.Module):
         wrapped = cls(model, **head_kwargs)
         if reward[0] is not None:  # a frozen reward model on the same base weights (ppo_core.reward_adapter)
             reward_adapter.attach(wrapped, *reward)
-        head_state = _load_value_head_state(path) if path is not None else None
+        head_state = weights.load_value_head_state(path) if path is not None else None
         if head_state is not None:
             wrapped.v_head.load_state_dict(head_state)
         elif path is not None:
@@ -177,9 +190,6 @@ class PreTrainedModelWrapper(nn.Module):
         lm.save_pretrained(save_directory, **kwargs)
         state = {f"v_head.{k}": v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
         save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
-
-    def push_to_hub(self, *args, **kwargs):
-        return self.pretrained_model.push_to_hub(*args, **kwargs)
 
     compute_reward_score = reward_adapter.compute_reward_score  # with from_pretrained(..., reward_adapter=DIR)
 
@@ -206,6 +216,17 @@ class PreTrainedModelWrapper(nn.Module):
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable(**kwargs)
         model.enable_input_require_grads()
+
+    def gradient_checkpointing_disable(self):
+        model = self.transformers_model
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+    def enable_input_require_grads(self):
+        self.transformers_model.enable_input_require_grads()
+
+    def _has_lm_head(self) -> bool:
+        """Whether the wrapped model has an output projection (legacy: a module named in ``lm_head_namings``)."""
+        return self.transformers_model.get_output_embeddings() is not None
 
     def lm_head(self) -> LMHead:
         """The output projection and the logit transforms this architecture applies after it."""
@@ -283,8 +304,9 @@ class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
             hidden = self.backbone_hidden_states(input_ids, attention_mask, kwargs.get("position_ids"))
             return hidden, self._values(hidden, hidden.device)
         kwargs["output_hidden_states"] = True
-        out = self.pretrained_model(input_ids=input_ids, past_key_values=past_key_values,
-                                    attention_mask=attention_mask, **kwargs)
+        if past_key_values is not None:  # passed only when given: transformers 5 deprecates the name, even as None
+            kwargs["past_key_values"] = past_key_values
+        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         values = self._values(out.hidden_states[-1], out.logits.device)
         lm_logits = out.logits.float()
         if return_past_key_values:
@@ -318,6 +340,7 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
     """
 
     transformers_parent_class = AutoModelForSeq2SeqLM
+    lm_head_namings = ["lm_head", "embed_out", "output_projection"]
     is_encoder_decoder = True
 
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False, *,
@@ -336,8 +359,9 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
                                                 kwargs.get("decoder_attention_mask"))
             return hidden, self._values(hidden, hidden.device)
         kwargs["output_hidden_states"] = True
-        out = self.pretrained_model(input_ids=input_ids, past_key_values=past_key_values,
-                                    attention_mask=attention_mask, **kwargs)
+        if past_key_values is not None:  # passed only when given: transformers 5 deprecates the name, even as None
+            kwargs["past_key_values"] = past_key_values
+        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         values = self._values(out.decoder_hidden_states[-1], out.logits.device)
         lm_logits = out.logits.float()
         if return_past_key_values:
@@ -369,35 +393,6 @@ def _decoder_output_scale(config) -> float:
     if flag is None and config.model_type in ("umt5", "switch_transformers"):
         flag = config.tie_word_embeddings
     return float(config.d_model) ** -0.5 if flag else 1.0
-
-
-def _load_value_head_state(path: str) -> dict[str, torch.Tensor] | None:
-    """Value head weights saved with a model: ours (``value_head.safetensors``) or TRL's legacy ones
-    (``v_head.*`` keys inside the model's own weights file, possibly sharded). Local directories only."""
-    if not os.path.isdir(path):
-        return None
-    files = [VALUE_HEAD_FILE, "model.safetensors", "pytorch_model.bin"]
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index_file = os.path.join(path, index_name)
-        if os.path.isfile(index_file):
-            with open(index_file) as fh:
-                weight_map = json.load(fh)["weight_map"]
-            files += sorted({shard for key, shard in weight_map.items() if key.startswith("v_head.")})
-    for name in files:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            continue
-        if file.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(file, framework="pt") as fh:
-                state = {k: fh.get_tensor(k) for k in fh.keys() if k.startswith("v_head.")}
-        else:
-            state = {k: v for k, v in torch.load(file, map_location="cpu", weights_only=True).items()
-                     if k.startswith("v_head.")}
-        if state:
-            return {k[len("v_head."):]: v for k, v in state.items()}
-    return None
 
 
 def disable_dropout(model: nn.Module) -> None:

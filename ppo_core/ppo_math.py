@@ -37,6 +37,16 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str) ->
                      "'full' is computed from the distributions by ppo_core.logprobs.full_kl.")
 
 
+def full_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """The ``full`` KL penalty from whole log-probability distributions, ``(B, R, V)`` x2 -> ``(B, R)``.
+
+    # full: KL(p || q) = sum_v p_v (log p_v - log q_v)
+    (legacy's ``F.kl_div(ref_logprobs, logprobs, log_target=True, reduction="none").sum(-1)``). The trainer computes
+    the same from hidden states without the ``(B, R, V)`` tensors: :func:`ppo_core.logprobs.full_kl`.
+    """
+    return (logprobs.exp() * (logprobs - ref_logprobs)).sum(-1)
+
+
 class ShapedRewards(NamedTuple):
     """Per-token rewards, all ``(B, R)``, zero at masked positions."""
 

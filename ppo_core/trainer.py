@@ -71,7 +71,6 @@ from .distributed import (
     tokens_per_process,
 )
 from .estimators import check_prompt_groups
-from .generation import generate_batched
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
 from .legacy import LegacyMethods, check_arguments, default_optimizer
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
@@ -93,7 +92,7 @@ from .rollout import (
 from .stats import minibatch_stats, non_finite_stat
 from .update import Updates, minibatch_decision
 from .utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
-from .zero import configure_engine, gathered, gathered_for_generation, is_zero3
+from .zero import configure_engine, gathered, is_zero3
 
 
 class PPOTrainer(LegacyMethods):
@@ -119,7 +118,7 @@ class PPOTrainer(LegacyMethods):
                  dataset=None, optimizer: torch.optim.Optimizer | None = None, data_collator: Callable | None = None,
                  num_shared_layers: int | None = None, lr_scheduler=None, training_data_collator=None):
         config = config if config is not None else PPOConfig()
-        check_arguments(config, model, ref_model, tokenizer)
+        check_arguments(config, model, ref_model, tokenizer, training_data_collator)
         self.config = config
         set_seed(config.seed)  # legacy behaviour: the trainer seeds the global RNGs (sampling uses them)
 
@@ -158,7 +157,7 @@ class PPOTrainer(LegacyMethods):
         # 3. data, optimiser, KL controller
         self.dataset = dataset
         self.data_collator = data_collator
-        self.dataloader = self.prepare_dataloader(dataset, data_collator) if dataset is not None else None
+        self.dataloader = self._initial_dataloader(dataset, data_collator)  # None without a dataset (warned)
         if optimizer is None:
             optimizer = default_optimizer(model.parameters(), config.learning_rate)
         self.kl_ctl = (AdaptiveKLController(config.init_kl_coef, config.target, config.horizon) if config.adap_kl_ctrl
@@ -189,9 +188,7 @@ class PPOTrainer(LegacyMethods):
                                 config.max_consecutive_overflows, self.is_deepspeed or self.is_distributed)
         self._best_score = -math.inf
 
-    # ---- generation --------------------------------------------------------------------------------
-    @quiet_deepspeed_collectives
-    @with_tf32
+    # ---- generation (the sampling itself: ``_generate_batched``) ------------------------------------
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
                  return_prompt: bool = True, generate_ref_response: bool = False, **generation_kwargs):
         """Sample responses: a 1-D query tensor gives a ``(1, L)`` tensor; a list gives a list of 1-D tensors.
@@ -203,12 +200,8 @@ class PPOTrainer(LegacyMethods):
         policy without ``ref_model``: the adapter-disabled model) and returns both.
         """
         def sample(model):
-            model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
-            # under ZeRO-3: the weights gathered once for the whole call, not per layer and token
-            with gathered_for_generation(model), self.accelerator.autocast():
-                return generate_batched(self.accelerator.unwrap_model(model).pretrained_model, self.tokenizer,
-                                        query_tensor, self.current_device, length_sampler, batch_size, return_prompt,
-                                        generation_kwargs, self.config.is_encoder_decoder)
+            return self._generate_batched(model, query_tensor, length_sampler, batch_size, return_prompt,
+                                          **generation_kwargs)
 
         outputs = sample(self.model)
         if not generate_ref_response:

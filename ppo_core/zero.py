@@ -101,10 +101,11 @@ def configure_engine(accelerator, model: torch.nn.Module, mini_batch_size: int, 
 def register_lm_head(model: torch.nn.Module) -> None:
     """Register the LM-head parameters of a value-head ``model`` as external parameters of ``model``, so that
     ZeRO-3 gathers them for its whole forward and backward (the scoring path reads them outside the head
-    module's own forward). Call it before the model becomes a ZeRO-3 engine."""
+    module's own forward); another model (a reward model placed by ``PPOTrainer._prepare_deepspeed``) has none. Call
+    it before the model becomes a ZeRO-3 engine."""
     import deepspeed
 
-    for param in model.lm_head_parameters():
+    for param in model.lm_head_parameters() if hasattr(model, "lm_head_parameters") else ():  # else: not a policy
         deepspeed.zero.register_external_parameter(model, param)
 
 

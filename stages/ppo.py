@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,7 +64,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
     # before the trainer: under ZeRO-3, models built after it come out sharded
     score = build_scorer(params, root, model if shared is not None else None)
     # reference: a frozen copy of SFT, or with LoRA the same weights with the adapters disabled
-    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
+    with warnings.catch_warnings():  # no dataset, on purpose: the stage batches the prompts itself (query_batches)
+        warnings.filterwarnings("ignore", message="PPOTrainer: no dataset", category=UserWarning)
+        trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process

@@ -17,6 +17,8 @@ Scenarios (each writes ``OUT_DIR/rank{p}.pt``):
   did: whether the LM heads were sharded, and how many module forwards fetched ZeRO-3 parameters while
   generating (none: the weights are gathered once per call) and while stepping; then a step whose second
   mini-batch has an infinite gradient (the error, and the weights before and after);
+* ``deepspeed+resume`` (under a DeepSpeed config): ``"shuffled"`` as above, the checkpoint DeepSpeed's own (the
+  engine saves and loads its module's state dict);
 * ``accumulation`` (one process, with or without DeepSpeed): ``ACCUMULATION``'s steps, where DeepSpeed (not the
   trainer) accumulates gradients over mini-batches, some of them skipped by the ratio threshold;
 * ``reference_dtype`` (one process, under a DeepSpeed config and bf16): the dtypes of the policy's and the
@@ -109,14 +111,17 @@ def run_global(num_processes: int, models: dict | None = None) -> dict:
     return out
 
 
-def run_shuffled(num_processes: int, out_dir: str) -> dict:
+def run_shuffled(num_processes: int, out_dir: str, models: tuple | None = None) -> dict:
+    """A step, a checkpoint and a second step; then a trainer resumed from the checkpoint takes the second step too.
+    ``models``: the two trainers' policies, built beforehand (under ZeRO-3 a model built later comes out sharded)."""
     path = os.path.join(out_dir, "ckpt.pt")
-    trainer = make_trainer(num_processes, mini_batches=2)
+    models = models or (None, None)
+    trainer = make_trainer(num_processes, mini_batches=2, model=models[0])
     seed = trainer._shuffle.initial_seed()
     local_step(trainer, 0)
     trainer.save_checkpoint(path)
     expected = local_step(trainer, 1)
-    resumed = make_trainer(num_processes, mini_batches=2)
+    resumed = make_trainer(num_processes, mini_batches=2, model=models[1])
     resumed.load_checkpoint(path)
     got = local_step(resumed, 1)
     return {"shuffle_seed": seed, "params": params(trainer), "resumed_params": params(resumed),
@@ -226,6 +231,9 @@ def main(out_dir: str, scenario: str) -> None:
         result = {**run_global(num_processes), "shuffled": run_shuffled(num_processes, out_dir)}
     elif scenario == "deepspeed":
         result = run_deepspeed(num_processes)
+    elif scenario == "deepspeed+resume":  # the engine's own checkpoint: its module's (legacy-keyed) state dict
+        models = tuple(tiny_value_model("gpt2", seed=0) for _ in range(2))
+        result = {"shuffled": run_shuffled(num_processes, out_dir, models)}
     elif scenario == "accumulation":
         result = run_accumulation()
     elif scenario == "reference_dtype":

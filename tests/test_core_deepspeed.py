@@ -103,6 +103,20 @@ def test_two_deepspeed_processes_equal_one_process_and_generate_from_gathered_we
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_a_deepspeed_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(config, tmp_path):
+    """DeepSpeed saves and loads its module through the value-head model's ``state_dict``/``load_state_dict``
+    (legacy TRL's keys, no ``pretrained_model.`` prefix): the resumed step equals the uninterrupted one."""
+    code, output, _ = launch_deepspeed(config, "deepspeed+resume", tmp_path)
+    assert code == 0, output[-3000:]
+    for rank in (r["shuffled"] for r in load_ranks(tmp_path)):
+        assert "transformer.wte.weight" in rank["params"] and "v_head.summary.weight" in rank["params"]
+        for key, param in rank["params"].items():
+            assert param.numel() > 0 and torch.equal(param, rank["resumed_params"][key]), key
+        assert_stats_equal(rank["stats"], rank["resumed_stats"])
+
+
+@pytest.mark.slow
 def test_deepspeed_accumulates_and_skips_mini_batches_as_the_trainer_does(tmp_path):
     """Under DeepSpeed the engine accumulates over ``gradient_accumulation_steps`` mini-batches and steps in the
     backward of a window's last one; a window whose last mini-batch the ratio threshold skips must still apply
