@@ -23,7 +23,7 @@ from stages.pipeline import stages
 from stages.runtime import StageError
 
 app = typer.Typer(
-    help="RLHF pipeline stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate. "
+    help="RLHF pipeline stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate -> report. "
     "`dvc repro` runs them in order; each one can also run alone.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
 )
