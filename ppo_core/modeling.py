@@ -77,7 +77,7 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
     transformers_parent_class = None  # the transformers Auto class that loads the LM
     lm_head_namings = ["lm_head", "embed_out"]  # legacy TRL's names of an LM head (ppo_core asks the model for it)
     supported_args = _VALUE_HEAD_KWARGS  # the from_pretrained kwargs that go to the value head
-    supported_modules = ("v_head",)  # the modules beside the wrapped model, with their own state-dict keys
+    supported_modules = ("v_head",)  # legacy TRL's name; the state-dict code asks the model (weights.heads)
     is_encoder_decoder = False
 
     def __init__(self, pretrained_model: PreTrainedModel, summary_dropout_prob: float | None = _FROM_CONFIG,

@@ -63,8 +63,8 @@ def _drop_inner(rest: str) -> str:
     return rest[len(INNER):] if rest.startswith(INNER) else rest
 
 
-def _add_inner(rest: str, heads: tuple[str, ...] = (HEAD,)) -> str:
-    return rest if rest.startswith((INNER, *heads)) else INNER + rest
+def _add_inner(rest: str, own: tuple[str, ...]) -> str:
+    return rest if rest.startswith((INNER, *own)) else INNER + rest
 
 
 def heads(model) -> tuple[str, ...]:
@@ -89,7 +89,7 @@ def unprefixed(state: Mapping[str, Any], prefix: str = "", into: dict | None = N
     return out
 
 
-def prefixed(state: dict, prefix: str = "", own: tuple[str, ...] = (HEAD,)) -> None:
+def prefixed(state: dict, prefix: str, own: tuple[str, ...]) -> None:
     """The inverse of :func:`unprefixed`, in place, on the keys under ``prefix``: a key that is neither the wrapped
     model's (``pretrained_model.``) nor one of the value-head model's ``own`` modules (:func:`heads`: ``v_head.``, ...)
     gets ``pretrained_model.`` after ``prefix``. Either form (or a mix) then loads into the value-head model."""
@@ -99,7 +99,7 @@ def prefixed(state: dict, prefix: str = "", own: tuple[str, ...] = (HEAD,)) -> N
             state[module_key] = state.pop(key)
 
 
-def prefixed_metadata(metadata: Mapping[str, Any], own: tuple[str, ...] = (HEAD,)) -> OrderedDict:
+def prefixed_metadata(metadata: Mapping[str, Any], own: tuple[str, ...]) -> OrderedDict:
     """The ``_metadata`` of a state dict for :func:`prefixed` (at the root): module names renamed as its keys are."""
     return OrderedDict((_add_inner(name + ".", own)[:-1] if name else INNER[:-1], value)
                        for name, value in metadata.items())
@@ -128,7 +128,7 @@ class LegacyStateDict:
         model's own (``strict=False`` then: no ``v_head.*``) or of one with ``pretrained_model.``-prefixed keys."""
         metadata = getattr(state_dict, "_metadata", None)
         state_dict = OrderedDict(state_dict)
-        prefixed(state_dict, own=heads(self))
+        prefixed(state_dict, "", heads(self))
         if metadata is not None:
             state_dict._metadata = prefixed_metadata(metadata, heads(self))
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

@@ -121,11 +121,15 @@ def write_parquet(columns: dict[str, Sequence[Any]], path: Path) -> None:
 
 def sha256_file(path: Path) -> str:
     """The SHA-256 of a file's bytes, in hex."""
-    h = hashlib.sha256()
+    return hash_file(hashlib.sha256(), path).hexdigest()
+
+
+def hash_file(h, path: Path):
+    """Feed a file's bytes to the hash object `h`, a block at a time; returns `h`."""
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest()
+    return h
 
 
 def write_json(obj: Any, path: Path) -> None:

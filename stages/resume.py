@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.artifacts import fresh_dir, write_json
+from stages.artifacts import fresh_dir, hash_file, write_json
 from stages.params import Params
 from stages.pipeline import CODE_ROOT
 from stages.runtime import StageError, note, process_state
@@ -71,9 +71,7 @@ def digest(path: Path, pattern: str = "*") -> str:
     h = hashlib.sha256()
     for file in files:
         h.update(str(file.relative_to(path) if path.is_dir() else file.name).encode() + b"\0")
-        with open(file, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+        hash_file(h, file)
     return h.hexdigest()
 
 
