@@ -24,6 +24,9 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stages.artifacts import policy_means
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 GROUP = 4  # samples per prompt for the estimators that compare samples of one prompt
@@ -78,11 +81,11 @@ def main() -> None:
             seconds = stage("ppo", params, work)
             stage("evaluate", params, work)
             metrics = json.loads((work / "data" / "eval" / "metrics.json").read_text())
+            sft, ppo = policy_means(metrics, "sft"), policy_means(metrics, "ppo")
             runs.append({"estimator": estimator, "G": ESTIMATORS[estimator], "seed": seed, "ppo_seconds": seconds,
-                         **metrics})
-            sft, ppo = metrics["sft"], metrics["ppo"]
-            print(f"seed {seed} {estimator}: gold {sft['gold_mean']:.2f} -> {ppo['gold_mean']:.2f}, RM "
-                  f"{sft['reward_mean']:.2f} -> {ppo['reward_mean']:.2f}, KL {ppo['kl_to_sft']:.2f}, win rate "
+                         "sft": sft, "ppo": ppo, "win_rate": metrics["win_rate"]})
+            print(f"seed {seed} {estimator}: gold {sft['gold']:.2f} -> {ppo['gold']:.2f}, RM "
+                  f"{sft['reward']:.2f} -> {ppo['reward']:.2f}, KL {ppo['kl']:.2f}, win rate "
                   f"{metrics['win_rate']:.3f} [{seconds:.0f} s]", flush=True)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -100,11 +103,11 @@ def table(runs: list[dict], estimators: list[str]) -> str:
         rows = [r for r in runs if r["estimator"] == estimator]
         if not rows:
             continue
-        sft_rm, rm = mean(r["sft"]["reward_mean"] for r in rows), mean(r["ppo"]["reward_mean"] for r in rows)
-        sft_gold, gold = mean(r["sft"]["gold_mean"] for r in rows), mean(r["ppo"]["gold_mean"] for r in rows)
-        gains = " / ".join(f"{r['ppo']['gold_mean'] - r['sft']['gold_mean']:+.2f}" for r in rows)
+        sft_rm, rm = mean(r["sft"]["reward"] for r in rows), mean(r["ppo"]["reward"] for r in rows)
+        sft_gold, gold = mean(r["sft"]["gold"] for r in rows), mean(r["ppo"]["gold"] for r in rows)
+        gains = " / ".join(f"{r['ppo']['gold'] - r['sft']['gold']:+.2f}" for r in rows)
         lines.append(f"| `{estimator}` | {rows[0]['G']} | {sft_rm:.2f} → {rm:.2f} | {sft_gold:.2f} → {gold:.2f} | "
-                     f"{gains} | {mean(r['ppo']['kl_to_sft'] for r in rows):.2f} | "
+                     f"{gains} | {mean(r['ppo']['kl'] for r in rows):.2f} | "
                      f"{mean(r['win_rate'] for r in rows):.3f} | {mean(r['ppo_seconds'] for r in rows):.0f} |")
     return "\n".join(lines)
 

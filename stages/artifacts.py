@@ -132,10 +132,11 @@ def hash_file(h, path: Path):
     return h
 
 
-def write_json(obj: Any, path: Path) -> None:
-    """Write JSON (sorted keys, indented, trailing newline), atomically."""
+def write_json(obj: Any, path: Path, sort_keys: bool = True) -> None:
+    """Write JSON (indented, trailing newline; keys sorted unless the caller's order matters: it is the column order
+    of `dvc metrics show` and `dvc exp show`), atomically."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str] | None = None) -> None:
@@ -174,6 +175,19 @@ def read_table(path: Path, columns: Sequence[str]):
     except (pa.ArrowException, OSError) as err:  # empty, truncated or not Parquet at all
         raise StageError(f"{path}: not a readable Parquet file ({reason(err)}); rerun the stage that writes it "
                          f"(`dvc repro -f {writer_of(path)}`, or `dvc checkout` for the last good one)") from None
+
+
+def evaluation_metrics(ppo: dict[str, float], sft: dict[str, float], win: float) -> dict:
+    """data/eval/metrics.json: the win rate and the PPO policy's means at the top level, in the order a sweep
+    compares them, and the SFT baseline's in ``sft`` (its KL to itself, always 0, left out)."""
+    return {"win_rate": win, **ppo, "sft": {k: v for k, v in sft.items() if k != "kl"}}
+
+
+def policy_means(metrics: dict, policy: str) -> dict[str, float]:
+    """A policy's means from data/eval/metrics.json, keyed alike for both (``kl``: 0 for SFT)."""
+    if policy == "sft":
+        return {**metrics["sft"], "kl": 0.0}
+    return {k: v for k, v in metrics.items() if k not in ("win_rate", "sft")}
 
 
 def check_writable(root: Path, paths: Sequence[Path | str]) -> None:

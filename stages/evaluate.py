@@ -5,6 +5,11 @@ Per policy: mean reward-model score, mean gold score (default synthetic data onl
 Carlo estimate of KL(pi || pi_sft)), and mean response length in tokens. Win rate: the fraction of prompts
 where the RM scores the PPO response above the SFT one (ties count half). Both policies are loaded with plain
 transformers and sampled with the `generation` kwargs of the PPO rollouts.
+
+data/eval/metrics.json puts what a sweep compares at the top, short enough that `dvc exp show --only-changed`
+fits a 100-column terminal, and the SFT baseline (the same in every PPO experiment) in a group:
+``{"win_rate", "gold", "reward", "kl", "length", "sft": {"gold", "reward", "length"}}`` (top level: the PPO
+policy; `gold` only with the synthetic data; the SFT policy's KL to itself, 0, is left out).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from stages.artifacts import (
     REWARD_MODEL,
     SFT_MODEL,
     TOKENIZED_EVAL,
+    evaluation_metrics,
     read_table,
     require_dir,
     write_json,
@@ -64,7 +70,7 @@ def compare_policies(params: Params, root: Path) -> str:
     columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
     if params.data.is_synthetic:
         columns["gold"] = []
-    metrics = {}
+    by_policy = {}
     for name, policy in policies.items():
         response_ids = sample(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
         responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
@@ -81,24 +87,22 @@ def compare_policies(params: Params, root: Path) -> str:
             rows["gold"] = [gold_score(t) for t in texts]
         for key in columns:
             columns[key] += rows[key]
-        metrics[name] = policy_metrics(rows)
+        by_policy[name] = policy_metrics(rows)
     n = len(queries)
-    metrics["win_rate"] = win_rate(columns["score"][n:], columns["score"][:n])
+    wins = win_rate(columns["score"][n:], columns["score"][:n])
+    metrics = evaluation_metrics(by_policy["ppo"], by_policy["sft"], wins)
     write_parquet(columns, root / EVAL_SAMPLES)
-    write_json(metrics, root / EVAL_METRICS)
-    gold = f", gold {metrics['sft']['gold_mean']:.2f} -> {metrics['ppo']['gold_mean']:.2f}" if "gold" in columns else ""
-    return (f"{n} prompts: reward {metrics['sft']['reward_mean']:.2f} (sft) -> "
-            f"{metrics['ppo']['reward_mean']:.2f} (ppo){gold}, win rate {metrics['win_rate']:.2f}, "
-            f"kl {metrics['ppo']['kl_to_sft']:.2f} -> {EVAL_METRICS}")
+    write_json(metrics, root / EVAL_METRICS, sort_keys=False)
+    gold = f", gold {metrics['sft']['gold']:.2f} -> {metrics['gold']:.2f}" if "gold" in columns else ""
+    return (f"{n} prompts: reward {metrics['sft']['reward']:.2f} (sft) -> {metrics['reward']:.2f} (ppo){gold}, "
+            f"win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> {EVAL_METRICS}")
 
 
 def policy_metrics(rows: dict[str, list]) -> dict[str, float]:
-    """A policy's means over its samples: RM score, KL to SFT, response length, and gold score where known."""
-    metrics = {"reward_mean": float(np.mean(rows["score"])), "kl_to_sft": float(np.mean(rows["kl_to_sft"])),
-               "response_len_mean": float(np.mean(rows["response_tokens"]))}
-    if "gold" in rows:
-        metrics["gold_mean"] = float(np.mean(rows["gold"]))
-    return metrics
+    """A policy's means over its samples: gold score where known, RM score, KL to SFT and response length."""
+    metrics = {"gold": float(np.mean(rows["gold"]))} if "gold" in rows else {}
+    return metrics | {"reward": float(np.mean(rows["score"])), "kl": float(np.mean(rows["kl_to_sft"])),
+                      "length": float(np.mean(rows["response_tokens"]))}
 
 
 def win_rate(scores: list[float], baseline_scores: list[float]) -> float:

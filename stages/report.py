@@ -38,6 +38,7 @@ from stages.artifacts import (
     SFT_CURVE,
     SFT_METRICS,
     atomic_path,
+    policy_means,
     read_table,
     sha256_file,
 )
@@ -104,10 +105,10 @@ def table(rows: list[list], header: list[str]) -> str:
 
 
 def evaluation_table(metrics: dict) -> str:
-    names = {"reward_mean": "reward model score", "gold_mean": "gold score", "kl_to_sft": "KL to SFT",
-             "response_len_mean": "response length (tokens)"}
-    rows = [[label, metrics["sft"][key], metrics["ppo"][key], metrics["ppo"][key] - metrics["sft"][key]]
-            for key, label in names.items() if key in metrics["ppo"]]
+    names = {"reward": "reward model score", "gold": "gold score", "kl": "KL to SFT",
+             "length": "response length (tokens)"}
+    sft, ppo = policy_means(metrics, "sft"), policy_means(metrics, "ppo")
+    rows = [[label, sft[key], ppo[key], ppo[key] - sft[key]] for key, label in names.items() if key in ppo]
     win = f"<p>Win rate of PPO over SFT (reward model, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
     return table(rows, ["mean over the held-out prompts", "SFT", "PPO", "PPO - SFT"]) + win
 
@@ -202,7 +203,7 @@ def extremes(rollouts_dir: Path, curves: pd.DataFrame, n: int = 3) -> str:
 def models(root: Path) -> str:
     reward = json.loads((root / REWARD_METRICS).read_text()) if (root / REWARD_METRICS).exists() else {}
     sft = json.loads((root / SFT_METRICS).read_text()) if (root / SFT_METRICS).exists() else {}
-    rows = [[key, value] for key, value in sorted(reward.items()) if key.startswith("eval_")]
+    rows = [[key, value] for key, value in sorted(reward.items()) if not isinstance(value, dict)]  # held-out
     text = table(rows, ["reward model, held-out pairs", ""]) if rows else ""
     if (root / SFT_CURVE).exists():
         curve = pd.read_csv(root / SFT_CURVE)

@@ -14,8 +14,8 @@ from stages.artifacts import PPO_CURVES, REPORT_SWEEP, atomic_path
 from stages.report import figure, flatten, page, svg, table
 from stages.runtime import StageError
 
-METRICS = {"win_rate": "win rate", "ppo.reward_mean": "PPO RM score", "ppo.gold_mean": "PPO gold",
-           "ppo.kl_to_sft": "PPO KL to SFT", "eval_accuracy": "RM accuracy"}
+METRICS = {"win_rate": "win rate", "gold": "PPO gold", "reward": "PPO RM score", "kl": "PPO KL to SFT",
+           "accuracy": "RM accuracy"}
 CURVES = [("reward_mean", "Reward (proxy) per step"), ("gold_mean", "Gold score per step"), ("kl", "KL per step")]
 
 

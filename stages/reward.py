@@ -71,18 +71,19 @@ def run(params: Params, root: Path = Path(".")) -> str:
     r_chosen = reward_scores(model, tokenizer, [chosen[i] for i in eval_idx], bs)
     r_rejected = reward_scores(model, tokenizer, [rejected[i] for i in eval_idx], bs)
     wins = [c > r for c, r in zip(r_chosen, r_rejected)]
-    metrics = {"train_loss": bradley_terry_loss(train_chosen, train_rejected),
-               "train_accuracy": sum(c > r for c, r in zip(train_chosen, train_rejected)) / len(train),
-               "eval_loss": bradley_terry_loss(r_chosen, r_rejected), "eval_accuracy": sum(wins) / len(wins),
-               "eval_margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval,
-               "n_train": len(train), "n_eval": n_eval}
+    # a DVC metric: the held-out numbers a sweep compares at the top level, the rest grouped
+    metrics = {"accuracy": sum(wins) / len(wins), "loss": bradley_terry_loss(r_chosen, r_rejected),
+               "margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval,
+               "train": {"accuracy": sum(c > r for c, r in zip(train_chosen, train_rejected)) / len(train),
+                         "loss": bradley_terry_loss(train_chosen, train_rejected)},
+               "pairs": {"train": len(train), "eval": n_eval}}
     if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes
         save_reward_model(root / REWARD_MODEL, model, tokenizer)
         write_json(metrics, root / REWARD_METRICS)
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():  # published: the run is finished, and a rerun trains from the start
         discard(checkpoints)
-    return (f"{len(train)} pairs, held-out pairwise accuracy {metrics['eval_accuracy']:.3f} ({n_eval} pairs) "
+    return (f"{len(train)} pairs, held-out pairwise accuracy {metrics['accuracy']:.3f} ({n_eval} pairs) "
             f"-> {REWARD_MODEL}")
 
 

@@ -63,7 +63,7 @@ def build_scorer(params: Params, root: Path, policy=None) -> Callable[[list[str]
     except ModuleNotFoundError as err:
         raise StageError(f"{where} is not an importable 'module:function' ({err})") from None
     except SyntaxError as err:  # the user's own file: say where, in one line
-        raise StageError(f"{where}: {err.filename}:{err.lineno}: SyntaxError: {err.msg}") from err
+        raise StageError(f"{where}: {shown(err.filename)}:{err.lineno}: SyntaxError: {err.msg}") from err
     except Exception as err:  # anything the module's own code raises on import
         raise StageError(f"{where}: importing {module_name} raised {raised_at(err)}") from err
     fn = getattr(module, attr, None) if attr else None
@@ -90,8 +90,20 @@ def reward_adapter(params: Params, root: Path, seq2seq: bool) -> Path | None:
 def raised_at(err: BaseException) -> str:
     """``Type: message (file:line)`` of an exception, at the innermost frame of its traceback (the user's code)."""
     frames = traceback.extract_tb(err.__traceback__)
-    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    at = f" ({shown(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
     return f"{type(err).__name__}: {reason(err)}{at}"
+
+
+def shown(filename: str | None) -> str | None:
+    """A source file's name for a message: relative to the working directory when it lies under it (the
+    project's own `rewards/example.py`), else as Python gave it."""
+    if filename is None:
+        return None
+    path = Path(filename)
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except (ValueError, OSError):
+        return filename
 
 
 def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, step: int) -> list[float]:

@@ -31,8 +31,8 @@ PPO_OUTPUTS = ["data/models/ppo/model.safetensors", "data/ppo/stats.parquet", "d
                "data/ppo/metrics.json", "data/ppo/rollouts/step-00000.parquet", "data/ppo/rollouts/step-00001.parquet"]
 
 
-def run(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True)
+def run(*args: str, cwd: Path, check: bool = True, env: dict[str, str] = ENV) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
     if check:
         assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
@@ -204,10 +204,18 @@ def test_exp_run_reruns_only_ppo_and_evaluate(repo):
     experiments = [rev for row in rows for exp in (row.get("experiments") or []) for rev in exp["revs"]]
     smoke = next(rev for rev in experiments if rev["name"] == "smoke")
     metrics = smoke["data"]["metrics"]["data/eval/metrics.json"]["data"]
-    assert set(metrics) == {"sft", "ppo", "win_rate"}
+    assert list(metrics) == ["win_rate", "gold", "reward", "kl", "length", "sft"]  # the file's order: dvc's columns
     assert smoke["data"]["params"]["params.yaml"]["data"]["ppo"]["learning_rate"] == 2e-05
     baseline = next(row for row in rows if row.get("experiments"))  # HEAD: its metrics are there to compare with
-    assert baseline["data"]["metrics"]["data/eval/metrics.json"]["data"]["win_rate"] >= 0
+    before = baseline["data"]["metrics"]["data/eval/metrics.json"]["data"]
+    assert before["win_rate"] >= 0
+    # the README's comparison reads whole in a 100-column terminal: every metric that moved, and the param
+    table = run(sys.executable, "-m", "dvc", "exp", "show", "--only-changed", "--drop", "data/|Created|Executor",
+                "--no-pager", cwd=repo, env={**ENV, "COLUMNS": "100"}).stdout
+    header = next(line for line in table.splitlines() if "Experiment" in line).split()
+    moved = [key for key in metrics if metrics[key] != before[key]]  # the tiny run's policy moves little
+    assert "kl" in moved and header == ["Experiment", *moved, "ppo.learning_rate"], table
+    assert "…" not in table and max(map(len, table.splitlines())) <= 100, table
     run("git", "checkout", "--", "params.yaml", "dvc.lock", cwd=repo)
     dvc("checkout", cwd=repo)
     assert_clean(repo)

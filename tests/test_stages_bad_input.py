@@ -39,6 +39,10 @@ CALLS = []
 def nan_at_step_2(texts):
     CALLS.append(1)
     return [math.nan if len(CALLS) == 2 else 1.0] * len(texts)
+
+def huge_at_step_2(texts):  # finite scores, but the value loss overflows: a non-finite loss, not a bad score
+    CALLS.append(1)
+    return [1e30 * (1 + t.count("e")) if len(CALLS) == 2 else 1.0 for t in texts]
 '''
 LONG_PROMPT = "the movie was long and the plot was slow and the cast was good but the music was loud " * 3
 
@@ -154,13 +158,17 @@ CASES = [
      setup_unwritable("data/raw"), "operation not permitted; cannot write there (make it writable, or free space)"),
     ("models-not-writable", "ppo", "ppo", {},
      setup_unwritable("data/models"), "operation not permitted; cannot write there (make it writable, or free space)"),
+    ("ppo-outputs-not-writable", "ppo", "ppo", {},
+     setup_unwritable("data/ppo"), "data/ppo/.write-check-"),
+    ("checkpoints-not-writable", "ppo", "ppo", {},
+     setup_unwritable("data/checkpoints"), "data/checkpoints/ppo: operation not permitted; cannot write there"),
     ("scorer-source-is-a-function", "prepare", None, {"scorer.source": "myreward:score"},
      None, "params.yaml: scorer.source must be one of ['reward_model', 'pipeline', 'callable'], got 'myreward:score' "
            "(str); a function goes in scorer.name ('module:function') with scorer.source: callable"),
     ("reward-raises", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:raises"},
-     None, "PPO step 1: scorer (callable scorers:raises) raised ZeroDivisionError: division by zero ("),
+     None, "PPO step 1: scorer (callable scorers:raises) raised ZeroDivisionError: division by zero (scorers.py:16)"),
     ("reward-syntax-error", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "broken:score"},
-     setup_broken_scorer, "SyntaxError: "),
+     setup_broken_scorer, "params.yaml: scorer.name 'broken:score': broken.py:2: SyntaxError: '[' was never closed"),
     ("reward-wrong-count", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:wrong_count"},
      None, "PPO step 1: scorer (callable scorers:wrong_count) returned 7 scores for 8 texts; return one number per "
            "text"),
@@ -170,6 +178,8 @@ CASES = [
      None, "PPO step 1: scorer (callable scorers:nan) returned nan for text 0; scores must be finite numbers"),
     ("reward-nan-at-step-2", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:nan_at_step_2"},
      None, "PPO step 2: scorer (callable scorers:nan_at_step_2) returned nan for text 0; scores must be finite"),
+    ("loss-non-finite", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:huge_at_step_2"},
+     None, "PPO step 2, mini-batch 1: non-finite ppo/"),
     ("reward-not-a-list", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:one_number"},
      None, "PPO step 1: scorer (callable scorers:one_number) returned float, not a list"),
     ("scorer-not-importable", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:missing"},
@@ -206,6 +216,22 @@ def test_bad_input(case, tiny_run, tmp_path, monkeypatch, request):
     new = {path for path in after if path not in before and not path.startswith("data/checkpoints/")}
     assert not new and all(after[path] == digest for path, digest in before.items()), new
     assert params.exists()
+
+
+def test_debug_keeps_the_traceback_of_the_user_s_reward_function(tiny_run, tmp_path, monkeypatch):
+    """`--debug`: the scorer's own exception, with its traceback into the user's file, not one line."""
+    import traceback
+
+    root = project(tiny_run, tmp_path, "ppo")
+    write_params(root, {"scorer.source": "callable", "scorer.name": "scorers:raises"})
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, "scorers", raising=False)
+    result = CliRunner().invoke(app, ["ppo", "--params", "params.yaml", "--debug"])
+    assert result.exit_code != 0 and "error: ppo:" not in result.stderr
+    cause = result.exception.__cause__
+    assert isinstance(cause, ZeroDivisionError)
+    assert traceback.extract_tb(cause.__traceback__)[-1][:2] == (str(root / "scorers.py"), 16)
 
 
 def test_missing_params_file(tmp_path, monkeypatch):

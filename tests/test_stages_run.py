@@ -58,7 +58,7 @@ def test_reward_model_has_one_scalar_head(tiny_run, tiny_params):
 
 
 def test_reward_metrics_are_the_saved_model_s_on_the_held_out_pairs(tiny_run, tiny_params):
-    """eval_accuracy is the fraction of held-out pairs (the stage's seeded split) that the saved RM orders right."""
+    """accuracy is the fraction of held-out pairs (the stage's seeded split) that the saved RM orders right."""
     import random
 
     from stages.models import load_reward_model, reward_scores
@@ -71,9 +71,10 @@ def test_reward_metrics_are_the_saved_model_s_on_the_held_out_pairs(tiny_run, ti
     chosen = reward_scores(model, tokenizer, (held_out["prompt"] + held_out["chosen"]).tolist(), 8)
     rejected = reward_scores(model, tokenizer, (held_out["prompt"] + held_out["rejected"]).tolist(), 8)
     metrics = json.loads((tiny_run / REWARD_METRICS).read_text())
-    assert metrics["n_eval"] == len(held_out) == 16
-    assert metrics["eval_accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 16
-    assert metrics["eval_margin"] == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 16, abs=1e-6)
+    assert metrics["pairs"] == {"train": len(pairs) - 16, "eval": len(held_out)} and len(held_out) == 16
+    assert metrics["accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 16
+    assert metrics["margin"] == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 16, abs=1e-6)
+    assert set(metrics["train"]) == {"accuracy", "loss"}
 
 
 def test_tokenize_truncates_filters_and_round_trips(tiny_run, tiny_params):
@@ -148,24 +149,30 @@ def test_evaluate_metrics_are_those_of_its_samples(tiny_run, tiny_params):
     assert samples.groupby("policy").size().to_dict() == {"ppo": n, "sft": n}
     by = {name: samples[samples["policy"] == name].reset_index(drop=True) for name in ("sft", "ppo")}
     assert (by["sft"]["query"] == by["ppo"]["query"]).all()
-    for name, rows in by.items():
-        assert metrics[name] == pytest.approx({"reward_mean": rows["score"].mean(), "gold_mean": rows["gold"].mean(),
-                                               "kl_to_sft": rows["kl_to_sft"].mean(),
-                                               "response_len_mean": rows["response_tokens"].mean()}, abs=1e-12)
-    assert (by["sft"]["kl_to_sft"] == 0).all() and metrics["sft"]["kl_to_sft"] == 0
+    ppo, sft = by["ppo"], by["sft"]
+    assert list(metrics) == ["win_rate", "gold", "reward", "kl", "length", "sft"]  # the top level: the PPO policy's
+    means = {"gold": "gold", "reward": "score", "kl": "kl_to_sft", "length": "response_tokens"}
+    assert {k: metrics[k] for k in means} == pytest.approx({k: ppo[c].mean() for k, c in means.items()}, abs=1e-12)
+    assert metrics["sft"] == pytest.approx({k: sft[c].mean() for k, c in means.items() if k != "kl"}, abs=1e-12)
+    assert (sft["kl_to_sft"] == 0).all()  # KL(sft || sft): left out of the metrics
     wins = (by["ppo"]["score"] > by["sft"]["score"]).sum() + 0.5 * (by["ppo"]["score"] == by["sft"]["score"]).sum()
     assert metrics["win_rate"] == wins / n
 
 
 def test_evaluate_metrics_by_hand():
+    from stages.artifacts import evaluation_metrics, policy_means
     from stages.evaluate import policy_metrics, win_rate
 
     rows = {"score": [1.0, -2.0, 0.5, 3.0], "kl_to_sft": [0.0, 0.25, 0.5, 0.25], "response_tokens": [3, 5, 4, 8],
             "gold": [1, -1, 0, 2]}
     # score (1 - 2 + 0.5 + 3) / 4 = 0.625; kl 1.0 / 4 = 0.25; length 20 / 4 = 5; gold 2 / 4 = 0.5
-    assert policy_metrics(rows) == {"reward_mean": 0.625, "kl_to_sft": 0.25, "response_len_mean": 5.0,
-                                    "gold_mean": 0.5}
-    assert "gold_mean" not in policy_metrics({k: v for k, v in rows.items() if k != "gold"})
+    ppo = policy_metrics(rows)
+    assert ppo == {"gold": 0.5, "reward": 0.625, "kl": 0.25, "length": 5.0}
+    assert "gold" not in policy_metrics({k: v for k, v in rows.items() if k != "gold"})
+    sft = {"gold": 0.0, "reward": -1.0, "kl": 0.0, "length": 4.0}
+    metrics = evaluation_metrics(ppo, sft, 0.75)
+    assert metrics == {"win_rate": 0.75, **ppo, "sft": {"gold": 0.0, "reward": -1.0, "length": 4.0}}
+    assert policy_means(metrics, "ppo") == ppo and policy_means(metrics, "sft") == sft
     # ppo vs sft per prompt: 2 > 1 win, 1 = 1 tie, 1 < 2 loss, 0 = 0 tie: (1 + 0.5 + 0 + 0.5) / 4
     assert win_rate([2.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0]) == 0.5
     # a tie counts half, not as a win (>= would give 1.0) nor as nothing (dropping ties would give 0.5)
@@ -338,4 +345,4 @@ def test_real_data_runs_have_no_gold_score(tiny_run, tiny_params, tmp_path):
     assert "gold" not in pd.read_parquet(root / PPO_ROLLOUTS).columns
     assert "gold_mean" not in pd.read_csv(root / PPO_CURVES).columns
     metrics = json.loads((root / EVAL_METRICS).read_text())
-    assert set(metrics["ppo"]) == {"reward_mean", "kl_to_sft", "response_len_mean"}
+    assert set(metrics) == {"win_rate", "reward", "kl", "length", "sft"} and set(metrics["sft"]) == {"reward", "length"}
