@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "PPOConfig": "config", "LengthSampler": "core", "PPOTrainer": "trainer", "set_seed": "utils",
     "AutoModelForCausalLMWithValueHead": "modeling", "AutoModelForSeq2SeqLMWithValueHead": "modeling",
-    "PreTrainedModelWrapper": "modeling", "create_reference_model": "reference",
+    "PreTrainedModelWrapper": "modeling", "SUPPORTED_ARCHITECTURES": "modeling", "create_reference_model": "reference",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
@@ -21,7 +21,12 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .config import PPOConfig
     from .core import LengthSampler
-    from .modeling import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PreTrainedModelWrapper
+    from .modeling import (
+        SUPPORTED_ARCHITECTURES,
+        AutoModelForCausalLMWithValueHead,
+        AutoModelForSeq2SeqLMWithValueHead,
+        PreTrainedModelWrapper,
+    )
     from .reference import create_reference_model
     from .trainer import PPOTrainer
     from .utils import set_seed

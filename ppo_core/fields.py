@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -108,7 +109,7 @@ def checked(value: Any, hint: Any, key: str) -> Any:
 def _number(value: Any, kind: type, key: str) -> int | float:
     kind_name = "an integer" if kind is int else "a number"
     wrong = ConfigError(key, f"{{key}} must be {kind_name}, {_got(value)}")
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):  # NumPy scalars are numbers.Real
         raise wrong
     try:
         number = float(value) if isinstance(value, str) else value

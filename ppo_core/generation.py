@@ -76,12 +76,14 @@ def cut_after_eos(tokens: torch.Tensor, eos_token_ids: set[int]) -> torch.Tensor
 
 
 def _eos_ids(generation_kwargs: dict[str, Any], tokenizer, model) -> set[int]:
-    eos = generation_kwargs.get("eos_token_id", getattr(model.generation_config, "eos_token_id", None))
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return set()
-    return {int(e) for e in eos} if isinstance(eos, (list, tuple)) else {int(eos)}
+    """The tokens a response is cut after: the tokenizer's EOS (legacy TRL cut there whatever ``eos_token_id``
+    the caller gave ``generate``: the stack-llama and T5 examples pass an id that never comes, to sample full
+    length, then cut at the first real EOS) and those generation stopped at (what follows them is padding)."""
+    stop = generation_kwargs.get("eos_token_id", getattr(model.generation_config, "eos_token_id", None))
+    ids = set() if stop is None else {int(e) for e in stop} if isinstance(stop, (list, tuple)) else {int(stop)}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
 
 
 def _clean_kwargs(generation_kwargs: dict[str, Any], tokenizer) -> dict[str, Any]:

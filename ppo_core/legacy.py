@@ -25,11 +25,12 @@ from .config import PPOConfig
 from .distributed import quiet_deepspeed_collectives
 from .generation import generate_batched
 from .modeling import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
-from .ppo_math import full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
+from .ppo_math import Advantages, ShapedRewards, full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
 from .precision import floating_dtype, with_tf32
 from .reference import placed_reference
 from .rollout import build_response_masks, checked_step_inputs, policy_outputs
 from .stats import mean_over_processes, reward_stats, step_stats
+from .utils import timed
 from .weights import push_saved
 from .zero import gathered, gathered_for_generation
 
@@ -94,8 +95,45 @@ def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.
         return torch.optim.Adam(params, lr=lr)
 
 
+# Legacy ``step`` called these on ``self``: a subclass that overrides one (token-level rewards, a custom advantage)
+# has ``step`` call it too, in legacy's order, on response-aligned ``(B, R)`` tensors (see ``hooked_advantages``).
+STEP_HOOKS = ("compute_rewards", "_kl_penalty", "compute_advantages")
+# Legacy ``step`` called these too, but ppo_core's contract for them differs (``batched_forward_pass`` is a no-grad
+# response-aligned pass; the inputs are checked and padded once, in ``rollout.py``): an override is warned about.
+NOT_STEP_HOOKS = ("batched_forward_pass", "prepare_model_inputs", "_step_safety_checker")
+
+
+def overridden_step_hooks(trainer) -> tuple[str, ...]:
+    """The legacy hooks of ``step`` that ``trainer``'s class overrides; raises where ``step`` cannot call them
+    (settings with no legacy counterpart), and warns about overrides ``step`` does not call."""
+    base = LegacyMethods
+    changed = lambda name: getattr(type(trainer), name) is not getattr(base, name)  # noqa: E731
+    ignored = [name for name in NOT_STEP_HOOKS if changed(name)]
+    if ignored:
+        warnings.warn(f"{type(trainer).__name__} overrides {', '.join(ignored)}, which ppo_core's step() does not call "
+                      "(it runs its own fused passes); override compute_rewards, _kl_penalty, compute_advantages, "
+                      "loss or train_minibatch instead.", stacklevel=3)
+    hooks = tuple(name for name in STEP_HOOKS if changed(name))
+    cfg = trainer.config
+    if hooks and (cfg.advantage_estimator != "gae" or cfg.kl_in != "reward" or cfg.kl_penalty == "full"):
+        raise ValueError(f"{type(trainer).__name__} overrides {', '.join(hooks)}, which step() calls as legacy did "
+                         "only with advantage_estimator='gae', kl_in='reward' and kl_penalty other than 'full' (got "
+                         f"{cfg.advantage_estimator!r}, {cfg.kl_in!r}, {cfg.kl_penalty!r}).")
+    return hooks
+
+
 class LegacyMethods:
     """``PPOTrainer``'s legacy TRL 0.11 methods beyond the loop (see the module docstring)."""
+
+    def _hooked_advantages(self, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                           values: torch.Tensor, mask: torch.Tensor, timing: dict[str, float]):
+        """``step``'s shaped rewards and advantages through ``self.compute_rewards`` and ``self.compute_advantages``
+        (a subclass's overrides), in legacy's order: ``scores`` ``(B,)``, the rest ``(B, R)``."""
+        with timed(timing, "time/ppo/compute_rewards"):
+            rewards, non_score_rewards, kls = self.compute_rewards(scores, logprobs, ref_logprobs, mask)
+        with timed(timing, "time/ppo/compute_advantages"):
+            _, advantages, returns = self.compute_advantages(values, rewards, mask)
+        return ShapedRewards(rewards, non_score_rewards, kls), Advantages(advantages.detach(), returns.detach())
 
     def prepare_dataloader(self, dataset, data_collator=None) -> DataLoader:
         """Shuffled ``DataLoader`` of ``batch_size`` rows per process (last ragged batch dropped)."""

@@ -106,7 +106,10 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         self.v_head.to(lm.device)
         self._init_weights(v_head_initializer_range=v_head_initializer_range, v_head_init_strategy=v_head_init_strategy)
         self.is_sequential_parallel = False
-        self.supports_rm_adapter = False
+        # legacy attributes that user code reads: quantisation flags, and the adapters `compute_reward_score` switches
+        self.is_loaded_in_8bit = bool(getattr(lm, "is_loaded_in_8bit", False))
+        self.is_loaded_in_4bit = bool(getattr(lm, "is_loaded_in_4bit", False))
+        self.supports_rm_adapter, self.rm_adapter_name, self.policy_adapter_name = False, None, "default"
         self.register_load_state_dict_pre_hook(weights.module_keys)  # legacy keys, also when DDP/DeepSpeed load
 
     def _init_weights(self, v_head_initializer_range: float = 0.2, v_head_init_strategy: str | None = None) -> None:
@@ -209,6 +212,9 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
 
     def generate(self, *args, **kwargs):
         return self.pretrained_model.generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        return self.pretrained_model.prepare_inputs_for_generation(*args, **kwargs)
 
     def gradient_checkpointing_enable(self, **kwargs):
         model = self.transformers_model
@@ -385,6 +391,9 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
         head = super().lm_head()
         scale = _decoder_output_scale(self.config)
         return head if scale == 1.0 else dataclasses.replace(head, scale=head.scale * scale)
+
+
+SUPPORTED_ARCHITECTURES = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)  # legacy name
 
 
 def _decoder_output_scale(config) -> float:

@@ -72,7 +72,7 @@ from .distributed import (
 )
 from .estimators import check_prompt_groups
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
-from .legacy import LegacyMethods, check_arguments, default_optimizer
+from .legacy import LegacyMethods, check_arguments, default_optimizer, overridden_step_hooks
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
 from .ppo_math import kl_penalty, policy_loss, value_loss
 from .precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
@@ -120,6 +120,7 @@ class PPOTrainer(LegacyMethods):
         config = config if config is not None else PPOConfig()
         check_arguments(config, model, ref_model, tokenizer, training_data_collator)
         self.config = config
+        self._step_hooks = overridden_step_hooks(self)  # a subclass's legacy hooks, which step() then calls
         set_seed(config.seed)  # legacy behaviour: the trainer seeds the global RNGs (sampling uses them)
 
         # 1. accelerator, derived batch sizes, the other processes
@@ -259,13 +260,16 @@ class PPOTrainer(LegacyMethods):
         mask = build_response_masks(response_masks, inputs)
         with timed(timing, "time/ppo/forward_pass"):
             old, ref = self._rollout_passes(inputs)
-        # 4. per-token KL (in the reward, or, with kl_in "loss", in the loss instead)
-        with timed(timing, "time/ppo/compute_rewards"):
-            kls = self._kl_per_token(inputs, old, ref)
-        # 5. KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator), over the global batch
-        with timed(timing, "time/ppo/compute_advantages"):
-            shaped, adv = step_advantages(cfg, scores, kls, old.values, mask,
-                                          self.kl_ctl.value if cfg.kl_in == "reward" else 0.0, self._group)
+        if self._step_hooks:  # 4-5 through a subclass's compute_rewards / _kl_penalty / compute_advantages
+            shaped, adv = self._hooked_advantages(scores, old.logprobs, ref.logprobs, old.values, mask, timing)
+        else:
+            # 4. per-token KL (in the reward, or, with kl_in "loss", in the loss instead)
+            with timed(timing, "time/ppo/compute_rewards"):
+                kls = self._kl_per_token(inputs, old, ref)
+            # 5. KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator), over the global batch
+            with timed(timing, "time/ppo/compute_advantages"):
+                shaped, adv = step_advantages(cfg, scores, kls, old.values, mask,
+                                              self.kl_ctl.value if cfg.kl_in == "reward" else 0.0, self._group)
         if cfg.loss_aggregation == "seq-mean-token-sum-norm":  # its constant: the global batch's longest response
             self._norm_length = self._group.gather(mask.sum(dim=1)).max()  # the same on every process
         rollout = Rollout(inputs, mask, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)

@@ -430,3 +430,146 @@ def test_prefixed_state_dict_metadata_survives_a_round_trip():
     state = model.state_dict()
     assert isinstance(state, OrderedDict) and "transformer.h.0" in state._metadata  # as the plain model's own
     assert not any(name.startswith("pretrained_model") for name in state._metadata)
+
+
+def test_generate_cuts_at_the_tokenizer_eos_whatever_eos_token_id_generation_was_given():
+    """stack-llama and the T5 example pass an ``eos_token_id`` that never comes (100_000, -1) so that sampling runs
+    the full length; legacy then cut each response after the first EOS of the tokenizer, as ppo_core does."""
+    from tests.tiny import EOS
+
+    trainer = trainer_for()
+    torch.manual_seed(0)
+    queries = random_queries(16, seed=5)
+    for stop in (100_000, -1):
+        responses = trainer.generate(queries, return_prompt=False, batch_size=8, max_new_tokens=12, do_sample=True,
+                                     top_k=0, pad_token_id=PAD, eos_token_id=stop)
+        assert all(EOS not in r[:-1].tolist() for r in responses)  # nothing after the first EOS
+        cut = [r for r in responses if len(r) < 12]
+        assert cut and all(r[-1].item() == EOS for r in cut)  # a shorter response ends at its EOS
+
+
+def test_the_rest_of_legacy_trl_core_imports_and_computes():
+    from ppo_core.core import (
+        PPODecorators,
+        add_suffix,
+        average_torch_dicts,
+        build_bert_batch_from_txt,
+        pad_to_size,
+        randn_tensor,
+        respond_to_batch,
+        set_seed,
+        top_k_top_p_filtering,
+    )
+
+    assert add_suffix({"a": 1}, "_x") == {"a_x": 1}
+    torch.testing.assert_close(average_torch_dicts([{"a": t([1.0, 2.0])}, {"a": t([3.0, 6.0])}])["a"], t([2.0, 4.0]))
+    assert pad_to_size(torch.tensor([[5, 6]]), 4, padding=0).tolist() == [[5, 6, 0, 0]]
+    logits = t([[0.0, 3.0, 1.0, 2.0]])
+    assert torch.isinf(top_k_top_p_filtering(logits, top_k=2)).tolist() == [[True, False, True, False]]
+    # softmax of (0, 3, 1, 2): 0.03, 0.64, 0.09, 0.24: the nucleus of 0.8 holds 3 and 2, that of 1.0 everything
+    assert torch.isinf(top_k_top_p_filtering(logits, top_p=0.8)).tolist() == [[True, False, True, False]]
+    assert not torch.isinf(top_k_top_p_filtering(logits)).any()
+
+    model = tiny_causal_lm("gpt2", seed=1).eval()
+    set_seed(3)
+    queries = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    first = respond_to_batch(model, queries, txt_len=5, top_k=4)
+    set_seed(3)
+    assert first.shape == (2, 5) and torch.equal(first, respond_to_batch(model, queries, txt_len=5, top_k=4))
+    with torch.no_grad():  # each sampled token is among the 4 likeliest after what precedes it
+        logits = model(torch.cat([queries, first], dim=1)).logits[:, 2:-1]
+    assert all(tok in top for tok, top in zip(first.flatten().tolist(), logits.topk(4).indices.flatten(0, 1).tolist()))
+
+    ids, masks = build_bert_batch_from_txt(["w3 w4 w5", "w6"], tiny_tokenizer(), "cpu")
+    assert ids.tolist() == [[3, 4, 5], [6, 0, 0]] and masks.tolist() == [[1, 1, 1], [1, 0, 0]]
+    g = torch.Generator().manual_seed(0)
+    noise = randn_tensor((2, 3), generator=g)
+    assert torch.equal(noise, torch.randn((2, 3), generator=torch.Generator().manual_seed(0)))
+
+    calls = []
+
+    @PPODecorators.empty_device_cache()
+    def step():
+        calls.append(1)
+        return "stats"
+
+    assert step() == "stats" and calls == [1]
+
+
+def test_value_head_model_attributes_legacy_code_reads():
+    import ppo_core
+
+    model = tiny_value_model("gpt2")
+    assert model.is_loaded_in_8bit is False and model.is_loaded_in_4bit is False
+    assert model.supports_rm_adapter is False and model.rm_adapter_name is None
+    assert model.policy_adapter_name == "default"
+    inputs = model.prepare_inputs_for_generation(torch.tensor([[3, 4]]))
+    assert inputs["input_ids"].tolist() == [[3, 4]]
+    assert ppo_core.SUPPORTED_ARCHITECTURES == (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)
+
+
+def test_numpy_scalars_are_numbers_as_in_legacy():
+    import numpy as np
+
+    config = PPOConfig(learning_rate=np.float32(1e-5), ppo_epochs=np.int64(2), batch_size=np.int32(8),
+                       mini_batch_size=2)
+    assert config.learning_rate == pytest.approx(1e-5) and type(config.learning_rate) is float
+    assert config.ppo_epochs == 2 and type(config.ppo_epochs) is int and config.batch_size == 8
+    with pytest.raises(ValueError, match=r"PPOConfig.ppo_epochs must be an integer"):
+        PPOConfig(ppo_epochs=np.float64(2.5))
+
+
+class TokenLevelRewards(PPOTrainer):
+    """Issue #1395's recipe: a reward on every response token, by overriding compute_rewards."""
+
+    calls: list = []
+
+    def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
+        rewards, non_score, kls = super().compute_rewards(scores, logprobs, ref_logprobs, masks)
+        type(self).calls.append((scores.shape, logprobs.shape, masks.shape))
+        return rewards + 0.5 * masks, non_score, kls
+
+
+class SuperOnly(PPOTrainer):
+    def compute_rewards(self, *args):
+        return super().compute_rewards(*args)
+
+    def compute_advantages(self, *args):
+        return super().compute_advantages(*args)
+
+
+def step_with(cls, **config):
+    options = dict(batch_size=4, mini_batch_size=2, ppo_epochs=1, seed=0) | config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no dataset
+        trainer = cls(PPOConfig(**options), tiny_value_model("gpt2", seed=0), tokenizer=tiny_tokenizer())
+    queries, responses = random_queries(4, seed=1), random_queries(4, seed=2)
+    return trainer, trainer.step(queries, responses, [t(1.0), t(-1.0), t(0.5), t(0.0)])
+
+
+def test_step_calls_a_subclass_s_compute_rewards_and_compute_advantages_as_legacy_did():
+    _, base = step_with(PPOTrainer)
+    _, same = step_with(SuperOnly)  # the hooks as they are: the step is the same, bit for bit
+    assert same.keys() == base.keys()
+    for key in base:
+        if not key.startswith("time/"):
+            assert same[key] == pytest.approx(base[key], abs=0, rel=0, nan_ok=True), key
+    TokenLevelRewards.calls.clear()
+    _, token_level = step_with(TokenLevelRewards)
+    longest = max(map(len, random_queries(4, seed=2)))
+    assert TokenLevelRewards.calls == [(torch.Size([4]), torch.Size([4, longest]), torch.Size([4, longest]))]
+    assert token_level["ppo/returns/mean"] > base["ppo/returns/mean"] + 0.4  # +0.5 on every token, discounted
+
+
+def test_step_hooks_that_step_cannot_call_are_said():
+    with pytest.raises(ValueError, match=r"TokenLevelRewards overrides compute_rewards, which step\(\) calls as legacy "
+                                         r"did only with advantage_estimator='gae'"):
+        step_with(TokenLevelRewards, advantage_estimator="grpo", num_generations=2)
+
+    class OwnForward(PPOTrainer):
+        def batched_forward_pass(self, *args, **kwargs):
+            return super().batched_forward_pass(*args, **kwargs)
+
+    with pytest.warns(UserWarning, match="OwnForward overrides batched_forward_pass, which ppo_core's step"):
+        OwnForward(PPOConfig(batch_size=4, mini_batch_size=2), tiny_value_model(), tokenizer=tiny_tokenizer(),
+                   dataset=PairDataset())
