@@ -300,13 +300,39 @@ class LegacyMethods:
         return mean_over_processes(stats, self._group)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Iterable[str] = ("query", "response")):
-        """Send ``stats`` plus ``env/reward_mean|std|dist`` (raw rewards, all processes) to the trackers."""
+        """Send ``stats`` plus ``env/reward_mean|std|dist`` (raw rewards, all processes) to the trackers; returns them.
+
+        As legacy: to wandb everything, the arrays as histograms, and a ``game_log`` table of ``columns_to_log`` of
+        ``batch`` (every process's rows) beside each reward; with ``tensorboard`` the step is ``current_step``, the
+        others count their own. To every other tracker the scalars only (an array is no metric to them: MLflow would
+        warn at every step)."""
         logs = dict(stats) | reward_stats(rewards, self._group)
         self.current_step += 1
-        if self.config.log_with is not None and self.accelerator.is_main_process:
-            scalars = {k: v for k, v in logs.items() if isinstance(v, (int, float)) or getattr(v, "size", 2) == 1}
-            self.accelerator.log(scalars, step=self.current_step)
+        tracker = self.config.log_with
+        columns = list(columns_to_log)
+        if tracker == "wandb" and any(c not in batch for c in columns):
+            raise ValueError(f"log_stats: columns_to_log {columns} are not all in the batch (keys: {list(batch)}).")
+        rows = (list(zip(*(self._group_rows(batch[c]) for c in columns), logs["env/reward_dist"].tolist()))
+                if tracker == "wandb" else None)  # every process gathers; the main one logs
+        if tracker is None or not self.accelerator.is_main_process:
+            return logs
+        if tracker == "wandb":
+            import wandb
+
+            sent = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
+                    for k, v in logs.items()}
+            if "query" not in batch and "response" not in batch:
+                warnings.warn("log_stats: the game logs are not logged: the batch has no 'query' nor 'response'.")
+            else:
+                sent["game_log"] = wandb.Table(columns=[*columns, "reward"], rows=[list(r) for r in rows])
+        else:
+            sent = {k: v for k, v in logs.items() if isinstance(v, (int, float)) or getattr(v, "size", 2) == 1}
+        self.accelerator.log(sent, step=self.current_step if tracker == "tensorboard" else None)
         return logs
+
+    def _group_rows(self, values) -> list:
+        """A batch column, every process's rows in process order (a list here; tensors as they are)."""
+        return [row for part in self._group.gather_object(list(values)) for row in part]
 
     def _push_to_hub_if_best(self, scores: torch.Tensor) -> None:
         """``push_to_hub_if_best_kwargs``: every ``compare_steps`` logged steps, ``push_to_hub(**kwargs)`` when the mean

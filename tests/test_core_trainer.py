@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import numpy as np
@@ -421,6 +422,43 @@ def test_log_stats_adds_raw_reward_statistics():
     assert logs["env/reward_mean"] == pytest.approx(4.0)
     assert logs["env/reward_std"] == pytest.approx(math.sqrt(38 / 3), rel=1e-6)
     assert all(k in logs for k in stats)
+
+
+class FakeTable:  # wandb.Table's constructor, for a run without wandb installed
+    def __init__(self, columns, rows):
+        self.columns, self.rows = columns, rows
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "tensorboard", "mlflow"])
+def test_log_stats_sends_each_tracker_what_legacy_sent(tracker, monkeypatch):
+    """wandb: everything (arrays become histograms) and the game_log table, no step; tensorboard: the scalars at
+    ``current_step``; others: the scalars, no step (an array is no metric to them)."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Table=FakeTable))
+    trainer = make_trainer()
+    queries, responses, _ = make_batch(4)
+    rewards = [torch.tensor(x) for x in (1.0, 2.0, 4.0, 9.0)]
+    stats = trainer.step(queries, responses, rewards)
+    sent = []
+    monkeypatch.setattr(trainer.accelerator, "log", lambda values, step=None: sent.append((values, step)))
+    trainer.config.log_with = tracker  # after construction: no tracker to start here
+    batch = {"query": ["q0", "q1", "q2", "q3"], "response": ["r0", "r1", "r2", "r3"], "id": [0, 1, 2, 3]}
+    trainer.log_stats(stats, batch, rewards)
+    (values, step), = sent
+    if tracker == "wandb":
+        assert step is None and isinstance(values["env/reward_dist"], np.ndarray)
+        assert isinstance(values["objective/logprobs"], np.ndarray)  # a histogram in wandb
+        table = values["game_log"]
+        assert table.columns == ["query", "response", "reward"] and table.rows[3] == ["q3", "r3", 9.0]
+        trainer.log_stats(stats, batch, rewards, columns_to_log=["id"])
+        assert sent[-1][0]["game_log"].rows[0] == [0, 1.0]
+        with pytest.raises(ValueError, match=r"columns_to_log \['label'\] are not all in the batch"):
+            trainer.log_stats(stats, batch, rewards, columns_to_log=["label"])
+    else:
+        assert step == (trainer.current_step if tracker == "tensorboard" else None)
+        assert "env/reward_dist" not in values and "objective/logprobs" not in values and "game_log" not in values
+        assert values["env/reward_mean"] == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("arch,dropout,precision", [
