@@ -96,7 +96,7 @@ def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.
 
 
 # Legacy ``step`` called these on ``self``: a subclass that overrides one (token-level rewards, a custom advantage)
-# has ``step`` call it too, in legacy's order, on response-aligned ``(B, R)`` tensors (see ``hooked_advantages``).
+# has ``step`` call it too, in legacy's order, on response-aligned ``(B, R)`` tensors (``_hooked_advantages``).
 STEP_HOOKS = ("compute_rewards", "_kl_penalty", "compute_advantages")
 # Legacy ``step`` called these too, but ppo_core's contract for them differs (``batched_forward_pass`` is a no-grad
 # response-aligned pass; the inputs are checked and padded once, in ``rollout.py``): an override is warned about.
@@ -106,8 +106,9 @@ NOT_STEP_HOOKS = ("batched_forward_pass", "prepare_model_inputs", "_step_safety_
 def overridden_step_hooks(trainer) -> tuple[str, ...]:
     """The legacy hooks of ``step`` that ``trainer``'s class overrides; raises where ``step`` cannot call them
     (settings with no legacy counterpart), and warns about overrides ``step`` does not call."""
-    base = LegacyMethods
-    changed = lambda name: getattr(type(trainer), name) is not getattr(base, name)  # noqa: E731
+    def changed(name: str) -> bool:
+        return getattr(type(trainer), name) is not getattr(LegacyMethods, name)
+
     ignored = [name for name in NOT_STEP_HOOKS if changed(name)]
     if ignored:
         warnings.warn(f"{type(trainer).__name__} overrides {', '.join(ignored)}, which ppo_core's step() does not call "
