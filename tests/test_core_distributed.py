@@ -220,6 +220,39 @@ def test_a_single_process_group_returns_what_it_is_given():
     raise_if_any(None, group)
 
 
+def test_the_wandb_game_log_holds_every_process_s_rows_in_process_order(monkeypatch):
+    """``log_stats`` with wandb: each process gathers its batch's columns and rewards; the main process alone logs one
+    table of them all (legacy's ``gather_object``)."""
+    import sys
+    import types
+
+    from ppo_core.legacy import LegacyMethods
+
+    class Table:
+        def __init__(self, columns, rows):
+            self.columns, self.rows = columns, rows
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Table=Table))
+    sent = []
+
+    class Logger(LegacyMethods):  # the attributes log_stats reads, as PPOTrainer sets them
+        def __init__(self, group):
+            self._group, self.current_step = group, 0
+            self.config = types.SimpleNamespace(log_with="wandb")
+            self.accelerator = types.SimpleNamespace(is_main_process=group.process_index == 0,
+                                                     log=lambda values, step=None: sent.append(values))
+
+    def log(group):
+        i = group.process_index
+        batch = {"query": [f"q{2 * i}", f"q{2 * i + 1}"], "response": [f"r{2 * i}", f"r{2 * i + 1}"]}
+        rewards = torch.tensor([2.0 * i, 2.0 * i + 1])
+        return Logger(group).log_stats({"objective/kl": 0.5}, batch, rewards)["env/reward_mean"]
+
+    assert in_threads(log) == [1.5, 1.5]  # (0 + 1 + 2 + 3) / 4 on both
+    (values,) = sent
+    assert values["game_log"].rows == [["q0", "r0", 0.0], ["q1", "r1", 1.0], ["q2", "r2", 2.0], ["q3", "r3", 3.0]]
+
+
 def test_one_process_divides_token_means_by_its_own_count_in_the_values_dtype():
     """``tokens_per_process`` is None alone: ``token_mean`` then divides by the mask's sum in the values' dtype,
     the one-process number exactly, where a float32 count would not be (float64 values, a fractional mask)."""
