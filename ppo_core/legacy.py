@@ -231,10 +231,12 @@ class LegacyMethods:
                 "query_lens": inputs.query_lens, "response_lens": inputs.response_lens}
 
     @quiet_deepspeed_collectives
-    @torch.no_grad()
     def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
                              response_masks=None):
-        """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``)."""
+        """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``), with
+        ``model`` in eval mode. Differentiable, as legacy's (a custom loop's training forward); under
+        ``torch.no_grad()`` for a rollout pass. ``model_inputs`` is accepted for legacy's signature: the inputs are
+        built from the queries and responses."""
         inputs = self._model_inputs(list(queries), list(responses))
         model.eval()
         with self._forward_precision():

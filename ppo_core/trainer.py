@@ -407,7 +407,7 @@ class PPOTrainer(LegacyMethods):
         """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""
         policykl = mean_across(policykl, self._group)
         if policykl > 1.5 * self.config.target_kl:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()  # bare, as legacy's (see Updates.step)
             return True
         return False
 

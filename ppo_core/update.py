@@ -88,15 +88,17 @@ class Updates:
         finite = norm is None or bool(torch.isfinite(torch.as_tensor(norm)))  # the window's host read
         overflowed = not finite and self.loss_scaled
         if not finite and not overflowed:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             raise failed(f"non-finite gradient norm ({float(norm)})",
                          " Lower learning_rate, set max_grad_norm, or check the scores.")
         if self.overflows.record(overflowed):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             raise failed(f"{self.overflows.limit} loss-scale overflows in a row (max_consecutive_overflows; the loss "
                          "scaler skipped those updates)",
                          " The gradients overflow float16 whatever the scale: lower learning_rate, set max_grad_norm, "
                          "check the scores, or train in bf16.")
         self.optimizer.step()  # the loss scaler skips an update that overflowed, and lowers its scale
-        self.optimizer.zero_grad(set_to_none=True)
+        # a bare call, as legacy's: torch's default frees the gradients, and a user's patched zero_grad (TRL's own
+        # tests keep them with set_to_none=False, to see which weights trained) still decides
+        self.optimizer.zero_grad()
         return overflowed

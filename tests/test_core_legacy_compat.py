@@ -573,3 +573,32 @@ def test_step_hooks_that_step_cannot_call_are_said():
     with pytest.warns(UserWarning, match="OwnForward overrides batched_forward_pass, which ppo_core's step"):
         OwnForward(PPOConfig(batch_size=4, mini_batch_size=2), tiny_value_model(), tokenizer=tiny_tokenizer(),
                    dataset=PairDataset())
+
+
+def test_a_patched_zero_grad_keeps_the_gradients_as_in_trl_s_own_tests():
+    """TRL's legacy tests patch ``optimizer.zero_grad`` with ``set_to_none=False`` to see, after ``step``, which weights
+    trained: the trainer calls it bare, as legacy did, so the patch decides (by default the gradients are freed)."""
+    from functools import partial
+
+    trainer = trainer_for(batch_size=2, mini_batch_size=1)
+    queries, responses = random_queries(2, seed=1), random_queries(2, seed=2)
+    trainer.step(queries, responses, [t(1.0), t(0.0)])
+    assert all(p.grad is None for p in trainer.model.parameters())  # the default: freed
+    trainer.optimizer.zero_grad = partial(trainer.optimizer.zero_grad, set_to_none=False)
+    trainer.step(queries, responses, [t(1.0), t(0.0)])
+    trained = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad), trained
+    assert all(p.grad is None for p in trainer.ref_model.parameters())
+
+
+def test_batched_forward_pass_is_differentiable_as_legacy_s():
+    """Legacy's step used ``batched_forward_pass`` for the training forward too: a custom loop can backpropagate."""
+    trainer = trainer_for()
+    queries, responses = random_queries(4, seed=1), random_queries(4, seed=2)
+    logprobs, logits, values, masks = trainer.batched_forward_pass(trainer.model, queries, responses,
+                                                                   return_logits=True)
+    assert logprobs.requires_grad and values.requires_grad and logits.requires_grad
+    ((logprobs + values) * masks).sum().backward()
+    assert trainer.model.v_head.summary.weight.grad is not None
+    with torch.no_grad():  # a rollout pass: nothing to backpropagate
+        assert not trainer.batched_forward_pass(trainer.model, queries, responses)[0].requires_grad
