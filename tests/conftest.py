@@ -52,6 +52,21 @@ def _cpu_only_by_name(request):
         yield
 
 
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """``import wandb`` gives a stand-in whose ``Table`` keeps its columns and rows (wandb is not installed here)."""
+    import sys
+    import types
+
+    class Table:
+        def __init__(self, columns, rows):
+            self.columns, self.rows = columns, rows
+
+    module = types.SimpleNamespace(Table=Table)
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def tiny_params():
     from stages.params import load_params

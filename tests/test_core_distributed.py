@@ -220,19 +220,13 @@ def test_a_single_process_group_returns_what_it_is_given():
     raise_if_any(None, group)
 
 
-def test_the_wandb_game_log_holds_every_process_s_rows_in_process_order(monkeypatch):
+def test_the_wandb_game_log_holds_every_process_s_rows_in_process_order(fake_wandb):
     """``log_stats`` with wandb: each process gathers its batch's columns and rewards; the main process alone logs one
     table of them all (legacy's ``gather_object``)."""
-    import sys
     import types
 
     from ppo_core.legacy import LegacyMethods
 
-    class Table:
-        def __init__(self, columns, rows):
-            self.columns, self.rows = columns, rows
-
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Table=Table))
     sent = []
 
     class Logger(LegacyMethods):  # the attributes log_stats reads, as PPOTrainer sets them

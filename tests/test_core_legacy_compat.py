@@ -28,6 +28,7 @@ from ppo_core import (
     PPOTrainer,
 )
 from tests.tiny import (
+    EOS,
     PAD,
     VOCAB,
     random_queries,
@@ -46,11 +47,11 @@ def t(x):
     return torch.tensor(x, dtype=torch.float32)
 
 
-def trainer_for(dataset=None, **config):
+def trainer_for(dataset=None, cls=PPOTrainer, **config):
     options = dict(batch_size=4, mini_batch_size=2, ppo_epochs=1, seed=0) | config
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # no dataset: legacy's warning, tested below
-        return PPOTrainer(PPOConfig(**options), tiny_value_model("gpt2"), tokenizer=tiny_tokenizer(), dataset=dataset)
+        return cls(PPOConfig(**options), tiny_value_model("gpt2"), tokenizer=tiny_tokenizer(), dataset=dataset)
 
 
 @pytest.fixture(scope="module")
@@ -435,8 +436,6 @@ def test_prefixed_state_dict_metadata_survives_a_round_trip():
 def test_generate_cuts_at_the_tokenizer_eos_whatever_eos_token_id_generation_was_given():
     """stack-llama and the T5 example pass an ``eos_token_id`` that never comes (100_000, -1) so that sampling runs
     the full length; legacy then cut each response after the first EOS of the tokenizer, as ppo_core does."""
-    from tests.tiny import EOS
-
     trainer = trainer_for()
     torch.manual_seed(0)
     queries = random_queries(16, seed=5)
@@ -539,10 +538,7 @@ class SuperOnly(PPOTrainer):
 
 
 def step_with(cls, **config):
-    options = dict(batch_size=4, mini_batch_size=2, ppo_epochs=1, seed=0) | config
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # no dataset
-        trainer = cls(PPOConfig(**options), tiny_value_model("gpt2", seed=0), tokenizer=tiny_tokenizer())
+    trainer = trainer_for(cls=cls, **config)
     queries, responses = random_queries(4, seed=1), random_queries(4, seed=2)
     return trainer, trainer.step(queries, responses, [t(1.0), t(-1.0), t(0.5), t(0.0)])
 

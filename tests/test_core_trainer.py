@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 
 import numpy as np
@@ -424,18 +423,10 @@ def test_log_stats_adds_raw_reward_statistics():
     assert all(k in logs for k in stats)
 
 
-class FakeTable:  # wandb.Table's constructor, for a run without wandb installed
-    def __init__(self, columns, rows):
-        self.columns, self.rows = columns, rows
-
-
 @pytest.mark.parametrize("tracker", ["wandb", "tensorboard", "mlflow"])
-def test_log_stats_sends_each_tracker_what_legacy_sent(tracker, monkeypatch):
+def test_log_stats_sends_each_tracker_what_legacy_sent(tracker, monkeypatch, fake_wandb):
     """wandb: everything (arrays become histograms) and the game_log table, no step; tensorboard: the scalars at
     ``current_step``; others: the scalars, no step (an array is no metric to them)."""
-    import types
-
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Table=FakeTable))
     trainer = make_trainer()
     queries, responses, _ = make_batch(4)
     rewards = [torch.tensor(x) for x in (1.0, 2.0, 4.0, 9.0)]
