@@ -215,6 +215,9 @@ def _resolve_estimator(config: PPOConfig) -> None:
     """Fill the estimator settings left None with the estimator's defaults, and check the group sizes."""
     kl_in, kl_loss_coef, aggregation = ESTIMATOR_DEFAULTS[config.advantage_estimator]
     config.kl_in = config.kl_in or kl_in
+    check_range("kl_loss_coef", config.kl_loss_coef, f"unset (or 0) when the KL is in the reward (kl_in "
+                f"{config.kl_in!r}, whose coefficient is init_kl_coef)",
+                config.kl_in == "loss" or not config.kl_loss_coef, "set kl_in: 'loss' for a KL loss term")
     config.kl_loss_coef = kl_loss_coef if config.kl_loss_coef is None else config.kl_loss_coef
     config.loss_aggregation = config.loss_aggregation or aggregation
     group = config.num_generations

@@ -61,6 +61,13 @@ def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scal
     return (centred / (std + eps)).reshape(-1)
 
 
+def zero_std_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(B,) -> (B / G,)`` float: 1 where every sample of the prompt has the same score. Such a group has no learning
+    signal (every advantage 0): the share of them is what GRPO users watch (TRL's ``frac_reward_zero_std``)."""
+    groups = grouped(scores, group_size)  # (P, G)
+    return (groups == groups[:, :1]).all(dim=1).to(scores.dtype)
+
+
 def centred_on_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """``(B,)`` scores minus their group's mean (REINFORCE++-baseline's baseline, before the KL shaping)."""
     groups = grouped(scores, group_size)

@@ -57,7 +57,7 @@ from transformers import PreTrainedTokenizerBase
 
 from . import checkpoint
 from .advantages import kl_loss, loss_reduction, step_advantages
-from .config import PPOConfig
+from .config import GROUP_ESTIMATORS, PPOConfig
 from .core import convert_to_scalar, entropy_from_logits, flatten_dict, stats_to_np
 from .cpu_attention import float32_attention_on_cpu
 from .distributed import (
@@ -70,7 +70,8 @@ from .distributed import (
     raise_if_any,
     tokens_per_process,
 )
-from .estimators import check_prompt_groups
+from .estimators import check_prompt_groups, zero_std_groups
+from .generation import check_group_sampling
 from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
 from .legacy import LegacyMethods, check_arguments, default_optimizer, overridden_step_hooks
 from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
@@ -200,6 +201,9 @@ class PPOTrainer(LegacyMethods):
         decoder start token. ``generate_ref_response`` also samples from the reference (for a PEFT
         policy without ``ref_model``: the adapter-disabled model) and returns both.
         """
+        check_group_sampling(self.config, generation_kwargs,
+                             self.accelerator.unwrap_model(self.model).pretrained_model.generation_config)
+
         def sample(model):
             return self._generate_batched(model, query_tensor, length_sampler, batch_size, return_prompt,
                                           **generation_kwargs)
@@ -283,6 +287,9 @@ class PPOTrainer(LegacyMethods):
                 ref_logprobs=rollout.ref_logprobs, non_score_reward=shaped.non_score_rewards, kls=shaped.kls,
                 masks=mask, queries=queries, responses=responses, train_stats=train_stats,
                 advantages=rollout.advantages)))
+        if cfg.advantage_estimator in GROUP_ESTIMATORS:  # groups with one score for all: no learning signal
+            flat = self._group.gather(zero_std_groups(scores, cfg.num_generations))  # (global prompts,)
+            stats["ppo/frac_reward_zero_std"] = float(flat.mean())
         # 8. KL controller, scheduler, step counter
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         if self._updates.loss_scaled:  # fp16: the scale after this step's updates

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
+from ppo_core.config import GROUP_ESTIMATORS
 from ppo_core.fields import ConfigError, check_keys, check_range, checked
 from stages.runtime import ParamsError
 
@@ -244,7 +245,12 @@ def load_params(path: str | Path) -> Params:
         raise ParamsError(f"{path}: {err.message('')}{hint}") from None
     with warnings.catch_warnings():  # deprecation warnings come again when the ppo stage builds its config
         warnings.simplefilter("ignore")
-        ppo_config(params)  # every stage checks the ppo section: a typo there fails at once, not after sft
+        config = ppo_config(params)  # every stage checks the ppo section: a typo there fails at once, not after sft
+    if config.advantage_estimator in GROUP_ESTIMATORS and not params.generation.do_sample:
+        raise ParamsError(f"{path}: generation.do_sample is false, but ppo.advantage_estimator "
+                          f"{config.advantage_estimator} compares ppo.num_generations={config.num_generations} samples "
+                          "of each prompt: greedy decoding makes them identical (every advantage 0); set "
+                          "generation.do_sample: true")
     return params
 
 
@@ -267,6 +273,7 @@ def ppo_config(params: Params):
 
 def _check_values(p: Params) -> None:
     """Range and cross-section checks, done once at load (a ConfigError names the first that fails)."""
+    check_range("seed", p.seed, ">= 0", p.seed >= 0)  # before the ppo section, whose seed defaults to it
     positive = {
         "model.vocab_size": p.model.vocab_size, "model.n_layer": p.model.n_layer, "model.n_head": p.model.n_head,
         "model.n_embd": p.model.n_embd, "model.n_positions": p.model.n_positions,
@@ -288,8 +295,10 @@ def _check_values(p: Params) -> None:
         ("reward.eval_fraction", p.reward.eval_fraction, "in (0, 1)", 0 < p.reward.eval_fraction < 1),
         ("sft.warmup_ratio", p.sft.warmup_ratio, "in [0, 1)", 0 <= p.sft.warmup_ratio < 1),
         ("reward.warmup_ratio", p.reward.warmup_ratio, "in [0, 1)", 0 <= p.reward.warmup_ratio < 1),
+        ("tokenize.min_query_tokens", p.tokenize.min_query_tokens, ">= 1", p.tokenize.min_query_tokens >= 1),
         ("tokenize.min_query_tokens", p.tokenize.min_query_tokens, "<= tokenize.max_query_tokens",
          p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens),
+        *generation_checks(p.generation),
         ("scorer.name", p.scorer.name, f"set for scorer.source {p.scorer.source}",
          p.scorer.source == "reward_model" or bool(p.scorer.name)),
         ("evaluate.n_prompts", p.evaluate.n_prompts, "null or >= 1",
@@ -304,6 +313,8 @@ def _check_values(p: Params) -> None:
     if p.model.name_or_path is None:
         n_positions = p.model.n_positions
         checks += [
+            ("model.vocab_size", p.model.vocab_size, f">= {MIN_VOCAB} (the 256 bytes of the byte-level BPE and its "
+             "2 special tokens)", p.model.vocab_size >= MIN_VOCAB),
             ("model.n_embd", p.model.n_embd, "a multiple of model.n_head", p.model.n_embd % p.model.n_head == 0),
             ("sft.max_length", p.sft.max_length, f"<= model.n_positions ({n_positions})",
              p.sft.max_length <= n_positions),
@@ -315,3 +326,18 @@ def _check_values(p: Params) -> None:
         ]
     for key, value, expected, ok in checks:
         check_range(key, value, expected, ok)
+
+
+MIN_VOCAB = 256 + 2  # a tokenizer trained from scratch: every byte, plus EOS and PAD (stages/sft.py)
+
+
+def generation_checks(g: GenerationParams) -> list[tuple[str, Any, str, bool]]:
+    """The `generation` section's ranges, as transformers' `generate()` would refuse them only after the models
+    load (or, for `top_p` above 1, not at all: it would sample as if 1.0)."""
+    return [
+        ("generation.temperature", g.temperature, "> 0 (sampling divides the logits by it; greedy decoding is "
+         "generation.do_sample: false)", g.temperature > 0),
+        ("generation.top_k", g.top_k, ">= 0 (0: no top-k filtering)", g.top_k >= 0),
+        ("generation.top_p", g.top_p, "in (0, 1] (1.0: no nucleus filtering)", 0 < g.top_p <= 1),
+        ("generation.min_length", g.min_length, ">= -1 (-1: no minimum)", g.min_length >= -1),
+    ]

@@ -148,3 +148,31 @@ def test_grpo_steps_with_lora_and_encoder_decoder_policies(policy):
     for name, param in model.named_parameters():
         trainable = ("lora_" in name) if peft is not None else not name.startswith("v_head.")
         assert torch.equal(param, before[name]) != trainable, name
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_generate_refuses_to_decode_a_group_greedily(estimator):
+    """Greedy decoding gives every sample of a prompt the same response, so every advantage is 0: refused, whether
+    do_sample=False is passed or is the model's generation default."""
+    trainer = make_trainer(estimator, size=4, batch=8)
+    queries = grouped_queries(2, 4, seed=0)
+    with pytest.raises(ValueError, match=rf"^generate: greedy decoding \(do_sample=False\) gives num_generations=4 "
+                                         rf"identical responses to each prompt, so {estimator}'s advantages are all 0"):
+        trainer.generate(queries, return_prompt=False, max_new_tokens=4, do_sample=False)
+    trainer.model.pretrained_model.generation_config.do_sample = False
+    with pytest.raises(ValueError, match="greedy decoding"):
+        trainer.generate(queries, return_prompt=False, max_new_tokens=4)
+    gae = PPOTrainer(PPOConfig(batch_size=8, mini_batch_size=4), tiny_value_model("gpt2"), tokenizer=tiny_tokenizer())
+    assert len(gae.generate(queries, return_prompt=False, max_new_tokens=4, do_sample=False)) == 8  # no groups
+
+
+def test_the_share_of_groups_without_a_reward_spread_is_a_stat():
+    """ppo/frac_reward_zero_std: the prompts whose samples all scored the same (no learning signal for a group
+    estimator), as TRL's GRPO logs it; absent for PPO, which has no groups."""
+    trainer = make_trainer("grpo", size=4, batch=16)
+    queries, responses, _ = rollout(trainer, 0, 4)
+    scores = [torch.tensor(v) for v in [1.0] * 4 + [0.0, 1.0, 0.0, 0.0] + [2.5] * 4 + [3.0, 3.0, 3.0, 3.5]]
+    stats = trainer.step(queries, responses, scores)
+    assert stats["ppo/frac_reward_zero_std"] == 0.5  # groups 0 and 2 of 4
+    gae = PPOTrainer(PPOConfig(batch_size=16, mini_batch_size=8), tiny_value_model("gpt2"), tokenizer=tiny_tokenizer())
+    assert "ppo/frac_reward_zero_std" not in gae.step(queries, responses, scores)
