@@ -23,6 +23,9 @@ import pyarrow.parquet as pq
 from stages.runtime import StageError, reason
 
 # Artifacts, relative to the project root (dvc.yaml declares the same paths).
+SOURCES_DATA = Path("data/sources/data.json")  # what the user's own material is now (stages/sources.py)
+SOURCES_MODEL = Path("data/sources/model.json")
+SOURCES_SCORER = Path("data/sources/scorer.json")
 RAW_SFT = Path("data/raw/sft.parquet")
 RAW_PAIRS = Path("data/raw/pairs.parquet")
 RAW_PROMPTS_TRAIN = Path("data/raw/prompts_train.parquet")
@@ -112,9 +115,12 @@ PARQUET_OPTIONS = dict(
 )
 
 
-def write_parquet(columns: dict[str, Sequence[Any]], path: Path) -> None:
-    """Write equal-length columns to Parquet, atomically and deterministically."""
+def write_parquet(columns: dict[str, Sequence[Any]], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write equal-length columns to Parquet, atomically and deterministically; ``metadata``: the schema's key-value
+    metadata (what the rows were made with, e.g. ``TOKENIZER_KEY``)."""
     table = pa.table({name: list(values) for name, values in columns.items()})
+    if metadata:
+        table = table.replace_schema_metadata(metadata)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, **PARQUET_OPTIONS)
 
@@ -175,6 +181,32 @@ def read_table(path: Path, columns: Sequence[str]):
     except (pa.ArrowException, OSError) as err:  # empty, truncated or not Parquet at all
         raise StageError(f"{path}: not a readable Parquet file ({reason(err)}); rerun the stage that writes it "
                          f"(`dvc repro -f {writer_of(path)}`, or `dvc checkout` for the last good one)") from None
+
+
+# The files of a saved tokenizer (whichever of them a tokenizer has): what its token ids mean.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
+TOKENIZER_KEY = "tokenizer_sha256"  # data/tokenized/*.parquet's metadata: the tokenizer its ids come from
+
+
+def tokenizer_digest(model_dir: Path) -> str:
+    """SHA-256 of the tokenizer saved in ``model_dir`` (its `TOKENIZER_FILES`, names and bytes)."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        file = Path(model_dir) / name
+        if file.is_file():
+            h.update(name.encode() + b"\0")
+            hash_file(h, file)
+    return h.hexdigest()
+
+
+def check_tokenized_with(path: Path, model_dir: Path) -> None:
+    """Refuse token ids that another tokenizer than ``model_dir``'s made (the stage that tokenized them ran before the
+    one that saved this tokenizer, e.g. `rlhf sft` with a new vocabulary and no `rlhf tokenize` after it)."""
+    made_with = (pq.read_schema(path).metadata or {}).get(TOKENIZER_KEY.encode())
+    if made_with is not None and made_with.decode() != tokenizer_digest(model_dir):
+        raise StageError(f"{path}: tokenized with another tokenizer than {model_dir}'s (it was saved again after "
+                         f"{writer_of(path)} ran); rerun {writer_of(path)} (`rlhf {writer_of(path)}`, or `dvc repro`)")
 
 
 def evaluation_metrics(ppo: dict[str, float], sft: dict[str, float], win: float) -> dict:

@@ -25,13 +25,14 @@ from stages.artifacts import (
     PPO_MODEL,
     SFT_MODEL,
     TOKENIZED_TRAIN,
+    check_tokenized_with,
     read_table,
     require_dir,
 )
 from stages.models import is_encoder_decoder, lora_config, model_context
 from stages.params import Params, ppo_config
 from stages.ppo_run import checkpoint, gather_columns, publish, record, resume
-from stages.runtime import Progress, StageError, process_state
+from stages.runtime import Progress, StageError, note, process_state, warning
 from stages.scoring import build_scorer, reward_adapter, scored
 from stages.synthetic import gold_score
 
@@ -40,13 +41,19 @@ def run(params: Params, root: Path = Path(".")) -> str:
     set_seed(params.seed)
     config = ppo_config(params)
     prompts = read_table(root / TOKENIZED_TRAIN, ["query", "input_ids"])
-    world = process_state().num_processes  # under `accelerate launch`: ppo.batch_size is per process, as in the seed
+    state = process_state()
+    world = state.num_processes  # under `accelerate launch`: ppo.batch_size is per process, as in the seed
     per_step = config.batch_size * world // config.num_generations  # distinct prompts in a global batch
     if len(prompts) < per_step:
         raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than the {per_step} of one step "
                          f"(ppo.batch_size={config.batch_size} x {world} processes / ppo.num_generations="
                          f"{config.num_generations}); lower ppo.batch_size in {params.path} or give more prompts")
+    if config.steps % config.batch_size and state.is_main_process:
+        total = config.total_ppo_epochs
+        note(f"ppo: ppo.steps ({config.steps}) is not a multiple of ppo.batch_size ({config.batch_size}): running "
+             f"{total} step{'s' * (total > 1)} of {config.batch_size} rollouts ({total * config.batch_size} in all)")
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
+    check_tokenized_with(root / TOKENIZED_TRAIN, root / SFT_MODEL)
     seq2seq, lora = is_encoder_decoder(root / SFT_MODEL), params.model.lora
     longest, context = max(map(len, prompts["input_ids"])), model_context(root / SFT_MODEL)
     new_tokens = params.generation.max_new_tokens
@@ -76,6 +83,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
         next(batches)
     total = config.total_ppo_epochs
     progress = Progress("ppo", total, start=start, main=main)  # step i/N, ETA, the last step's reward and KL
+    warned_flat = False
     for step in range(start, total):
         idx = next(batches)[rank * config.batch_size:(rank + 1) * config.batch_size]  # this process's share
         query_tensors = [torch.tensor(prompts["input_ids"][i]) for i in idx]
@@ -110,6 +118,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
         if main:  # only the main process writes
             record(root, step, rollouts, tables)
         progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
+        warned_flat = warned_flat or warn_if_flat_groups(stats, step, main)
         # 5. checkpoint
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
@@ -120,6 +129,21 @@ def run(params: Params, root: Path = Path(".")) -> str:
     resumed = f", resumed at step {start}" if start else ""
     return (f"{len(tables.curves)} steps{resumed}, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, "
             f"kl {last['kl']:.2f} -> {PPO_MODEL}")
+
+
+FLAT = "ppo/frac_reward_zero_std"
+
+
+def warn_if_flat_groups(stats: dict, step: int, main: bool) -> bool:
+    """Warn (once: returns True when it did) when most prompts' samples all got the same score: a group estimator
+    learns nothing from those (every advantage 0); the share is the step's ``ppo/frac_reward_zero_std``."""
+    if stats.get(FLAT, 0.0) <= 0.5:
+        return False
+    if main:
+        warning(f"ppo: step {step + 1}: in {stats[FLAT]:.0%} of the prompts every sample got the same score, so "
+                f"their advantages are 0 and they teach nothing ({FLAT} in data/ppo/stats.parquet); a scorer with "
+                "finer grades, a higher generation.temperature or a larger ppo.num_generations gives them a signal")
+    return True
 
 
 def query_batches(n: int, batch_size: int, seed: int, group_size: int = 1) -> Iterator[list[int]]:

@@ -13,7 +13,7 @@ from ppo_core.utils import set_seed
 from stages import synthetic
 from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, write_parquet
 from stages.params import SYNTHETIC, DatasetSpec, Params
-from stages.runtime import StageError, note, reason
+from stages.runtime import StageError, note, reason, untracked_hint
 
 COLUMNS = {"sft": ("text",), "pairs": ("prompt", "chosen", "rejected"), "prompts": ("query",)}
 LOCAL_READERS = {".parquet": "read_parquet", ".jsonl": "read_json", ".json": "read_json", ".csv": "read_csv"}
@@ -60,12 +60,31 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
         if bad:
             raise StageError(f"{spec.source}: column '{theirs}' has {bad} values that are not text "
                              "(missing or numbers); clean the file")
+    frame = without_blank_texts(frame, spec, name)
     order = list(range(len(frame)))
     random.Random(f"{params.seed}-{name}").shuffle(order)
     if spec.n is not None and spec.n > len(frame):
         note(f"prepare: data.{name}.n is {spec.n}, but {spec.source} has {len(frame)} rows: using all {len(frame)}")
     frame = frame.iloc[order[:spec.n]]
     return {ours: frame[spec.columns[ours]].tolist() for ours in COLUMNS[name]}
+
+
+# The columns that must hold text: a blank one (empty, or only whitespace) would be trained on as if it were some.
+NON_BLANK = {"sft": ("text",), "pairs": ("chosen", "rejected"), "prompts": ("query",)}
+
+
+def without_blank_texts(frame, spec: DatasetSpec, name: str):
+    """``frame`` without the rows whose text columns (`NON_BLANK`) are blank, said in a note; none left is an error."""
+    theirs = [spec.columns[ours] for ours in NON_BLANK[name]]
+    blank = frame[theirs].apply(lambda column: column.str.strip() == "").any(axis=1)
+    if not blank.any():
+        return frame
+    if blank.all():
+        raise StageError(f"{spec.source}: every row's {'/'.join(theirs)} is blank (empty or only whitespace) "
+                         f"(data.{name}.source); give a dataset with text")
+    note(f"prepare: {int(blank.sum())} of {len(frame)} rows of {spec.source} have a blank {'/'.join(theirs)} (empty or "
+         "only whitespace): dropped")
+    return frame[~blank].reset_index(drop=True)
 
 
 def generate(name: str, n: int, seed: int) -> dict[str, list[str]]:
@@ -87,18 +106,46 @@ def read_source(spec: DatasetSpec, name: str):
         return read_hub(spec, name)
     if reader is not None and not path.exists():
         raise StageError(f"{path}: file not found (data.{name}.source); give an existing file, a Hugging Face "
-                         f"dataset id, or '{SYNTHETIC}'")
+                         f"dataset id, or '{SYNTHETIC}'{untracked_hint(path)}")
     if reader is None or not path.is_file():
         raise StageError(f"{path}: not a readable .parquet/.jsonl/.json/.csv file (data.{name}.source); "
                          f"give one of those, a Hugging Face dataset id, or '{SYNTHETIC}'")
-    kwargs = {"read_json": {"lines": path.suffix.lower() == ".jsonl", "dtype": False},
-              "read_csv": {"dtype": str}}.get(reader, {})
+    if path.suffix.lower() == ".jsonl":
+        return read_jsonl(path)
+    kwargs = {"read_json": {"dtype": False}, "read_csv": {"dtype": str}}.get(reader, {})
     try:
         return getattr(pd, reader)(path, **kwargs)
     except (ValueError, OSError) as err:
         if reader == "read_csv" and isinstance(err, pd.errors.EmptyDataError):
             return pd.DataFrame()
         raise StageError(f"{path}: could not be read as {path.suffix} ({reason(err, 200)})") from None
+
+
+def read_jsonl(path: Path):
+    """A JSON Lines file (one object per line, blank lines skipped) as a DataFrame; a bad line is an error naming its
+    number (strict JSON: pandas' own reader accepts trailing commas and names a byte offset)."""
+    import json
+
+    import pandas as pd
+
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as err:
+                    raise StageError(f"{path}:{number}: not valid JSON ({err.msg}, column {err.colno}); fix that "
+                                     "line") from None
+                if not isinstance(row, dict):
+                    raise StageError(f"{path}:{number}: expected a JSON object (one row), got "
+                                     f"{type(row).__name__}; fix that line")
+                rows.append(row)
+    except UnicodeDecodeError as err:
+        raise StageError(f"{path}: not UTF-8 text ({reason(err)}); save it as UTF-8") from None
+    return pd.DataFrame(rows)
 
 
 def read_hub(spec: DatasetSpec, name: str):

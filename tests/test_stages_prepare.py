@@ -119,3 +119,28 @@ def test_hub_dataset_offline_is_a_clear_error(tiny_params):
     spec = DatasetSpec(source="someone/movie-reviews", split="train", columns={"text": "text"}, n=None)
     with pytest.raises(StageError, match=r"someone/movie-reviews: could not load .* HF_HUB_OFFLINE=0"):
         prepare.load(spec, "sft", tiny_params)
+
+
+def test_blank_rows_are_dropped_and_said(tiny_params, real_files, capfd):
+    """Prompts that are empty or only whitespace would be tokenized to a few space tokens and trained on as if they
+    were prompts: dropped, with a note that counts them."""
+    prompts = [f"prompt {i}" for i in range(10)] + ["", "   ", "\t \n"] * 4
+    (real_files / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    prepare.run(with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files)), real_files / "project")
+    kept = pd.concat([pd.read_parquet(real_files / "project" / p) for p in (RAW_PROMPTS_TRAIN, RAW_PROMPTS_EVAL)])
+    assert sorted(kept["query"]) == sorted(f"prompt {i}" for i in range(10))
+    assert f"note: prepare: 12 of 22 rows of {real_files / 'prompts.jsonl'} have a blank prompt (empty or only " \
+           "whitespace): dropped\n" in capfd.readouterr().err
+
+
+def test_a_malformed_jsonl_line_is_named_by_its_number(tiny_params, real_files):
+    """Strict JSON, line by line (pandas' reader accepts a trailing comma and names a byte offset for other errors)."""
+    lines = (real_files / "sft.jsonl").read_text().splitlines()
+    lines[4] = lines[4].rstrip("}") + ",}"
+    (real_files / "sft.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(StageError, match=r"sft.jsonl:5: not valid JSON \(Expecting property name enclosed in double "
+                                         r"quotes, column \d+\); fix that line$"):
+        prepare.run(with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files)), real_files / "project")
+    (real_files / "sft.jsonl").write_text('{"review": "fine"}\n["not", "a", "row"]\n')
+    with pytest.raises(StageError, match=r"sft.jsonl:2: expected a JSON object \(one row\), got list; fix that line"):
+        prepare.run(with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files)), real_files / "project")

@@ -346,3 +346,52 @@ def test_real_data_runs_have_no_gold_score(tiny_run, tiny_params, tmp_path):
     assert "gold_mean" not in pd.read_csv(root / PPO_CURVES).columns
     metrics = json.loads((root / EVAL_METRICS).read_text())
     assert set(metrics) == {"win_rate", "reward", "kl", "length", "sft"} and set(metrics["sft"]) == {"reward", "length"}
+
+
+def copy_for_ppo(tiny_run, tmp_path):
+    """A project holding what the ppo stage reads (and none of what it writes)."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "ppo", "eval", "report", "logs"))
+    shutil.rmtree(root / PPO_MODEL, ignore_errors=True)
+    return root
+
+
+def test_groups_without_a_reward_spread_are_warned_about_once(tiny_run, tiny_params, tmp_path, monkeypatch, capfd):
+    """GRPO with a scorer that gives most prompts' samples one score learns nothing from them: the share is in the
+    stats every step, and the log says so once (not at every step)."""
+    (tmp_path / "flat_scores.py").write_text("def score(texts):\n    return [float(len(texts) > 99)] * len(texts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = copy_for_ppo(tiny_run, tmp_path)
+    params = dataclasses.replace(
+        tiny_params, scorer=ScorerParams(source="callable", name="flat_scores:score", label="POSITIVE", batch_size=8),
+        ppo={**tiny_params.ppo, "advantage_estimator": "grpo", "num_generations": 4})
+    ppo.run(params, root)
+    assert (pd.read_parquet(root / PPO_STATS)["ppo/frac_reward_zero_std"] == 1.0).all()
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: ppo: step 1: in 100% of the prompts every sample got the same score, so their "
+                        "advantages are 0 and they teach nothing (ppo/frac_reward_zero_std in data/ppo/stats.parquet); "
+                        "a scorer with finer grades, a higher generation.temperature or a larger ppo.num_generations "
+                        "gives them a signal"]
+
+
+def test_steps_that_are_not_a_whole_number_of_batches_are_said(tiny_run, tiny_params, tmp_path, capfd):
+    """Legacy rounds ppo.steps up to whole step() calls (total_ppo_epochs): kept, and said."""
+    root = copy_for_ppo(tiny_run, tmp_path)
+    summary = ppo.run(dataclasses.replace(tiny_params, ppo={**tiny_params.ppo, "steps": 10}), root)
+    assert summary.startswith("2 steps, reward")
+    assert "note: ppo: ppo.steps (10) is not a multiple of ppo.batch_size (8): running 2 steps of 8 rollouts (16 in " \
+           "all)\n" in capfd.readouterr().err
+
+
+def test_prompts_tokenized_by_another_tokenizer_are_refused(tiny_run, tiny_params, tmp_path):
+    """`rlhf sft` with a new vocabulary, then `rlhf ppo` without `rlhf tokenize`: the token ids on disk mean other
+    tokens now (or none: an IndexError deep in the embedding). The tokenizer they were made with is recorded with
+    them, and checked."""
+    root = copy_for_ppo(tiny_run, tmp_path)
+    sft.run(dataclasses.replace(tiny_params, model=dataclasses.replace(tiny_params.model, vocab_size=290)), root)
+    with pytest.raises(StageError, match=r"data/tokenized/train.parquet: tokenized with another tokenizer than "
+                                         r".*data/models/sft's \(it was saved again after tokenize ran\); rerun "
+                                         r"tokenize \(`rlhf tokenize`, or `dvc repro`\)$"):
+        ppo.run(tiny_params, root)
+    tokenize.run(tiny_params, root)
+    ppo.run(tiny_params, root)  # tokenized again: accepted
