@@ -23,7 +23,7 @@ from stages.pipeline import stages
 from stages.runtime import StageError
 
 app = typer.Typer(
-    help="RLHF pipeline stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate -> report. "
+    help="RLHF pipeline stages: (sources) -> prepare -> sft -> reward -> tokenize -> ppo -> evaluate -> report. "
     "`dvc repro` runs them in order; each one can also run alone.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
 )
@@ -70,6 +70,9 @@ def restore_hint() -> str:
 
 # What each stage does; what it reads and writes is dvc.yaml's, added by `stage_help`.
 DESCRIPTIONS = {
+    "sources": "Hash the user's own material that params.yaml names (local data files, a local model, the scorer's "
+               "code or model), wherever it lies, so that DVC reruns the stages that read it when it changes (DVC runs "
+               "this stage at every `dvc repro`).",
     "prepare": "Build the raw datasets: SFT texts, preference pairs, PPO prompts (train and held-out eval), from the "
                "embedded generator or the files and Hugging Face datasets named in params section data.",
     "sft": "Supervised fine-tuning of the policy on the SFT texts (causal LM loss, transformers.Trainer).",
@@ -119,3 +122,19 @@ def report(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False,
             raise
         typer.echo(f"error: report: {err}", err=True)
         raise typer.Exit(2) from None
+
+
+def print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        libraries = ", ".join(f"{name} {version(name)}" for name in ("torch", "transformers", "accelerate", "dvc"))
+        typer.echo(f"rlhf {version('rlhf-pipeline')} ({libraries})")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=print_version, is_eager=True,
+                                               help="Print the version (and the key libraries') and exit.")] = False
+         ) -> None:
+    """RLHF pipeline stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate -> report."""

@@ -39,7 +39,7 @@ from stages.params import Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_checkpoint_dir
 from stages.runtime import StageError, note
-from stages.scoring import scorer_origin
+from stages.sources import scorer_origin
 
 STATE = "state"  # the trainer's checkpoint directory (ppo_core's format, with or without DeepSpeed)
 

@@ -41,12 +41,13 @@ def fingerprint(params: Params, keys: Iterable[str], inputs: Iterable[Path], roo
                 code: Iterable[str] = ()) -> dict[str, Any]:
     """What a stage's state depends on: the values of its params `keys` (dotted, as dvc.yaml lists them; those
     of `NO_OUTPUT_EFFECT` sections left out), the SHA-256 of each input file or directory (paths relative to
-    `root`), of the Python sources of each `code` path (relative to the repository, as dvc.yaml lists them) and
+    `root`; None for one that is not there: data/sources/*, when a stage runs alone before the sources stage ever
+    did), of the Python sources of each `code` path (relative to the repository, as dvc.yaml lists them) and
     the versions of `LIBRARIES`. A stage adds what else its results depend on to "code" and "versions" (the ppo
-    stage: the user's reward function, see `stages.scoring.scorer_origin`)."""
+    stage: the user's reward function, see `stages.sources.scorer_origin`)."""
     keys = [key for key in keys if key.split(".")[0] not in NO_OUTPUT_EFFECT]
     return {"params": {key: _plain(_lookup(params, key)) for key in keys},
-            "inputs": {str(path): digest(root / path) for path in inputs},
+            "inputs": {str(path): digest(root / path) if (root / path).exists() else None for path in inputs},
             "code": {str(path): digest(CODE_ROOT / path, "*.py") for path in code},
             "versions": library_versions()}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 
 class StageError(Exception):
@@ -27,6 +28,15 @@ def reason(err: BaseException, limit: int = 160) -> str:
     if len(text) <= limit:
         return text
     return text[:limit].rsplit(" ", 1)[0].rstrip(" ,;:(") + " ..."
+
+
+def untracked_hint(path: str | Path) -> str:
+    """In a queued or `--temp` DVC experiment, which runs in a copy of the project under .dvc/tmp/exps holding only
+    the files git tracks (staged ones included): how to give it ``path``. Elsewhere, nothing."""
+    if ".dvc/tmp/exps/" not in f"{Path.cwd().as_posix()}/":
+        return ""
+    return (f"; queued experiments run in a copy of the project that holds only the files git tracks: `git add {path}`"
+            f" (staging is enough), or pass `-C {path}` to `dvc exp run`")
 
 
 def note(message: str) -> None:

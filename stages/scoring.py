@@ -2,22 +2,18 @@
 
 `scorer.source` is the trained reward model (default), a transformers text-classification pipeline (the raw score
 of `scorer.label`, as in the seed), or a Python callable `module:function` taking the list of texts. A user's reward
-function belongs in the `rewards/` package (`scorer.name: rewards.<module>:<function>`), which dvc.yaml lists
-among the ppo stage's deps: editing it reruns ppo. One defined elsewhere in the project is not tracked (a warning
-says so); one from an installed package is known by the package's version. Either way the resumable state's
-fingerprint covers it (`scorer_origin`).
+function goes in the `rewards/` package (`scorer.name: rewards.<module>:<function>`), which dvc.yaml lists among
+the ppo stage's deps, or anywhere Python finds it: the sources stage hashes the module's file wherever it is, one from
+an installed package is known by the package's version (`scorer_origin`), so editing it reruns ppo and evaluate.
+The resumable state's fingerprint covers it too.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import sysconfig
 import traceback
 from collections.abc import Callable
-from importlib.metadata import packages_distributions, version
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -26,8 +22,7 @@ from transformers import pipeline
 from stages.artifacts import REWARD_ADAPTER, REWARD_MODEL
 from stages.models import load_reward_model, reward_scores
 from stages.params import Params
-from stages.resume import CODE_ROOT, digest
-from stages.runtime import StageError, device, process_state, reason, warning
+from stages.runtime import StageError, device, reason, untracked_hint
 
 REWARDS = "rewards"  # the package of user reward functions, a dep of the ppo stage in dvc.yaml
 
@@ -61,7 +56,8 @@ def build_scorer(params: Params, root: Path, policy=None) -> Callable[[list[str]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        raise StageError(f"{where} is not an importable 'module:function' ({err})") from None
+        missing = f"{(err.name or module_name).replace('.', '/')}.py"
+        raise StageError(f"{where} is not an importable 'module:function' ({err}){untracked_hint(missing)}") from None
     except SyntaxError as err:  # the user's own file: say where, in one line
         raise StageError(f"{where}: {shown(err.filename)}:{err.lineno}: SyntaxError: {err.msg}") from err
     except Exception as err:  # anything the module's own code raises on import
@@ -118,41 +114,6 @@ def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: 
         raise StageError(f"PPO step {step + 1}: scorer ({params.scorer.source}{name}) raised {raised_at(err)}") \
             from err
     return checked_scores(scores, len(texts), params, step)
-
-
-def scorer_origin(params: Params) -> dict[str, dict[str, Any]]:
-    """What the scores depend on beyond the params and the stage's inputs, as fingerprint entries: {"code": {file:
-    sha256}} for a callable defined in a file (warning once when dvc.yaml does not track that file), {"versions":
-    {distribution: version}} for one from an installed package, {"inputs": {dir: sha256}} for a pipeline model given
-    as a local directory; {} for the reward model (an input of the stage already)."""
-    spec = params.scorer
-    if spec.source == "pipeline":
-        local = Path(spec.name)
-        return {"inputs": {spec.name: digest(local)}} if local.is_dir() else {}
-    if spec.source != "callable":
-        return {}
-    module_name = spec.name.partition(":")[0]
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    file = Path(getattr(module, "__file__", None) or "")
-    if not file.is_file():
-        return {}
-    file = file.resolve()
-    source = file.parent if file.name == "__init__.py" else file
-    distribution = next(iter(packages_distributions().get(module_name.split(".")[0], [])), None)
-    if distribution is not None and any(file.is_relative_to(folder) for folder in installed_code_folders()):
-        return {"versions": {distribution: version(distribution)}}
-    name = str(source.relative_to(CODE_ROOT) if source.is_relative_to(CODE_ROOT) else source)
-    if not file.is_relative_to(CODE_ROOT / REWARDS) and process_state().is_main_process:
-        warning(f"ppo: scorer.name '{spec.name}' is defined in {name}, which dvc.yaml does not track: editing it will "
-                f"not rerun ppo; move it under {REWARDS}/ (scorer.name: {REWARDS}.{module_name.split('.')[-1]}:"
-                f"{spec.name.partition(':')[2]})")
-    return {"code": {name: digest(source, "*.py")}}
-
-
-def installed_code_folders() -> list[Path]:
-    """Where installed packages live (site-packages): code there is known by its distribution's version."""
-    paths = sysconfig.get_paths()
-    return [Path(paths[key]).resolve() for key in ("purelib", "platlib")]
 
 
 def checked_scores(scores, n: int, params: Params, step: int) -> list[float]:

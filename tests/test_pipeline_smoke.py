@@ -5,6 +5,7 @@ makes ppo stale, `dvc exp run -S`, and a queued sweep that reruns nothing upstre
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ ENV = {
     "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@example.invalid",
     "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@example.invalid",
 }
-STAGES = ("prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report")
+STAGES = ("sources", "prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report")
 PPO_OUTPUTS = ["data/models/ppo/model.safetensors", "data/ppo/stats.parquet", "data/ppo/curves.csv",
                "data/ppo/metrics.json", "data/ppo/rollouts/step-00000.parquet", "data/ppo/rollouts/step-00001.parquet"]
 
@@ -43,8 +44,18 @@ def dvc(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProces
 
 
 def ran(output: str) -> list[str]:
-    """The stages DVC ran (not skipped nor restored from its run-cache), in order, from its output."""
-    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+    """The stages DVC ran (not skipped nor restored from its run-cache), in order, from its output; but the sources
+    stage, which DVC runs first at every `dvc repro` (it hashes the user's own files: `always_changed`)."""
+    found = [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+    assert found[:1] == ["sources"], output[-2000:]
+    return [name for name in found if name != "sources"]
+
+
+def status(repo: Path) -> dict:
+    """`dvc status`, less the sources stage's "always changed" (the one thing it always says)."""
+    found = json.loads(dvc("status", "--json", cwd=repo).stdout)
+    assert found.pop("sources", None) == ["always changed"], found
+    return found
 
 
 def contents(repo: Path, paths: list[str]) -> dict[str, bytes]:
@@ -68,7 +79,7 @@ def repo(tmp_path_factory) -> Path:
     run("git", "add", "-A", cwd=repo)
     run("git", "commit", "-qm", "tiny project", cwd=repo)  # dvc exp run needs a commit
     out = dvc("repro", cwd=repo).stdout
-    assert ran(out) == list(STAGES)
+    assert ran(out) == list(STAGES[1:])
     run("git", "add", "dvc.lock", cwd=repo)
     run("git", "commit", "-qm", "lock", cwd=repo)
     return repo
@@ -76,7 +87,7 @@ def repo(tmp_path_factory) -> Path:
 
 def assert_clean(repo: Path) -> None:
     """Nothing for dvc to do, and nothing for git to commit."""
-    assert json.loads(dvc("status", "--json", cwd=repo).stdout) == {}
+    assert status(repo) == {}
     assert run("git", "status", "--porcelain", cwd=repo).stdout == ""
 
 
@@ -86,7 +97,7 @@ def test_repro_leaves_no_state_and_a_second_repro_does_nothing(repo):
     assert (repo / "data" / "logs" / "ppo" / "timings.csv").exists()  # kept, but not an output
     assert_clean(repo)
     out = dvc("repro", cwd=repo).stdout
-    assert ran(out) == [] and out.count("didn't change, skipping") == len(STAGES)
+    assert ran(out) == [] and out.count("didn't change, skipping") == len(STAGES) - 1  # all but sources
 
 
 @pytest.mark.slow
@@ -175,12 +186,12 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
     try:
         result = dvc("repro", cwd=repo)
         assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "warning" not in result.stderr
-        assert json.loads(dvc("status", "--json", cwd=repo).stdout) == {}
+        assert status(repo) == {}
         first = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
 
         (repo / "rewards" / "example.py").write_text(example.replace('"good", ', '"good", "the", '))
-        status = json.loads(dvc("status", "--json", cwd=repo).stdout)
-        assert set(status) == {"ppo"} and {"changed deps": {"rewards": "modified"}} in status["ppo"]
+        stale = status(repo)
+        assert set(stale) == {"ppo"} and {"changed deps": {"rewards": "modified"}} in stale["ppo"]
         result = dvc("repro", cwd=repo)
         assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "resuming" not in result.stderr
         edited = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
@@ -243,4 +254,37 @@ def test_the_sweep_page_shows_the_experiments_side_by_side(repo):
     page = (repo / "data" / "report" / "experiments.html").read_text()
     assert "ppo.learning_rate" in page and "0.0005" in page and "0.0001" in page
     assert page.count("<svg") == 3 and "<script" not in page
+    assert_clean(repo)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["in the project", "outside it"])
+def test_an_edit_to_a_local_data_file_reruns_prepare(repo, tmp_path, where):
+    """`data.prompts.source: my_prompts.jsonl`, then the file is edited in place: DVC cannot know the path from
+    dvc.yaml, so the sources stage, which DVC runs at every repro, hashes it into data/sources/data.json, a dep of
+    prepare; prepare reruns and its prompts are the edited ones. Unedited, prepare is skipped."""
+    file = (repo if where == "in the project" else tmp_path) / "my_prompts.jsonl"
+    file.write_text("".join(json.dumps({"query": f"the movie number {i} was"}) + "\n" for i in range(30)))
+    source = "my_prompts.jsonl" if where == "in the project" else str(file)
+    params = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(params.replace("    source: synthetic\n    split: train\n    columns: {query: "
+                                                     "query}", f"    source: {source}\n    split: train\n    columns: "
+                                                     "{query: query}"))
+    assert source in (repo / "params.yaml").read_text()
+    try:
+        assert ran(dvc("repro", "prepare", cwd=repo).stdout) == ["prepare"]
+        assert ran(dvc("repro", "prepare", cwd=repo).stdout) == []  # the same bytes: nothing to rerun
+        file.write_text(file.read_text().replace("movie number 7 was", "film number 7 felt"))
+        assert ran(dvc("repro", "prepare", cwd=repo).stdout) == ["prepare"]
+        prompts = pd.concat([pd.read_parquet(repo / "data" / "raw" / f"prompts_{part}.parquet")
+                             for part in ("train", "eval")])
+        assert "the film number 7 felt" in set(prompts["query"]) and len(prompts) == 30
+        recorded = json.loads((repo / "data" / "sources" / "data.json").read_text())["prompts"]
+        assert recorded == {"source": source, "sha256": hashlib.sha256(b"my_prompts.jsonl\0" + file.read_bytes())
+                            .hexdigest()}
+    finally:
+        (repo / "params.yaml").write_text(params)
+        file.unlink()
+    dvc("repro", "prepare", cwd=repo)  # the committed params: restored from DVC's run-cache
+    dvc("checkout", cwd=repo)
     assert_clean(repo)

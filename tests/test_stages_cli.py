@@ -15,7 +15,7 @@ from stages.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "params.tiny.yaml"
-STAGES = ["prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report"]
+STAGES = ["sources", "prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report"]
 
 
 def run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -91,3 +91,11 @@ def test_without_a_venv_a_python3_lacking_the_packages_gets_a_one_line_hint(tmp_
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith(f"error: {SYSTEM_PYTHON} lacks the project's packages (typer, torch")
     assert len(result.stderr.splitlines()) == 1 and "source .venv/bin/activate" in result.stderr
+
+
+def test_version_names_the_project_and_its_key_libraries():
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.startswith(f"rlhf {version('rlhf-pipeline')} (torch {version('torch')}, transformers ")

@@ -14,7 +14,7 @@ from stages.pipeline import stage, stages
 ROOT = Path(__file__).resolve().parents[1]
 DVC = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())
 STAGES = DVC["stages"]
-ORDER = ["prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report"]
+ORDER = ["sources", "prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report"]
 PACKAGES = ("stages", "ppo_core", "rewards")  # the project's code
 USER_CODE = {"ppo": {"rewards"}}  # imported by name at run time (scorer.name), so no import statement shows it
 
@@ -135,7 +135,7 @@ def test_data_deps_are_outputs_of_earlier_stages():
 def test_tracked_params_exist():
     params = YAML(typ="safe", pure=True).load((ROOT / "params.yaml").read_text())
     for name, spec in STAGES.items():
-        assert "seed" in spec["params"], name
+        assert ("seed" in spec["params"]) == (name != "sources"), name  # sources hashes files: no randomness
         for key in spec["params"]:
             node = params
             for part in key.split("."):

@@ -1,5 +1,6 @@
-"""Where the ppo stage's reward comes from: user reward code under rewards/ is tracked by dvc.yaml; code elsewhere is
-warned about; and whatever it is, an interrupted run's checkpoint is resumed only for the same reward code."""
+"""Where the ppo stage's reward comes from: user reward code is found (not imported) and hashed wherever it lies (the
+sources stage records it, so DVC reruns ppo when it changes; rewards/ is also a dep of ppo in dvc.yaml); and whatever
+it is, an interrupted run's checkpoint is resumed only for the same reward code."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from importlib.metadata import version
 import pytest
 from ruamel.yaml import YAML
 
-from stages import ppo, ppo_run, resume, scoring
+from stages import ppo, ppo_run, resume, scoring, sources
 from stages.artifacts import PPO_CHECKPOINTS
 from tests.conftest import ROOT
 
@@ -30,27 +31,25 @@ def test_rewards_is_a_dep_of_ppo_and_its_example_scores_texts():
 
 
 def test_reward_code_under_rewards_is_fingerprinted_without_a_warning(tiny_params, capfd):
-    origin = scoring.scorer_origin(with_scorer(tiny_params, "rewards.example:keyword_sentiment"))
+    origin = sources.scorer_origin(with_scorer(tiny_params, "rewards.example:keyword_sentiment"))
     expected = hashlib.sha256(b"example.py\0" + (ROOT / "rewards" / "example.py").read_bytes()).hexdigest()
     assert origin == {"code": {"rewards/example.py": resume.digest(ROOT / "rewards" / "example.py")}}
     assert origin["code"]["rewards/example.py"] == expected
     assert capfd.readouterr().err == ""
 
 
-def test_reward_code_elsewhere_is_fingerprinted_with_a_one_line_warning(tiny_params, tmp_path, monkeypatch, capfd):
-    (tmp_path / "myreward.py").write_text("def score(texts):\n    return [1.0] * len(texts)\n")
+def test_reward_code_elsewhere_is_found_and_hashed_without_running_it(tiny_params, tmp_path, monkeypatch, capfd):
+    (tmp_path / "myreward.py").write_text("raise SystemExit('imported')\ndef score(texts):\n    return [1.0]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(__import__("sys").modules, "myreward", raising=False)
-    origin = scoring.scorer_origin(with_scorer(tiny_params, "myreward:score"))
+    origin = sources.scorer_origin(with_scorer(tiny_params, "myreward:score"))
     path = str((tmp_path / "myreward.py").resolve())
     assert origin == {"code": {path: resume.digest(tmp_path / "myreward.py")}}
-    assert capfd.readouterr().err == (
-        f"warning: ppo: scorer.name 'myreward:score' is defined in {path}, which dvc.yaml does not track: editing it "
-        "will not rerun ppo; move it under rewards/ (scorer.name: rewards.myreward:score)\n")
+    assert capfd.readouterr().err == "" and "myreward" not in __import__("sys").modules
 
 
 def test_an_installed_package_reward_is_known_by_its_version(tiny_params, capfd):
-    assert scoring.scorer_origin(with_scorer(tiny_params, "tqdm:tqdm")) == {"versions": {"tqdm": version("tqdm")}}
+    assert sources.scorer_origin(with_scorer(tiny_params, "tqdm:tqdm")) == {"versions": {"tqdm": version("tqdm")}}
     assert capfd.readouterr().err == ""
 
 
@@ -58,7 +57,7 @@ def test_a_pipeline_model_directory_is_an_input_of_the_fingerprint(tiny_params, 
     model = tiny_run / "data" / "models" / "reward"
     params = dataclasses.replace(tiny_params, scorer=dataclasses.replace(tiny_params.scorer, source="pipeline",
                                                                          name=str(model)))
-    assert scoring.scorer_origin(params) == {"inputs": {str(model): resume.digest(model)}}
+    assert sources.scorer_origin(params) == {"inputs": {str(model): resume.digest(model)}}
 
 
 @pytest.mark.slow
@@ -83,3 +82,23 @@ def test_an_edit_to_the_reward_code_starts_an_interrupted_run_afresh(tiny_run, t
     err = capfd.readouterr().err
     assert f"data/checkpoints/ppo was written with other code ({module.resolve()} changed); starting fresh" in err
     assert "resuming" not in err
+
+
+def test_a_missing_reward_module_in_a_queued_experiment_says_to_git_add_it(tiny_params, tmp_path, monkeypatch):
+    """A queued (or --temp) experiment runs in a copy of the project under .dvc/tmp/exps that holds only what git
+    tracks: a reward module the user has not added is missing there, and the error says how to give it."""
+    copy = tmp_path / "project" / ".dvc" / "tmp" / "exps" / "tmpabc123"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    params = with_scorer(tiny_params, "rewards.my_reward:score")
+    with pytest.raises(scoring.StageError, match=r"scorer.name 'rewards.my_reward:score' is not an importable "
+                                                 r"'module:function' \(No module named 'rewards.my_reward'\); queued "
+                                                 r"experiments run in a copy of the project that holds only the files "
+                                                 r"git tracks: `git add rewards/my_reward.py` \(staging is enough\), "
+                                                 r"or pass `-C rewards/my_reward.py` to `dvc exp run`$"):
+        scoring.build_scorer(params, copy)
+    with pytest.raises(scoring.StageError, match="`git add rewards/my_reward.py`"):  # the sources stage, first
+        sources.scorer_origin(params)
+    monkeypatch.chdir(tmp_path)  # the workspace: no such hint
+    with pytest.raises(scoring.StageError, match=r"\(No module named 'rewards.my_reward'\)$"):
+        scoring.build_scorer(params, tmp_path)

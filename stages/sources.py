@@ -1,0 +1,125 @@
+"""sources: the user's own material that params.yaml names, hashed, so that DVC sees it change.
+
+DVC reruns a stage when one of the deps dvc.yaml declares changes, but the pipeline's inputs from outside it are named
+in params.yaml, at any path inside the project or outside it: a local data file (`data.<name>.source`), a local model
+(`model.name_or_path`), the scorer's code or model (`scorer.name`). DVC runs this stage first at every `dvc repro`
+(`always_changed` in dvc.yaml): it writes what each of them is now into data/sources/, one file per reader: data.json
+(read by prepare), model.json (sft), scorer.json (ppo, evaluate). Unchanged material gives the same bytes, so nothing
+downstream reruns; an edit changes the file of its readers, and DVC reruns exactly those stages (and what follows).
+
+What is recorded: a local file or directory by the SHA-256 of its bytes (`stages.resume.digest`), the synthetic data
+and the stages' own reward model by name, a Hugging Face hub id by name only (what the hub serves under it is not
+tracked), a scorer from an installed package by the package's version (`scorer_origin`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sysconfig
+from importlib.metadata import packages_distributions, version
+from pathlib import Path
+from typing import Any
+
+from stages.artifacts import SOURCES_DATA, SOURCES_MODEL, SOURCES_SCORER, write_json
+from stages.params import SYNTHETIC, Params
+from stages.pipeline import CODE_ROOT
+from stages.resume import digest
+from stages.runtime import StageError, untracked_hint
+
+
+def run(params: Params, root: Path = Path(".")) -> str:
+    records = {SOURCES_DATA: data_sources(params), SOURCES_MODEL: model_source(params),
+               SOURCES_SCORER: scorer_source(params)}
+    for path, record in records.items():
+        write_json(record, root / path)
+    local = [where for record in records.values() for where in local_paths(record)]
+    if not local:
+        return f"no local data, model or scorer files in the params -> {SOURCES_DATA.parent}"
+    return f"hashed {len(local)} local source{'s' * (len(local) > 1)} ({', '.join(local)}) -> {SOURCES_DATA.parent}"
+
+
+def local_source(name: str | None) -> dict[str, Any]:
+    """``{"source": name}``, with ``"sha256"`` when ``name`` is a local file or directory."""
+    if name is None or not Path(name).expanduser().exists():
+        return {"source": name}
+    return {"source": name, "sha256": digest(Path(name).expanduser())}
+
+
+def data_sources(params: Params) -> dict[str, Any]:
+    """The three datasets: the synthetic generator, a local file (hashed), or a hub dataset (its id and split)."""
+    out = {}
+    for name in ("sft", "pairs", "prompts"):
+        spec = getattr(params.data, name)
+        if spec.source == SYNTHETIC:
+            out[name] = {"source": SYNTHETIC}
+        elif Path(spec.source).expanduser().exists():
+            out[name] = local_source(spec.source)
+        else:
+            out[name] = {"source": spec.source, "split": spec.split}
+    return out
+
+
+def model_source(params: Params) -> dict[str, Any]:
+    """The pretrained model SFT starts from: none (trained from scratch), a local directory (hashed) or a hub id."""
+    return local_source(params.model.name_or_path)
+
+
+def scorer_source(params: Params) -> dict[str, Any]:
+    """The reward function of ppo and evaluate: the reward model (an artifact of the pipeline already), a pipeline
+    model or a callable, with what its scores depend on (its code or model, hashed; or its package's version)."""
+    spec = params.scorer
+    return {"source": spec.source, "name": spec.name} | scorer_origin(params)
+
+
+def local_paths(record: dict[str, Any]) -> list[str]:
+    """The local files and directories a record hashed (for the summary line)."""
+    found = [record["source"]] if "sha256" in record else []
+    found += list(record.get("code", {})) + list(record.get("inputs", {}))
+    for value in record.values():
+        if isinstance(value, dict) and "source" in value:
+            found += local_paths(value)
+    return found
+
+
+def scorer_origin(params: Params) -> dict[str, dict[str, Any]]:
+    """What the scores depend on beyond the params and the stage's inputs, as fingerprint entries: {"code": {file:
+    sha256}} for a callable defined in a file, {"versions": {distribution: version}} for one from an installed
+    package, {"inputs": {dir: sha256}} for a pipeline model given as a local directory; {} for the reward model (an
+    input of the stage already). The callable's module is found, not imported (the sources stage records this too,
+    and a module may do heavy work on import)."""
+    spec = params.scorer
+    if spec.source == "pipeline":
+        local = Path(spec.name)
+        return {"inputs": {spec.name: digest(local)}} if local.is_dir() else {}
+    if spec.source != "callable":
+        return {}
+    module_name = spec.name.partition(":")[0]
+    file = module_file(module_name, params)
+    if file is None:
+        return {}
+    source = file.parent if file.name == "__init__.py" else file
+    distribution = next(iter(packages_distributions().get(module_name.split(".")[0], [])), None)
+    if distribution is not None and any(file.is_relative_to(folder) for folder in installed_code_folders()):
+        return {"versions": {distribution: version(distribution)}}
+    name = str(source.relative_to(CODE_ROOT) if source.is_relative_to(CODE_ROOT) else source)
+    return {"code": {name: digest(source, "*.py")}}
+
+
+def module_file(module_name: str, params: Params) -> Path | None:
+    """The resolved source file of ``module_name`` (its ``__init__.py`` for a package), found as import would find
+    it but without running it; None for a module with no file (built in). Not found: a StageError."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):  # a parent package that is missing or fails to import
+        spec = None
+    if spec is None:
+        missing = f"{module_name.replace('.', '/')}.py"
+        raise StageError(f"{params.path}: scorer.name '{params.scorer.name}' is not an importable 'module:function' "
+                         f"(no module named '{module_name}'){untracked_hint(missing)}")
+    return Path(spec.origin).resolve() if spec.origin and Path(spec.origin).is_file() else None
+
+
+def installed_code_folders() -> list[Path]:
+    """Where installed packages live (site-packages): code there is known by its distribution's version."""
+    paths = sysconfig.get_paths()
+    return [Path(paths[key]).resolve() for key in ("purelib", "platlib")]
