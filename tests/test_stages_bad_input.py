@@ -226,6 +226,9 @@ CASES += [
     ("jsonl-bad-line", "prepare", None, {"data.sft.source": "bad.jsonl"},
      setup_bad_jsonl_line, "bad.jsonl:3: not valid JSON (Expecting property name enclosed in double quotes, column "
                            "17); fix that line"),
+    ("model-path-absolute-missing", "sft", "sft", {"model.name_or_path": "/no/such/model"},
+     None, "model.name_or_path '/no/such/model': no such directory; give the directory that save_pretrained wrote, "
+           "or a Hugging Face hub id (namespace/name)"),
     ("prompts-all-blank", "prepare", None, {"data.prompts.source": "blank.jsonl"},
      setup_blank_prompts, "blank.jsonl: every row's query is blank (empty or only whitespace) (data.prompts.source)"),
 ]
