@@ -1,11 +1,12 @@
-"""The ppo stage's reward: the function `scorer.source` names, where it comes from, and a check of what it returns.
+"""The ppo stage's reward, which evaluate reports too: the function `scorer.source` names, where it comes from, and a
+check of what it returns.
 
 `scorer.source` is the trained reward model (default), a transformers text-classification pipeline (the raw score
 of `scorer.label`, as in the seed), or a Python callable `module:function` taking the list of texts. A user's reward
 function belongs in the `rewards/` package (`scorer.name: rewards.<module>:<function>`), which dvc.yaml lists
-among the ppo stage's deps: editing it reruns ppo. One defined elsewhere in the project is not tracked (a warning
-says so); one from an installed package is known by the package's version. Either way the resumable state's
-fingerprint covers it (`scorer_origin`).
+among the deps of the ppo and evaluate stages: editing it reruns them. One defined elsewhere in the project is not
+tracked (a warning says so); one from an installed package is known by the package's version. Either way the
+resumable state's fingerprint covers it (`scorer_origin`).
 """
 
 from __future__ import annotations
@@ -106,18 +107,18 @@ def shown(filename: str | None) -> str | None:
         return filename
 
 
-def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, step: int) -> list[float]:
-    """``score(texts)`` checked (see `checked_scores`); an exception the scorer raises becomes one line naming the
-    step, the scorer, the exception and where it was raised (``--debug`` shows the traceback)."""
+def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, at: str) -> list[float]:
+    """``score(texts)`` checked (see `checked_scores`); an exception the scorer raises becomes one line naming where
+    (``at``: "PPO step 3", "the ppo policy's samples 1-100"), the scorer, the exception and where it was raised
+    (``--debug`` shows the traceback)."""
     try:
         scores = score(texts)
     except StageError:
         raise
     except Exception as err:  # the user's function may raise anything
         name = f" {params.scorer.name}" if params.scorer.name else ""
-        raise StageError(f"PPO step {step + 1}: scorer ({params.scorer.source}{name}) raised {raised_at(err)}") \
-            from err
-    return checked_scores(scores, len(texts), params, step)
+        raise StageError(f"{at}: scorer ({params.scorer.source}{name}) raised {raised_at(err)}") from err
+    return checked_scores(scores, len(texts), params, at)
 
 
 def scorer_origin(params: Params) -> dict[str, dict[str, Any]]:
@@ -155,11 +156,11 @@ def installed_code_folders() -> list[Path]:
     return [Path(paths[key]).resolve() for key in ("purelib", "platlib")]
 
 
-def checked_scores(scores, n: int, params: Params, step: int) -> list[float]:
-    """The scorer's output as n finite floats, or a StageError naming the step (counted from 1, as `step()`'s
-    errors count them), the text and the value."""
+def checked_scores(scores, n: int, params: Params, at: str) -> list[float]:
+    """The scorer's output as n finite floats, or a StageError naming where (``at``: "PPO step 3", steps counted from
+    1 as `step()`'s errors count them), the text and the value."""
     name = f" {params.scorer.name}" if params.scorer.name else ""
-    where = f"PPO step {step + 1}: scorer ({params.scorer.source}{name})"
+    where = f"{at}: scorer ({params.scorer.source}{name})"
     try:
         scores = list(scores)
     except TypeError:

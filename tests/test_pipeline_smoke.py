@@ -1,7 +1,7 @@
 """End to end through DVC, as a user drives it: the project copied to a fresh git repo (tiny params) runs `dvc repro`;
 then, each test leaving the workspace as it found it: a no-op repro, a forced rerun that trains again, a killed
 `dvc repro` that resumes, a failing stage that says how to get its outputs back, reward code under rewards/ that
-makes ppo stale, `dvc exp run -S`, and a queued sweep that reruns nothing upstream of ppo."""
+makes ppo and evaluate stale, `dvc exp run -S`, and a queued sweep that reruns nothing upstream of ppo."""
 
 from __future__ import annotations
 
@@ -72,6 +72,12 @@ def repo(tmp_path_factory) -> Path:
     run("git", "add", "dvc.lock", cwd=repo)
     run("git", "commit", "-qm", "lock", cwd=repo)
     return repo
+
+
+def sft_samples(repo: Path) -> pd.DataFrame:
+    """evaluate's held-out samples of the SFT policy, with their scores."""
+    samples = pd.read_parquet(repo / "data" / "eval" / "samples.parquet")
+    return samples[samples["policy"] == "sft"].reset_index(drop=True)
 
 
 def assert_clean(repo: Path) -> None:
@@ -166,9 +172,9 @@ def test_a_typo_in_the_checkpoint_section_stops_repro(repo):
 
 
 @pytest.mark.slow
-def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
-    """With `scorer.name: rewards.example:keyword_sentiment`, editing rewards/example.py makes ppo (and only what
-    follows it) stale, and the rerun's rollouts are scored by the edited function."""
+def test_reward_code_under_rewards_is_a_dep_of_ppo_and_evaluate(repo):
+    """With `scorer.name: rewards.example:keyword_sentiment`, editing rewards/example.py makes ppo and evaluate (and
+    only what follows them) stale, and the rerun's rollouts and evaluation are scored by the edited function."""
     params, example = (repo / "params.yaml").read_text(), (repo / "rewards" / "example.py").read_text()
     (repo / "params.yaml").write_text(params.replace("source: reward_model\n  name: null",
                                                      "source: callable\n  name: rewards.example:keyword_sentiment"))
@@ -177,10 +183,12 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
         assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "warning" not in result.stderr
         assert json.loads(dvc("status", "--json", cwd=repo).stdout) == {}
         first = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
+        first_sft = sft_samples(repo)
 
         (repo / "rewards" / "example.py").write_text(example.replace('"good", ', '"good", "the", '))
         status = json.loads(dvc("status", "--json", cwd=repo).stdout)
-        assert set(status) == {"ppo"} and {"changed deps": {"rewards": "modified"}} in status["ppo"]
+        assert set(status) == {"ppo", "evaluate"}
+        assert all({"changed deps": {"rewards": "modified"}} in status[stage] for stage in status)
         result = dvc("repro", cwd=repo)
         assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "resuming" not in result.stderr
         edited = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
@@ -188,6 +196,11 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
         assert (edited["response"] == first["response"]).all()
         the = (first["query"] + first["response"]).str.lower().str.count(r"\bthe\b")
         assert (edited["score"] == first["score"] + the).all() and the.sum() > 0
+        # and so do evaluate's scores of the SFT policy's held-out samples (the same samples: SFT did not change)
+        edited_sft = sft_samples(repo)
+        assert (edited_sft["response"] == first_sft["response"]).all()
+        the = (first_sft["query"] + first_sft["response"]).str.lower().str.count(r"\bthe\b")
+        assert (edited_sft["score"] == first_sft["score"] + the).all() and the.sum() > 0
     finally:
         (repo / "params.yaml").write_text(params)
         (repo / "rewards" / "example.py").write_text(example)
