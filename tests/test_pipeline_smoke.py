@@ -1,7 +1,8 @@
 """End to end through DVC, as a user drives it: the project copied to a fresh git repo (tiny params) runs `dvc repro`;
 then, each test leaving the workspace as it found it: a no-op repro, a forced rerun that trains again, a killed
 `dvc repro` that resumes, a failing stage that says how to get its outputs back, reward code under rewards/ that
-makes ppo and evaluate stale, `dvc exp run -S`, and a queued sweep that reruns nothing upstream of ppo."""
+makes ppo and evaluate stale, `dvc exp run -S`, a queued sweep that reruns nothing upstream of ppo, the README's
+sweep and comparison, and the sweep's page."""
 
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ def run(*args: str, cwd: Path, check: bool = True, env: dict[str, str] = ENV) ->
 
 def dvc(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     return run(sys.executable, "-m", "dvc", *args, cwd=cwd, check=check)
+
+
+def readme_line(start: str) -> str:
+    """The README's command line that starts with ``start``, to run as the user types it (``bash -c``)."""
+    return next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(start))
+
+
+def exp_show_header(repo: Path) -> tuple[list[str], str]:
+    """The README's `dvc exp show` in a 100-column terminal: (its header's columns, the whole table)."""
+    table = run("bash", "-c", readme_line("dvc exp show "), cwd=repo, env={**ENV, "COLUMNS": "100"}).stdout
+    return next(line for line in table.splitlines() if "Experiment" in line).split(), table
 
 
 def ran(output: str) -> list[str]:
@@ -223,9 +235,7 @@ def test_exp_run_reruns_only_ppo_and_evaluate(repo):
     before = baseline["data"]["metrics"]["data/eval/metrics.json"]["data"]
     assert before["win_rate"] >= 0
     # the README's comparison reads whole in a 100-column terminal: every metric that moved, and the param
-    table = run(sys.executable, "-m", "dvc", "exp", "show", "--only-changed", "--drop", "data/|Created|Executor",
-                "--no-pager", cwd=repo, env={**ENV, "COLUMNS": "100"}).stdout
-    header = next(line for line in table.splitlines() if "Experiment" in line).split()
+    header, table = exp_show_header(repo)
     moved = [key for key in metrics if metrics[key] != before[key]]  # the tiny run's policy moves little
     assert "kl" in moved and header == ["Experiment", *moved, "ppo.learning_rate"], table
     assert "…" not in table and max(map(len, table.splitlines())) <= 100, table
@@ -248,12 +258,39 @@ def test_a_queued_sweep_runs_no_stage_upstream_of_ppo(repo):
 
 
 @pytest.mark.slow
+def test_the_readme_s_queued_sweep_compares_in_100_columns(repo):
+    """The README's sweep as a user types it (`dvc exp run --queue -S 'ppo.learning_rate=...' && dvc queue start`,
+    then `dvc queue status` until both are done) and its `dvc exp show` line in a 100-column terminal: Experiment, the
+    metrics that moved and the swept param, none cut off (a queued experiment adds a State column to drop)."""
+    run("bash", "-c", readme_line("dvc exp run --queue "), cwd=repo)
+    deadline = time.monotonic() + 600
+    while any(state in dvc("queue", "status", cwd=repo).stdout for state in ("Queued", "Running")):
+        assert time.monotonic() < deadline, "the queued sweep did not finish in 10 minutes"
+        time.sleep(2)
+    assert "Failed" not in dvc("queue", "status", cwd=repo).stdout
+    rows = json.loads(dvc("exp", "show", "--json", cwd=repo).stdout)
+    revs = rows + [rev for row in rows for exp in (row.get("experiments") or []) for rev in exp["revs"]]
+    evaluations = [rev["data"]["metrics"]["data/eval/metrics.json"]["data"] for rev in revs]
+    moved = [key for key in evaluations[0] if len({json.dumps(e[key]) for e in evaluations}) > 1]
+    header, table = exp_show_header(repo)
+    assert "kl" in moved and header == ["Experiment", *moved, "ppo.learning_rate"], table
+    assert "…" not in table and max(map(len, table.splitlines())) <= 100, table
+    assert_clean(repo)
+
+
+@pytest.mark.slow
 def test_the_sweep_page_shows_the_experiments_side_by_side(repo):
-    """`rlhf report --experiments` after the sweep: the experiments as dvc exp show lists them, the param that differs,
-    their evaluation and their curves overlaid, read through DVC's API."""
+    """`rlhf report --experiments` after the sweep: the experiments as dvc exp show lists them, the params that differ
+    as params.yaml writes them (an int as an int), their evaluation and their curves overlaid, each legend naming its
+    experiment's values of those params, read through DVC's API."""
+    dvc("exp", "run", "--temp", "-n", "epochs", "-S", "ppo.ppo_epochs=1", cwd=repo)  # an int param differs too
     out = run(sys.executable, "-m", "stages", "report", "--experiments", cwd=repo).stdout
     assert "params differ -> data/report/experiments.html" in out
     page = (repo / "data" / "report" / "experiments.html").read_text()
     assert "ppo.learning_rate" in page and "0.0005" in page and "0.0001" in page
+    assert "<th>ppo.ppo_epochs</th>" in page and "<td>1</td>" in page and "<td>2</td>" in page
+    assert "<td>1.0</td>" not in page and "<td>2.0</td>" not in page  # dvc.api.exp_show's rendering of 1 and 2
+    assert ">epochs (" in page and "ppo.ppo_epochs=1)<" in page  # a legend: the name, then the params that differ
+    assert "PPO reward (reward model)" in page
     assert page.count("<svg") == 3 and "<script" not in page
     assert_clean(repo)
