@@ -1,15 +1,17 @@
 """evaluate: the SFT and PPO policies on the held-out prompts, side by side.
 
-Per policy: mean reward-model score, mean gold score (default synthetic data only), KL to the SFT policy
-(sum over response tokens of log pi(y_t) - log pi_sft(y_t), averaged over the policy's own samples, a Monte
-Carlo estimate of KL(pi || pi_sft)), and mean response length in tokens. Win rate: the fraction of prompts
-where the RM scores the PPO response above the SFT one (ties count half). Both policies are loaded with plain
-transformers and sampled with the `generation` kwargs of the PPO rollouts.
+Per policy: the mean score of the scorer PPO trained on (`scorer.source`: the reward model, a text-classification
+pipeline or the user's callable, built and checked as the ppo stage does: stages/scoring.py), the mean gold score
+(default synthetic data only), KL to the SFT policy (sum over response tokens of log pi(y_t) - log pi_sft(y_t),
+averaged over the policy's own samples, a Monte Carlo estimate of KL(pi || pi_sft)), and mean response length in
+tokens. Win rate: the fraction of prompts where that scorer scores the PPO response above the SFT one (ties count
+half). Both policies are loaded with plain transformers and sampled with the `generation` kwargs of the PPO rollouts.
 
 data/eval/metrics.json puts what a sweep compares at the top, short enough that `dvc exp show --only-changed`
 fits a 100-column terminal, and the SFT baseline (the same in every PPO experiment) in a group:
 ``{"win_rate", "gold", "reward", "kl", "length", "sft": {"gold", "reward", "length"}}`` (top level: the PPO
-policy; `gold` only with the synthetic data; the SFT policy's KL to itself, 0, is left out).
+policy; `gold` only with the synthetic data; the SFT policy's KL to itself, 0, is left out). Which scorer gave
+`reward` is the `scorer` params section (metrics hold numbers only), which dvc.yaml tracks for this stage.
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ from stages.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
     PPO_MODEL,
-    REWARD_MODEL,
     SFT_MODEL,
     TOKENIZED_EVAL,
+    check_tokenized_with,
     evaluation_metrics,
     read_table,
     require_dir,
     write_json,
     write_parquet,
 )
-from stages.models import is_encoder_decoder, load_float32, load_reward_model, reward_scores
+from stages.models import is_encoder_decoder, load_float32
 from stages.params import Params
 from stages.runtime import device, note
+from stages.scoring import build_scorer, scored
 from stages.synthetic import gold_score
 
 
@@ -60,10 +63,11 @@ def compare_policies(params: Params, root: Path) -> str:
     prompts = prompts.head(params.evaluate.n_prompts)
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
+    check_tokenized_with(root / TOKENIZED_EVAL, root / SFT_MODEL)
     model_class = AutoModelForSeq2SeqLM if is_encoder_decoder(require_dir(root / SFT_MODEL)) else AutoModelForCausalLM
     policies = {name: load_float32(model_class, require_dir(root / path)).to(device()).eval()
                 for name, path in (("sft", SFT_MODEL), ("ppo", PPO_MODEL))}
-    rm, rm_tokenizer = load_reward_model(root / REWARD_MODEL)
+    score = build_scorer(params, root)  # the reward PPO trained on
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     bs = params.evaluate.batch_size
@@ -81,7 +85,7 @@ def compare_policies(params: Params, root: Path) -> str:
             kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
                              logprob_sums(policies["sft"], query_ids, response_ids, bs))
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
-                "score": reward_scores(rm, rm_tokenizer, texts, bs), "kl_to_sft": kl.tolist(),
+                "score": scores_of(score, texts, params, name), "kl_to_sft": kl.tolist(),
                 "response_tokens": [len(r) for r in response_ids]}
         if "gold" in columns:
             rows["gold"] = [gold_score(t) for t in texts]
@@ -94,12 +98,23 @@ def compare_policies(params: Params, root: Path) -> str:
     write_parquet(columns, root / EVAL_SAMPLES)
     write_json(metrics, root / EVAL_METRICS, sort_keys=False)
     gold = f", gold {metrics['sft']['gold']:.2f} -> {metrics['gold']:.2f}" if "gold" in columns else ""
-    return (f"{n} prompts: reward {metrics['sft']['reward']:.2f} (sft) -> {metrics['reward']:.2f} (ppo){gold}, "
-            f"win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> {EVAL_METRICS}")
+    return (f"{n} prompts: reward ({params.scorer.title}) {metrics['sft']['reward']:.2f} (sft) -> "
+            f"{metrics['reward']:.2f} (ppo){gold}, win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> "
+            f"{EVAL_METRICS}")
+
+
+def scores_of(score, texts: list[str], params: Params, policy: str) -> list[float]:
+    """The scorer's checked scores of a policy's texts, `evaluate.batch_size` at a time (as the ppo stage calls it on
+    one step's rollouts; the reward model and a pipeline batch each call by `scorer.batch_size`)."""
+    out, size = [], params.evaluate.batch_size
+    for start in range(0, len(texts), size):
+        batch = texts[start:start + size]
+        out += scored(score, batch, params, f"the {policy} policy's samples {start + 1}-{start + len(batch)}")
+    return out
 
 
 def policy_metrics(rows: dict[str, list]) -> dict[str, float]:
-    """A policy's means over its samples: gold score where known, RM score, KL to SFT and response length."""
+    """A policy's means over its samples: gold score where known, the scorer's, KL to SFT and response length."""
     metrics = {"gold": float(np.mean(rows["gold"]))} if "gold" in rows else {}
     return metrics | {"reward": float(np.mean(rows["score"])), "kl": float(np.mean(rows["kl_to_sft"])),
                       "length": float(np.mean(rows["response_tokens"]))}

@@ -138,13 +138,20 @@ class TokenizeParams:
 @dataclass(frozen=True)
 class ScorerParams:
     source: Literal["reward_model", "pipeline", "callable"]
-    """Reward source of the ppo stage: "reward_model" (data/models/reward), "pipeline" or "callable"."""
+    """Reward source of the ppo stage, and what evaluate reports: "reward_model" (data/models/reward), "pipeline" or
+    "callable"."""
     name: str | None
     """pipeline: a text-classification model id or path; callable: "module:function" (list[str] -> list[float])."""
     label: str
     """pipeline only: the label whose raw score (function_to_apply="none") is the reward, as in the seed."""
     batch_size: int
     """Texts per scoring forward pass."""
+
+    @property
+    def title(self) -> str:
+        """The scorer in labels: "reward model", "pipeline NAME (LABEL)" or "callable module:function"."""
+        return {"reward_model": "reward model", "pipeline": f"pipeline {self.name} ({self.label})",
+                "callable": f"callable {self.name}"}[self.source]
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
         generated = time.perf_counter()
         # 2. score
         texts = [q + r for q, r in zip(queries, responses)]
-        scores = scored(score, texts, params, step)
+        scores = scored(score, texts, params, f"PPO step {step + 1}")
         seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
         # 3. optimise
         try:

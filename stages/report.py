@@ -4,7 +4,8 @@ What someone tuning RLHF looks at before the numbers: the evaluation side by sid
 curves (the proxy reward and the gold score together, so over-optimisation shows as their gap; KL and its
 coefficient; entropy; the losses; clip fractions; response length; where a step's time goes), samples (held-out
 prompts answered by both policies; the best and worst rollouts of the first and last steps), the reward model's
-held-out accuracy, SFT's loss curve, and the params that differ from the committed params.yaml. Charts are SVG
+held-out accuracy, SFT's loss curve, and the params that differ from the committed params.yaml. The rewards and the
+win rate are the scorer's that PPO trained on (params section `scorer`), and their labels name it. Charts are SVG
 drawn by matplotlib and inlined: the page fetches nothing from a network, runs no script, and opens from a file.
 
 The page is a DVC output like every result: the same results give the same bytes, so a fresh clone's run reproduces
@@ -45,9 +46,9 @@ from stages.artifacts import (
 from stages.params import Params
 from stages.runtime import StageError
 
-# curves.csv columns drawn together, one chart each: (title, [(column, label)], y label)
+# curves.csv columns drawn together, one chart each: (title, [(column, label)], y label); {scorer}: the scorer's title
 CHARTS = [
-    ("Reward (proxy) and gold score", [("reward_mean", "reward model"), ("gold_mean", "gold score")], "per sample"),
+    ("Reward (proxy) and gold score", [("reward_mean", "{scorer}"), ("gold_mean", "gold score")], "per sample"),
     ("KL to the reference", [("kl", "KL (sum over tokens)"), ("kl_coef", "KL coefficient")], ""),
     ("Entropy of the responses", [("entropy", "entropy (sum over tokens)")], "nats"),
     ("Losses", [("loss_policy", "policy loss"), ("loss_value", "value loss")], ""),
@@ -69,17 +70,19 @@ def run(params: Params, root: Path = Path(".")) -> str:
         raise StageError(f"{root / PPO_CURVES} or {root / EVAL_METRICS}: not found; run the ppo and evaluate stages "
                          "first (`dvc repro` runs them in order)")
     evaluation = json.loads((root / EVAL_METRICS).read_text())
+    scorer = params.scorer.title  # the scorer that gave the rewards (and the win rate): its name in every label
+    samples = read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS)
     sections = [
-        ("Evaluation on the held-out prompts", evaluation_table(evaluation)),
-        ("PPO, step by step", charts(curves) + time_chart(root)),
-        ("Held-out prompts: SFT and PPO side by side", side_by_side(read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS))),
+        ("Evaluation on the held-out prompts", evaluation_table(evaluation, scorer)),
+        ("PPO, step by step", charts(curves, scorer) + time_chart(root)),
+        ("Held-out prompts: SFT and PPO side by side", side_by_side(samples, score_header(params.scorer))),
         ("Rollouts: the best and worst of the first and last steps", extremes(root / PPO_ROLLOUTS, curves)),
         ("Reward model and SFT", models(root)),
         ("Params that differ from the committed params.yaml", params_diff(params)),
     ]
     with atomic_path(root / REPORT) as tmp:
         tmp.write_text(page("RLHF run report", sections))
-    return f"{len(curves)} steps, win rate {evaluation['win_rate']:.2f} -> {REPORT}"
+    return f"{len(curves)} steps, win rate ({scorer}) {evaluation['win_rate']:.2f} -> {REPORT}"
 
 
 SAMPLE_COLUMNS = ["policy", "query", "response", "score", "kl_to_sft", "response_tokens"]
@@ -104,12 +107,12 @@ def table(rows: list[list], header: list[str]) -> str:
     return f"<table><tr>{head}</tr>" + "".join(f"<tr>{''.join(map(cell, r))}</tr>" for r in rows) + "</table>"
 
 
-def evaluation_table(metrics: dict) -> str:
-    names = {"reward": "reward model score", "gold": "gold score", "kl": "KL to SFT",
-             "length": "response length (tokens)"}
+def evaluation_table(metrics: dict, scorer: str) -> str:
+    """SFT and PPO side by side; ``scorer``: the title of the scorer that gave the rewards and the win rate."""
+    names = {"reward": f"{scorer} score", "gold": "gold score", "kl": "KL to SFT", "length": "response length (tokens)"}
     sft, ppo = policy_means(metrics, "sft"), policy_means(metrics, "ppo")
     rows = [[label, sft[key], ppo[key], ppo[key] - sft[key]] for key, label in names.items() if key in ppo]
-    win = f"<p>Win rate of PPO over SFT (reward model, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
+    win = f"<p>Win rate of PPO over SFT ({html.escape(scorer)}, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
     return table(rows, ["mean over the held-out prompts", "SFT", "PPO", "PPO - SFT"]) + win
 
 
@@ -140,7 +143,7 @@ def figure(title: str, ylabel: str = "", xlabel: str = "PPO step"):
     return fig, ax
 
 
-def charts(curves: pd.DataFrame) -> str:
+def charts(curves: pd.DataFrame, scorer: str) -> str:
     out = []
     for title, columns, ylabel in CHARTS:
         present = [(c, label) for c, label in columns if c in curves]
@@ -148,7 +151,7 @@ def charts(curves: pd.DataFrame) -> str:
             continue
         fig, ax = figure(title, ylabel)
         for column, label in present:
-            ax.plot(curves["step"], curves[column], marker=".", label=label)
+            ax.plot(curves["step"], curves[column], marker=".", label=label.format(scorer=scorer))
         ax.legend()
         out.append(svg(fig))
     return f'<div class="charts">{"".join(out)}</div>'
@@ -181,11 +184,16 @@ def time_chart(root: Path) -> str:
             f'width="380" alt="{html.escape(missing)}"></div>')
 
 
-def side_by_side(samples: pd.DataFrame, n: int = 8) -> str:
+def score_header(scorer) -> str:
+    """The samples' score column: "RM score" (the reward model, abbreviated), else the scorer's title and "score"."""
+    return "RM score" if scorer.source == "reward_model" else f"{scorer.title} score"
+
+
+def side_by_side(samples: pd.DataFrame, score: str, n: int = 8) -> str:
     sft, ppo = (samples[samples["policy"] == p].reset_index(drop=True).head(n) for p in ("sft", "ppo"))
     rows = [[s["query"], s["response"], float(s["score"]), p["response"], float(p["score"])]
             for (_, s), (_, p) in zip(sft.iterrows(), ppo.iterrows())]
-    return table(rows, ["prompt", "SFT response", "RM score", "PPO response", "RM score"])
+    return table(rows, ["prompt", "SFT response", score, "PPO response", score])
 
 
 def extremes(rollouts_dir: Path, curves: pd.DataFrame, n: int = 3) -> str:

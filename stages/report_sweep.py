@@ -1,28 +1,32 @@
 """The page of a sweep (`rlhf report --experiments`): the experiments as `dvc exp show` lists them (the params that
-differ, the evaluation) and their PPO curves overlaid, read through DVC's own API (`dvc.api.exp_show`,
-`dvc.api.read` of each experiment's curves from DVC's cache), self-contained as the run's report is.
+differ, the evaluation) and their PPO curves overlaid, read through DVC's own API (`dvc.api.exp_show`, and
+`dvc.api.read` of each experiment's params file and curves), self-contained as the run's report is. Params are shown
+as each experiment's params file writes them (`dvc.api.exp_show` gives an int as a float, 1 as 1.0), and a curve's
+legend names its experiment's values of the params that differ.
 """
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pandas as pd
 
 from stages.artifacts import PPO_CURVES, REPORT_SWEEP, atomic_path
+from stages.params import ScorerParams
 from stages.report import figure, flatten, page, svg, table
 from stages.runtime import StageError
 
-METRICS = {"win_rate": "win rate", "gold": "PPO gold", "reward": "PPO RM score", "kl": "PPO KL to SFT",
+METRICS = {"win_rate": "win rate", "gold": "PPO gold", "reward": "PPO reward", "kl": "PPO KL to SFT",
            "accuracy": "RM accuracy"}
 CURVES = [("reward_mean", "Reward (proxy) per step"), ("gold_mean", "Gold score per step"), ("kl", "KL per step")]
+ABSENT = "(absent)"  # a param one experiment's file does not have
 
 
 def write_sweep_page(root: Path, params_path: Path) -> str:
     import dvc.api
     from dvc.exceptions import DvcException
-    from ruamel.yaml import YAML
 
     try:
         rows = [row for row in dvc.api.exp_show(repo=str(root)) if row["rev"] != "workspace"]
@@ -31,13 +35,13 @@ def write_sweep_page(root: Path, params_path: Path) -> str:
     if not rows:
         raise StageError("no experiments to show: run some first (`dvc exp run -S ...`, or --queue then "
                          "`dvc queue start`)")
-    param_keys = set(flatten(YAML(typ="safe", pure=True).load(Path(root, params_path).read_text())))
-    varying = sorted(k for k in param_keys if len({str(row.get(k)) for row in rows}) > 1)
+    params = [read_params(root, params_path, row["rev"]) for row in rows]
+    varying = sorted(k for k in set().union(*params) if len({shown(p.get(k, ABSENT)) for p in params}) > 1)
     names = [row["Experiment"] or row["rev"] for row in rows]
-    header = ["experiment", *varying, *METRICS.values()]
-    body = [[name, *(str(row.get(k)) for k in varying), *(number(row.get(k)) for k in METRICS)]
-            for name, row in zip(names, rows)]
-    curves = {name: read_curves(root, row["rev"]) for name, row in zip(names, rows)}
+    header = ["experiment", *varying, *(reward_label(params) if k == "reward" else v for k, v in METRICS.items())]
+    body = [[name, *(shown(p.get(k, ABSENT)) for k in varying), *(number(row.get(k)) for k in METRICS)]
+            for name, p, row in zip(names, params, rows)]
+    curves = {legend(name, p, varying): read_curves(root, row["rev"]) for name, p, row in zip(names, params, rows)}
     sections = [("Experiments (as dvc exp show: the params that differ, the evaluation)", table(body, header)),
                 ("PPO curves, overlaid", overlay({n: c for n, c in curves.items() if c is not None}))]
     with atomic_path(Path(root) / REPORT_SWEEP) as tmp:
@@ -47,6 +51,41 @@ def write_sweep_page(root: Path, params_path: Path) -> str:
 
 def number(value):
     return float(value) if isinstance(value, (int, float)) else "-"
+
+
+def read_params(root: Path, params_path: Path, rev: str) -> dict:
+    """An experiment's params (flattened: ``ppo.learning_rate``), as its params file holds them."""
+    import dvc.api
+    from dvc.exceptions import DvcException
+    from ruamel.yaml import YAML
+
+    try:
+        text = dvc.api.read(str(params_path), repo=str(root), rev=rev)
+    except (DvcException, FileNotFoundError) as err:
+        raise StageError(f"{params_path} of experiment {rev}: cannot be read ({err}); pass the params file the "
+                         "experiments ran with (--params)") from None
+    return flatten(YAML(typ="safe", pure=True).load(text))
+
+
+def shown(value) -> str:
+    """A param as YAML writes it: 1 (not 1.0), 0.0001, null, true, ["c_attn"]; a string as it is."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def legend(name: str, params: dict, varying: list[str]) -> str:
+    """An experiment's name and its values of the params that differ: ``exp-abc12 (ppo.learning_rate=0.0001)``."""
+    values = ", ".join(f"{key}={shown(params.get(key, ABSENT))}" for key in varying)
+    return f"{name} ({values})" if values else name
+
+
+def reward_label(params: list[dict]) -> str:
+    """The reward column's header: it names the experiments' scorer (or says the scorer.* columns do, if they
+    differ)."""
+    scorers = {(p.get("scorer.source"), p.get("scorer.name"), p.get("scorer.label")) for p in params}
+    if len(scorers) > 1:
+        return f"{METRICS['reward']} (each one's scorer.*)"
+    source, name, label = scorers.pop()
+    return f"{METRICS['reward']} ({ScorerParams(source, name, label, batch_size=0).title})"
 
 
 def read_curves(root: Path, rev: str) -> pd.DataFrame | None:

@@ -1,11 +1,12 @@
-"""The ppo stage's reward: the function `scorer.source` names, where it comes from, and a check of what it returns.
+"""The ppo stage's reward, which evaluate reports too: the function `scorer.source` names, where it comes from, and a
+check of what it returns.
 
 `scorer.source` is the trained reward model (default), a transformers text-classification pipeline (the raw score
 of `scorer.label`, as in the seed), or a Python callable `module:function` taking the list of texts. A user's reward
-function goes in the `rewards/` package (`scorer.name: rewards.<module>:<function>`), which dvc.yaml lists among
-the ppo stage's deps, or anywhere Python finds it: the sources stage hashes the module's file wherever it is, one from
-an installed package is known by the package's version (`scorer_origin`), so editing it reruns ppo and evaluate.
-The resumable state's fingerprint covers it too.
+function goes in the `rewards/` package (`scorer.name: rewards.<module>:<function>`), which dvc.yaml lists among the
+deps of the ppo and evaluate stages, or anywhere Python finds it: the sources stage hashes the module's file wherever
+it is, and one from an installed package is known by its version (`stages.sources.scorer_origin`), so editing it
+reruns ppo and evaluate. The resumable state's fingerprint covers it too.
 """
 
 from __future__ import annotations
@@ -102,25 +103,25 @@ def shown(filename: str | None) -> str | None:
         return filename
 
 
-def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, step: int) -> list[float]:
-    """``score(texts)`` checked (see `checked_scores`); an exception the scorer raises becomes one line naming the
-    step, the scorer, the exception and where it was raised (``--debug`` shows the traceback)."""
+def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, at: str) -> list[float]:
+    """``score(texts)`` checked (see `checked_scores`); an exception the scorer raises becomes one line naming where
+    (``at``: "PPO step 3", "the ppo policy's samples 1-100"), the scorer, the exception and where it was raised
+    (``--debug`` shows the traceback)."""
     try:
         scores = score(texts)
     except StageError:
         raise
     except Exception as err:  # the user's function may raise anything
         name = f" {params.scorer.name}" if params.scorer.name else ""
-        raise StageError(f"PPO step {step + 1}: scorer ({params.scorer.source}{name}) raised {raised_at(err)}") \
-            from err
-    return checked_scores(scores, len(texts), params, step)
+        raise StageError(f"{at}: scorer ({params.scorer.source}{name}) raised {raised_at(err)}") from err
+    return checked_scores(scores, len(texts), params, at)
 
 
-def checked_scores(scores, n: int, params: Params, step: int) -> list[float]:
-    """The scorer's output as n finite floats, or a StageError naming the step (counted from 1, as `step()`'s
-    errors count them), the text and the value."""
+def checked_scores(scores, n: int, params: Params, at: str) -> list[float]:
+    """The scorer's output as n finite floats, or a StageError naming where (``at``: "PPO step 3", steps counted from
+    1 as `step()`'s errors count them), the text and the value."""
     name = f" {params.scorer.name}" if params.scorer.name else ""
-    where = f"PPO step {step + 1}: scorer ({params.scorer.source}{name})"
+    where = f"{at}: scorer ({params.scorer.source}{name})"
     try:
         scores = list(scores)
     except TypeError:

@@ -23,7 +23,7 @@ from ruamel.yaml import YAML
 
 from stages import numerics
 from tests.conftest import cpu_only
-from tests.test_pipeline_smoke import ENV, dvc, run
+from tests.test_pipeline_smoke import dvc, exp_show_header, run
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT_FREE = ("prepare", "tokenize")  # outputs that no floating-point kernel computes
@@ -110,8 +110,6 @@ def test_a_ppo_experiment_compares_in_100_columns(clone):
     evaluation metric moves: the param and each metric in a 100-column terminal, none cut off. Runs last: it leaves
     the experiment applied to the workspace."""
     dvc("exp", "run", "-S", "ppo.learning_rate=0.0001", cwd=clone)
-    table = run(sys.executable, "-m", "dvc", "exp", "show", "--only-changed", "--drop", "data/|Created|Executor",
-                "--no-pager", cwd=clone, env={**ENV, "COLUMNS": "100"}).stdout
-    header = next(line for line in table.splitlines() if "Experiment" in line).split()
+    header, table = exp_show_header(clone)
     assert header == ["Experiment", "win_rate", "gold", "reward", "kl", "length", "ppo.learning_rate"], table
     assert "…" not in table and max(map(len, table.splitlines())) <= 100, table

@@ -1,7 +1,8 @@
 """End to end through DVC, as a user drives it: the project copied to a fresh git repo (tiny params) runs `dvc repro`;
 then, each test leaving the workspace as it found it: a no-op repro, a forced rerun that trains again, a killed
 `dvc repro` that resumes, a failing stage that says how to get its outputs back, reward code under rewards/ that
-makes ppo stale, `dvc exp run -S`, and a queued sweep that reruns nothing upstream of ppo."""
+makes ppo and evaluate stale, `dvc exp run -S`, a queued sweep that reruns nothing upstream of ppo, the README's
+sweep and comparison, and the sweep's page."""
 
 from __future__ import annotations
 
@@ -41,6 +42,17 @@ def run(*args: str, cwd: Path, check: bool = True, env: dict[str, str] = ENV) ->
 
 def dvc(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     return run(sys.executable, "-m", "dvc", *args, cwd=cwd, check=check)
+
+
+def readme_line(start: str) -> str:
+    """The README's command line that starts with ``start``, to run as the user types it (``bash -c``)."""
+    return next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(start))
+
+
+def exp_show_header(repo: Path) -> tuple[list[str], str]:
+    """The README's `dvc exp show` in a 100-column terminal: (its header's columns, the whole table)."""
+    table = run("bash", "-c", readme_line("dvc exp show "), cwd=repo, env={**ENV, "COLUMNS": "100"}).stdout
+    return next(line for line in table.splitlines() if "Experiment" in line).split(), table
 
 
 def ran(output: str) -> list[str]:
@@ -83,6 +95,12 @@ def repo(tmp_path_factory) -> Path:
     run("git", "add", "dvc.lock", cwd=repo)
     run("git", "commit", "-qm", "lock", cwd=repo)
     return repo
+
+
+def sft_samples(repo: Path) -> pd.DataFrame:
+    """evaluate's held-out samples of the SFT policy, with their scores."""
+    samples = pd.read_parquet(repo / "data" / "eval" / "samples.parquet")
+    return samples[samples["policy"] == "sft"].reset_index(drop=True)
 
 
 def assert_clean(repo: Path) -> None:
@@ -177,9 +195,9 @@ def test_a_typo_in_the_checkpoint_section_stops_repro(repo):
 
 
 @pytest.mark.slow
-def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
-    """With `scorer.name: rewards.example:keyword_sentiment`, editing rewards/example.py makes ppo (and only what
-    follows it) stale, and the rerun's rollouts are scored by the edited function."""
+def test_reward_code_under_rewards_is_a_dep_of_ppo_and_evaluate(repo):
+    """With `scorer.name: rewards.example:keyword_sentiment`, editing rewards/example.py makes ppo and evaluate (and
+    only what follows them) stale, and the rerun's rollouts and evaluation are scored by the edited function."""
     params, example = (repo / "params.yaml").read_text(), (repo / "rewards" / "example.py").read_text()
     (repo / "params.yaml").write_text(params.replace("source: reward_model\n  name: null",
                                                      "source: callable\n  name: rewards.example:keyword_sentiment"))
@@ -188,10 +206,12 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
         assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "warning" not in result.stderr
         assert status(repo) == {}
         first = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
+        first_sft = sft_samples(repo)
 
         (repo / "rewards" / "example.py").write_text(example.replace('"good", ', '"good", "the", '))
         stale = status(repo)
-        assert set(stale) == {"ppo"} and {"changed deps": {"rewards": "modified"}} in stale["ppo"]
+        assert set(stale) == {"ppo", "evaluate"}
+        assert all({"changed deps": {"rewards": "modified"}} in stale[stage] for stage in stale)
         result = dvc("repro", cwd=repo)
         assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "resuming" not in result.stderr
         edited = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
@@ -199,6 +219,11 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo(repo):
         assert (edited["response"] == first["response"]).all()
         the = (first["query"] + first["response"]).str.lower().str.count(r"\bthe\b")
         assert (edited["score"] == first["score"] + the).all() and the.sum() > 0
+        # and so do evaluate's scores of the SFT policy's held-out samples (the same samples: SFT did not change)
+        edited_sft = sft_samples(repo)
+        assert (edited_sft["response"] == first_sft["response"]).all()
+        the = (first_sft["query"] + first_sft["response"]).str.lower().str.count(r"\bthe\b")
+        assert (edited_sft["score"] == first_sft["score"] + the).all() and the.sum() > 0
     finally:
         (repo / "params.yaml").write_text(params)
         (repo / "rewards" / "example.py").write_text(example)
@@ -221,9 +246,7 @@ def test_exp_run_reruns_only_ppo_and_evaluate(repo):
     before = baseline["data"]["metrics"]["data/eval/metrics.json"]["data"]
     assert before["win_rate"] >= 0
     # the README's comparison reads whole in a 100-column terminal: every metric that moved, and the param
-    table = run(sys.executable, "-m", "dvc", "exp", "show", "--only-changed", "--drop", "data/|Created|Executor",
-                "--no-pager", cwd=repo, env={**ENV, "COLUMNS": "100"}).stdout
-    header = next(line for line in table.splitlines() if "Experiment" in line).split()
+    header, table = exp_show_header(repo)
     moved = [key for key in metrics if metrics[key] != before[key]]  # the tiny run's policy moves little
     assert "kl" in moved and header == ["Experiment", *moved, "ppo.learning_rate"], table
     assert "…" not in table and max(map(len, table.splitlines())) <= 100, table
@@ -246,13 +269,40 @@ def test_a_queued_sweep_runs_no_stage_upstream_of_ppo(repo):
 
 
 @pytest.mark.slow
+def test_the_readme_s_queued_sweep_compares_in_100_columns(repo):
+    """The README's sweep as a user types it (`dvc exp run --queue -S 'ppo.learning_rate=...' && dvc queue start`,
+    then `dvc queue status` until both are done) and its `dvc exp show` line in a 100-column terminal: Experiment, the
+    metrics that moved and the swept param, none cut off (a queued experiment adds a State column to drop)."""
+    run("bash", "-c", readme_line("dvc exp run --queue "), cwd=repo)
+    deadline = time.monotonic() + 600
+    while any(state in dvc("queue", "status", cwd=repo).stdout for state in ("Queued", "Running")):
+        assert time.monotonic() < deadline, "the queued sweep did not finish in 10 minutes"
+        time.sleep(2)
+    assert "Failed" not in dvc("queue", "status", cwd=repo).stdout
+    rows = json.loads(dvc("exp", "show", "--json", cwd=repo).stdout)
+    revs = rows + [rev for row in rows for exp in (row.get("experiments") or []) for rev in exp["revs"]]
+    evaluations = [rev["data"]["metrics"]["data/eval/metrics.json"]["data"] for rev in revs]
+    moved = [key for key in evaluations[0] if len({json.dumps(e[key]) for e in evaluations}) > 1]
+    header, table = exp_show_header(repo)
+    assert "kl" in moved and header == ["Experiment", *moved, "ppo.learning_rate"], table
+    assert "…" not in table and max(map(len, table.splitlines())) <= 100, table
+    assert_clean(repo)
+
+
+@pytest.mark.slow
 def test_the_sweep_page_shows_the_experiments_side_by_side(repo):
-    """`rlhf report --experiments` after the sweep: the experiments as dvc exp show lists them, the param that differs,
-    their evaluation and their curves overlaid, read through DVC's API."""
+    """`rlhf report --experiments` after the sweep: the experiments as dvc exp show lists them, the params that differ
+    as params.yaml writes them (an int as an int), their evaluation and their curves overlaid, each legend naming its
+    experiment's values of those params, read through DVC's API."""
+    dvc("exp", "run", "--temp", "-n", "epochs", "-S", "ppo.ppo_epochs=1", cwd=repo)  # an int param differs too
     out = run(sys.executable, "-m", "stages", "report", "--experiments", cwd=repo).stdout
     assert "params differ -> data/report/experiments.html" in out
     page = (repo / "data" / "report" / "experiments.html").read_text()
     assert "ppo.learning_rate" in page and "0.0005" in page and "0.0001" in page
+    assert "<th>ppo.ppo_epochs</th>" in page and "<td>1</td>" in page and "<td>2</td>" in page
+    assert "<td>1.0</td>" not in page and "<td>2.0</td>" not in page  # dvc.api.exp_show's rendering of 1 and 2
+    assert ">epochs (" in page and "ppo.ppo_epochs=1)<" in page  # a legend: the name, then the params that differ
+    assert "PPO reward (reward model)" in page
     assert page.count("<svg") == 3 and "<script" not in page
     assert_clean(repo)
 

@@ -52,7 +52,8 @@ def project(tiny_run: Path, tmp_path: Path, upstream_of: str | None) -> Path:
     root = tmp_path / "project"
     root.mkdir()
     keep = {None: [], "sft": ["raw"], "tokenize": ["raw", "models/sft"],
-            "ppo": ["raw", "tokenized", "models/sft", "models/reward"]}[upstream_of]
+            "ppo": ["raw", "tokenized", "models/sft", "models/reward"],
+            "evaluate": ["raw", "tokenized", "models"]}[upstream_of]
     for part in keep:
         src = tiny_run / "data" / part
         shutil.copytree(src, root / "data" / part)
@@ -176,6 +177,8 @@ CASES = [
      None, "PPO step 1: scorer (callable scorers:words) returned 'good' (str) for text 0; return a number"),
     ("reward-nan", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:nan"},
      None, "PPO step 1: scorer (callable scorers:nan) returned nan for text 0; scores must be finite numbers"),
+    ("reward-nan-in-evaluate", "evaluate", "evaluate", {"scorer.source": "callable", "scorer.name": "scorers:nan"},
+     None, "the sft policy's samples 1-8: scorer (callable scorers:nan) returned nan for text 0"),
     ("reward-nan-at-step-2", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:nan_at_step_2"},
      None, "PPO step 2: scorer (callable scorers:nan_at_step_2) returned nan for text 0; scores must be finite"),
     ("loss-non-finite", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:huge_at_step_2"},

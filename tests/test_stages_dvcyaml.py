@@ -16,7 +16,8 @@ DVC = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())
 STAGES = DVC["stages"]
 ORDER = ["sources", "prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report"]
 PACKAGES = ("stages", "ppo_core", "rewards")  # the project's code
-USER_CODE = {"ppo": {"rewards"}}  # imported by name at run time (scorer.name), so no import statement shows it
+# imported by name at run time (scorer.name), so no import statement shows it
+USER_CODE = {"ppo": {"rewards"}, "evaluate": {"rewards"}}
 
 
 def outs(stage: dict) -> list[str]:
