@@ -53,7 +53,9 @@ PPO_TIMINGS_RUN = Path("data/logs/ppo/run.json")  # which results they are the t
 REPORT_TIMINGS = Path("data/logs/report")  # the report's chart of them, one SVG per run, linked from the page
 # The page of a sweep (`rlhf report --experiments`, outside DVC: it reads the experiments DVC has).
 REPORT_SWEEP = Path("data/report/experiments.html")
-NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"), REPORT_SWEEP)
+# The locks that make a stage's run the only one (see stages.runtime.stage_lock): one file per stage, while it runs.
+LOCKS = Path("data/.locks")
+NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"), REPORT_SWEEP, LOCKS)
 # The run's report page: a DVC output like any result (the same bytes for the same results).
 REPORT = Path("data/report/index.html")
 STATE = {"sft": (SFT_CHECKPOINTS,), "reward": (REWARD_CHECKPOINTS,), "ppo": (PPO_CHECKPOINTS, PPO_TIMINGS.parent)}

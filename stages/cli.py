@@ -16,11 +16,11 @@ from typing import Annotated
 
 import typer
 
-from stages.artifacts import STATE, check_writable
+from stages.artifacts import LOCKS, STATE, check_writable
 from stages.params import load_params
 from stages.pipeline import stage as stage_spec
 from stages.pipeline import stages
-from stages.runtime import StageError
+from stages.runtime import StageError, stage_lock
 
 app = typer.Typer(
     help="RLHF pipeline stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate -> report. "
@@ -36,8 +36,9 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
     start = time.perf_counter()
     try:
         params = load_params(params_path)
-        check_writable(Path("."), [*stage_spec(stage).outs, *(path / "x" for path in STATE.get(stage, ()))])
-        summary = importlib.import_module(f"stages.{stage}").run(params)
+        with stage_lock(LOCKS / f"{stage}.lock", stage):  # the only run of the stage: a second one stops here
+            check_writable(Path("."), [*stage_spec(stage).outs, *(path / "x" for path in STATE.get(stage, ()))])
+            summary = importlib.import_module(f"stages.{stage}").run(params)
     except (StageError, OSError) as err:
         if debug or (isinstance(err, OSError) and err.errno not in UNWRITABLE):
             raise

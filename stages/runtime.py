@@ -1,4 +1,5 @@
-"""What a stage says and where it runs: the error a user can fix, notes and warnings, the process it is.
+"""What a stage says and where it runs: the error a user can fix, notes and warnings, the process it is, the lock
+that makes it the only run of its stage.
 
 A `StageError` is bad input a user can fix: its message is one line naming the file, key or column and what to
 do, which the CLI prints without a traceback (exit status 2).
@@ -6,9 +7,16 @@ do, which the CLI prints without a traceback (exit status 2).
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shlex
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
 
 
 class StageError(Exception):
@@ -37,6 +45,101 @@ def note(message: str) -> None:
 def warning(message: str) -> None:
     """Tell the user something that may give results they do not expect (one line, on stderr)."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def stage_lock(path: Path, stage: str) -> Iterator[None]:
+    """Run the block as the only run of ``stage``: hold an exclusive advisory lock (flock) on the file ``path``, which
+    names its holder (pid, start, command) while held and is deleted on release. The OS releases the lock when its
+    holder ends, however it ends: a SIGKILLed run leaves no stale lock. Another run of the stage stops with a
+    StageError naming the holder, before it touches anything. Under `accelerate launch` the processes of one run are
+    one holder: only the main one (RANK 0) takes it."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    path = Path(path)
+    fd = take_lock(path)
+    if fd is None:
+        raise StageError(f"another {stage} run holds {path}: {lock_holder(path)}")
+    try:
+        os.ftruncate(fd, 0)  # what a killed holder wrote
+        os.write(fd, json.dumps(holder_info()).encode())
+        yield
+    finally:
+        release_lock(path, fd)
+
+
+def take_lock(path: Path) -> int | None:
+    """An open descriptor of ``path`` (created if missing) holding its exclusive flock, or None when another process
+    holds it."""
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # its folder was removed by a holder's release meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if _same_file(path, fd):
+            return fd
+        os.close(fd)  # locked the file a holder deleted on release: lock the one at ``path`` now
+
+
+def release_lock(path: Path, fd: int) -> None:
+    """Delete the lock file (while holding it, so no one holds a deleted one unseen) and its folder once empty."""
+    if _same_file(path, fd):
+        path.unlink()
+    os.close(fd)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        found, held = path.stat(), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+
+
+def holder_info() -> dict:
+    """Who holds a lock, for the message another run prints: this process's pid, start and command line."""
+    command = reason(shlex.join(sys.orig_argv).replace("\n", " "), 200)  # one line (`python -c` code has several)
+    command += " (run by dvc repro)" if os.environ.get("DVC_STAGE") else ""
+    return {"pid": os.getpid(), "started": datetime.now().isoformat(sep=" ", timespec="seconds"), "command": command}
+
+
+def lock_holder(path: Path, patience: float = 1.0) -> str:
+    """What the holder of the lock ``path`` wrote into it, as the rest of a one-line error. A holder writes it as it
+    takes the lock, so a reader waits up to ``patience`` seconds for it (an empty file, or a killed holder's pid)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            info = json.loads(path.read_text())
+            pid, started, command = info["pid"], info["started"], info["command"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pid = None
+        if pid is not None and _alive(pid):  # not the words of a killed holder
+            return f"pid {pid}, started {started}, command `{command}`; wait for it to end (or stop it: kill {pid}), " \
+                   "then rerun"
+        if time.monotonic() > deadline:
+            return "its process has not said which it is; wait for it to end, then rerun"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def process_state():

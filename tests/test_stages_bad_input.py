@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from stages.cli import app
 from tests.conftest import write_params
+from tests.test_stages_by_hand import start_holder
 
 SCORERS = '''import math
 
@@ -110,6 +111,14 @@ def setup_unwritable(folder: str):
     return setup
 
 
+def setup_running(stage: str):
+    """Another run of `stage` in progress: a process holding its lock; stopped after the test."""
+    def setup(root):
+        holder = start_holder(root / "data" / ".locks" / f"{stage}.lock", stage)
+        return lambda: (holder.kill(), holder.wait())
+    return setup
+
+
 # (id, stage, upstream artifacts, params changes, extra setup, message fragment after "error: <stage>: ")
 CASES = [
     ("unknown-key", "prepare", None, {"sft.learnin_rate": 0.1},
@@ -184,6 +193,8 @@ CASES = [
      None, "PPO step 1: scorer (callable scorers:one_number) returned float, not a list"),
     ("scorer-not-importable", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:missing"},
      None, "params.yaml: scorer.name 'scorers:missing' is not an importable 'module:function'"),
+    ("stage-already-running", "ppo", "ppo", {},
+     setup_running("ppo"), "another ppo run holds data/.locks/ppo.lock: pid "),
     ("upstream-missing", "ppo", None, {},
      None, "data/tokenized/train.parquet: not found; run the stage that writes it"),
 ]
