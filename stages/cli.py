@@ -7,7 +7,6 @@ with status 2; `--debug` shows the traceback instead.
 
 from __future__ import annotations
 
-import errno
 import importlib
 import os
 import time
@@ -16,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from stages.artifacts import LOCKS, STATE, check_writable
+from stages.artifacts import LOCKS, STATE, UNWRITABLE, check_writable
 from stages.params import load_params
 from stages.pipeline import stage as stage_spec
 from stages.pipeline import stages
@@ -47,10 +46,6 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
         raise typer.Exit(2) from None
     if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, the main process reports
         typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s]")
-
-
-# A file or directory the stage cannot write: denied, read-only, or a full disk.
-UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
 
 def unwritable(err: OSError) -> str:

@@ -34,6 +34,7 @@ from stages.artifacts import (
     SFT_MODEL,
     TOKENIZED_EVAL,
     evaluation_metrics,
+    publishing,
     read_table,
     require_dir,
     write_json,
@@ -91,8 +92,9 @@ def compare_policies(params: Params, root: Path) -> str:
     n = len(queries)
     wins = win_rate(columns["score"][n:], columns["score"][:n])
     metrics = evaluation_metrics(by_policy["ppo"], by_policy["sft"], wins)
-    write_parquet(columns, root / EVAL_SAMPLES)
-    write_json(metrics, root / EVAL_METRICS, sort_keys=False)
+    with publishing():  # both or neither
+        write_parquet(columns, root / EVAL_SAMPLES)
+        write_json(metrics, root / EVAL_METRICS, sort_keys=False)
     gold = f", gold {metrics['sft']['gold']:.2f} -> {metrics['gold']:.2f}" if "gold" in columns else ""
     return (f"{n} prompts: reward {metrics['sft']['reward']:.2f} (sft) -> {metrics['reward']:.2f} (ppo){gold}, "
             f"win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> {EVAL_METRICS}")

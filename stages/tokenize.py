@@ -17,6 +17,7 @@ from stages.artifacts import (
     SFT_MODEL,
     TOKENIZED_EVAL,
     TOKENIZED_TRAIN,
+    publishing,
     read_table,
     require_dir,
     write_parquet,
@@ -30,7 +31,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     set_seed(params.seed)
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     context = model_context(root / SFT_MODEL)
-    kept = {}
+    kept, tables = {}, {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
         queries = read_table(root / source, ["query"])["query"].tolist()
         ids = [x[:params.tokenize.max_query_tokens] for x in tokenizer(queries)["input_ids"]]
@@ -43,8 +44,11 @@ def run(params: Params, root: Path = Path(".")) -> str:
             raise StageError(f"{source}: all {len(ids)} queries are {context} tokens or longer after truncation, the "
                              f"whole context of {SFT_MODEL}; lower tokenize.max_query_tokens in {params.path}")
         ids = fitting
-        write_parquet({"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}, root / target)
+        tables[target] = {"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}
         kept[target.stem] = (len(ids), len(queries))
+    with publishing():  # both or neither
+        for target, columns in tables.items():
+            write_parquet(columns, root / target)
     counts = ", ".join(f"{name}: {n} of {total} queries kept" for name, (n, total) in kept.items())
     return f"{counts} -> {TOKENIZED_TRAIN.parent}"
 

@@ -3,6 +3,7 @@ do, exit status 2, no traceback, and no output written (the resumable state in d
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -11,9 +12,13 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors import SafetensorError
 from typer.testing import CliRunner
 
+from ppo_core import AutoModelForCausalLMWithValueHead
 from stages.cli import app
 from tests.conftest import write_params
 from tests.test_stages_by_hand import start_holder
@@ -111,6 +116,34 @@ def setup_unwritable(folder: str):
     return setup
 
 
+# What libraries raise on a full disk: pyarrow an OSError with errno 28 but no file name, safetensors its own error,
+# torch.save a RuntimeError about a short write (measured on a full tmpfs); none names the file.
+PYARROW_DISK_FULL = OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+SAFETENSORS_DISK_FULL = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+TORCH_DISK_FULL = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+
+def disk_full(owner, name: str, where: str, error: Exception):
+    """A setup: the writer ``owner.name`` runs out of space (writes some bytes, then raises ``error`` as the library
+    does) when it writes to a path containing ``where``; undone after the test."""
+    real = getattr(owner, name)
+
+    def writer(*args, **kwargs):
+        target = Path(next(arg for arg in args if isinstance(arg, (str, Path))))
+        if where not in target.as_posix():
+            return real(*args, **kwargs)
+        partial = target / "model.safetensors" if name == "save_pretrained" else target
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(b"the first bytes")
+        raise error
+
+    def setup(root):
+        patch = pytest.MonkeyPatch()
+        patch.setattr(owner, name, writer)
+        return patch.undo
+    return setup
+
+
 def setup_running(stage: str):
     """Another run of `stage` in progress: a process holding its lock; stopped after the test."""
     def setup(root):
@@ -193,6 +226,18 @@ CASES = [
      None, "PPO step 1: scorer (callable scorers:one_number) returned float, not a list"),
     ("scorer-not-importable", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:missing"},
      None, "params.yaml: scorer.name 'scorers:missing' is not an importable 'module:function'"),
+    ("raw-disk-full", "prepare", None, {},
+     disk_full(pq, "write_table", "data/raw/.prompts_train.parquet.tmp-", PYARROW_DISK_FULL),
+     "data/raw/prompts_train.parquet: no space left on device; cannot write there (make it writable, or free space)"),
+    ("ppo-disk-full", "ppo", "ppo", {},
+     disk_full(pq, "write_table", "data/ppo/.stats.parquet.tmp-", PYARROW_DISK_FULL),
+     "data/ppo/stats.parquet: no space left on device; cannot write there (make it writable, or free space)"),
+    ("ppo-model-disk-full", "ppo", "ppo", {},
+     disk_full(AutoModelForCausalLMWithValueHead, "save_pretrained", "data/models/.ppo.tmp-", SAFETENSORS_DISK_FULL),
+     "data/models/ppo: no space left on device; cannot write there (make it writable, or free space)"),
+    ("checkpoints-disk-full", "ppo", "ppo", {},
+     disk_full(torch, "save", "data/checkpoints/ppo/.tmp-state-", TORCH_DISK_FULL),
+     "data/checkpoints/ppo/state: no space left on device; cannot write there (make it writable, or free space)"),
     ("stage-already-running", "ppo", "ppo", {},
      setup_running("ppo"), "another ppo run holds data/.locks/ppo.lock: pid "),
     ("upstream-missing", "ppo", None, {},

@@ -1,21 +1,25 @@
 """What a user does by hand at a terminal, tested as the user does it (real processes, real files): two runs of a
-stage at once. Each either works or stops with one line; none passes silently or loses data."""
+stage at once, a full disk. Each either works or stops with one line; none passes silently or loses data."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from stages.artifacts import LOCKS, PPO_CHECKPOINTS, PPO_ROLLOUTS
+from stages.artifacts import LOCKS, PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS
+from stages.cli import app
 from stages.runtime import StageError, stage_lock
-from tests.conftest import ROOT
-from tests.test_stages_resume import params_file, run_stage, upstream_of_ppo
+from tests.conftest import ROOT, write_params
+from tests.test_stages_resume import EXCLUDE, digests, params_file, run_stage, upstream_of_ppo
 
 PPO_24_STEPS = dict(ppo__steps=192, checkpoint__ppo_every=4)  # 24 steps of 8 rollouts, a checkpoint every 4
 
@@ -106,3 +110,105 @@ def test_only_the_main_process_of_a_launch_takes_the_lock(tmp_path, monkeypatch)
     monkeypatch.setenv("RANK", "0")
     with stage_lock(lock, "ppo"):
         assert lock.exists()
+
+
+def files_as_they_are(root: Path, *folders: str) -> dict[str, tuple[int, bytes]]:
+    """{path: (inode, bytes)} of the files under ``folders``: a file rewritten with the same bytes is another inode."""
+    return {str(p.relative_to(root)): (p.stat().st_ino, p.read_bytes())
+            for folder in folders for p in sorted((root / folder).rglob("*")) if p.is_file()}
+
+
+def temporaries(root: Path) -> list[Path]:
+    """What atomic writers leave when they fail: `.NAME.tmp-PID`, `.NAME.old-PID`, ppo_core's `.tmp-state-N`."""
+    return [*(root / "data").rglob(".*tmp-*"), *(root / "data").rglob(".*.old-*")]
+
+
+OUTPUTS = ("data/ppo", str(PPO_MODEL))
+
+
+@pytest.mark.parametrize("case", ["ppo-disk-full", "ppo-model-disk-full", "checkpoints-disk-full"])
+def test_a_full_disk_leaves_the_previous_outputs_and_no_temporaries(case, tiny_run, tmp_path, monkeypatch):
+    """The disk fills while ppo writes (each library failing as it does then) over a finished run's outputs: one line
+    naming what could not be written, exit status 2, every previous output as it was (the same files, not rewritten),
+    no temporary name left in data/; with space again, the rerun resumes from the last checkpoint and publishes."""
+    from tests.test_stages_bad_input import CASES
+
+    _, stage, _, _, setup, fragment = next(c for c in CASES if c[0] == case)
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root)
+    write_params(root, {})
+    monkeypatch.chdir(root)
+    before = files_as_they_are(root, *OUTPUTS)
+    undo = setup(root)
+    try:
+        result = CliRunner().invoke(app, [stage, "--params", "params.yaml"])
+    finally:
+        undo()
+    assert result.exit_code == 2, result.output + str(result.exception)
+    assert result.stderr == f"error: ppo: {fragment}\n"
+    assert files_as_they_are(root, *OUTPUTS) == before
+    assert not temporaries(root)
+    result = CliRunner().invoke(app, [stage, "--params", "params.yaml"])
+    assert result.exit_code == 0, result.stderr
+    resumed = "note: ppo: resuming from data/checkpoints/ppo/state at step 2" in result.stderr
+    assert resumed == (case != "checkpoints-disk-full")  # that one failed at the first checkpoint: nothing to resume
+    assert digests(root, EXCLUDE).keys() == digests(tiny_run, EXCLUDE).keys()
+    assert not (root / PPO_CHECKPOINTS).exists() and not temporaries(root)
+
+
+@pytest.fixture
+def tmpfs():
+    """Mount a tmpfs of a given size on a folder (root only; the test is skipped where mounting is not permitted), and
+    unmount it after the test."""
+    mounted = []
+
+    def mount(folder: Path, size: str) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                              capture_output=True, text=True) if shutil.which("mount") else None
+        if done is None or done.returncode:
+            pytest.skip("mounting a tmpfs is not permitted here (" + (done.stderr.strip() if done else "no mount")
+                        + "); the injected disk-full tests stand in")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in reversed(mounted):
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+ONE_LINE_DISK_FULL = (r"error: ppo: (data/\S+): no space left on device; cannot write there "
+                      r"\(make it writable, or free space\)\n")
+
+
+@pytest.mark.slow
+def test_a_full_tmpfs_for_the_checkpoints_stops_in_one_line(tiny_run, tmp_path, tmpfs):
+    """data/checkpoints on a tmpfs too small for the PPO state: one line naming it, no traceback, no `.tmp-*`."""
+    root = upstream_of_ppo(tiny_run, tmp_path / "project")
+    tmpfs(root / "data" / "checkpoints", "128k")
+    run = run_stage("ppo", params_file(root), root)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 2, err[-2000:]
+    assert re.fullmatch(ONE_LINE_DISK_FULL, err), err
+    assert re.fullmatch(ONE_LINE_DISK_FULL, err)[1].startswith("data/checkpoints/ppo/")
+    assert out == "" and not temporaries(root)
+
+
+@pytest.mark.slow
+def test_a_full_tmpfs_for_the_outputs_leaves_the_previous_ones(tiny_run, tmp_path, tmpfs):
+    """data/ppo on a full tmpfs holding a finished run's outputs: one line naming the file, those outputs as they were
+    (the rollouts not published alone), no temporary names left."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run / "data", root / "data", ignore=shutil.ignore_patterns("ppo"))
+    tmpfs(root / "data" / "ppo", "1m")
+    shutil.copytree(tiny_run / "data" / "ppo", root / "data" / "ppo", dirs_exist_ok=True)
+    filler = root / "data" / "ppo" / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(filler.parent).free - 8192))  # two pages left
+    before = files_as_they_are(root, *OUTPUTS)
+    run = run_stage("ppo", params_file(root), root)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 2, err[-2000:]
+    assert re.fullmatch(ONE_LINE_DISK_FULL, err), err
+    assert re.fullmatch(ONE_LINE_DISK_FULL, err)[1].startswith("data/ppo/")
+    assert out == "" and not temporaries(root)
+    assert files_as_they_are(root, *OUTPUTS) == before
