@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -142,6 +143,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """In the block, SIGTERM (what `kill` and job schedulers send) raises KeyboardInterrupt, as Ctrl-C does: a stage
+    stops the same way for both (temporaries removed, locks released, one line). Outside the main thread (where
+    signals cannot be handled) the block runs as it is."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def process_state():
     """accelerate's state of this process: one of several under `accelerate launch`, else the only one.
     On a machine without a GPU (or with ACCELERATE_USE_CPU=1) the processes talk over gloo on the CPU; under a
@@ -168,12 +188,18 @@ def device() -> str:
 class Progress:
     """A stage's progress through its ``total`` steps: a bar on a terminal; elsewhere (a log, CI, `dvc repro` piped)
     one line every ``every`` seconds and at the end, e.g. ``ppo: step 8/24, 12 s, ETA 24 s, reward 0.52, kl 1.31``.
-    Only the main process of a run reports; ``TQDM_DISABLE=1`` silences both."""
+    Only the main process of a run reports; ``TQDM_DISABLE=1`` silences both. It also keeps, for the line an
+    interrupted run prints (`stopped`), the steps done and the last step whose resumable state is saved (``saved``:
+    the stage sets it; a run resumed at ``start`` has that one)."""
+
+    latest: Progress | None = None  # the running stage's
 
     def __init__(self, name: str, total: int, start: int = 0, every: float = 15.0, main: bool = True):
         from tqdm.auto import tqdm
 
         self.name, self.total, self.start, self.every = name, total, start, every
+        self.done, self.saved = start, start or None
+        Progress.latest = self
         self.enabled = main and os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true", "yes")
         self.bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True) \
             if self.enabled and sys.stderr.isatty() else None
@@ -181,6 +207,7 @@ class Progress:
 
     def update(self, done: int, **latest: float) -> None:
         """``done`` steps are complete; ``latest`` are values to show (the last step's reward, KL, ...)."""
+        self.done = done
         if not self.enabled:
             return
         shown = {key: f"{value:.3g}" for key, value in latest.items()}
@@ -201,6 +228,12 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
 
+    def stopped(self) -> str:
+        """Where the run stands, for an interrupted one: "stopped during step 6/24"."""
+        if self.done < self.total:
+            return f"stopped during step {self.done + 1}/{self.total}"
+        return f"stopped after step {self.total}/{self.total}"
+
 
 def trainer_progress(name: str):
     """A transformers Trainer callback reporting its optimiser steps through :class:`Progress` (the Trainer's own bar
@@ -213,6 +246,9 @@ def trainer_progress(name: str):
 
         def on_step_end(self, args, state, control, **kwargs):
             self.progress.update(state.global_step)
+
+        def on_save(self, args, state, control, **kwargs):  # after the stage's mark: a checkpoint a rerun resumes
+            self.progress.saved = state.global_step
 
         def on_train_end(self, args, state, control, **kwargs):
             self.progress.close()

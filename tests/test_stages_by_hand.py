@@ -1,5 +1,6 @@
 """What a user does by hand at a terminal, tested as the user does it (real processes, real files): two runs of a
-stage at once, a full disk. Each either works or stops with one line; none passes silently or loses data."""
+stage at once, a full disk, Ctrl-C or kill. Each either works or stops with one line; none passes silently or loses
+data."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,11 +17,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from stages.artifacts import LOCKS, PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS
+from stages import prepare, sft
+from stages.artifacts import LOCKS, PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS, SFT_CHECKPOINTS
 from stages.cli import app
+from stages.ppo_run import WORK_ROLLOUTS, rollout_file
 from stages.runtime import StageError, stage_lock
 from tests.conftest import ROOT, write_params
-from tests.test_stages_resume import EXCLUDE, digests, params_file, run_stage, upstream_of_ppo
+from tests.test_stages_resume import EXCLUDE, crash_at, digests, params_file, run_stage, upstream_of_ppo
 
 PPO_24_STEPS = dict(ppo__steps=192, checkpoint__ppo_every=4)  # 24 steps of 8 rollouts, a checkpoint every 4
 
@@ -212,3 +216,70 @@ def test_a_full_tmpfs_for_the_outputs_leaves_the_previous_ones(tiny_run, tmp_pat
     assert re.fullmatch(ONE_LINE_DISK_FULL, err)[1].startswith("data/ppo/")
     assert out == "" and not temporaries(root)
     assert files_as_they_are(root, *OUTPUTS) == before
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_where_the_run_stopped_and_a_rerun_resumes(tiny_run, tmp_path):
+    """SIGINT mid-run (Ctrl-C): one line saying which step it stopped in and which step's state a rerun resumes from,
+    exit status 130, no traceback, no temporary name or lock left; the rerun does resume from there."""
+    root = upstream_of_ppo(tiny_run, tmp_path / "project")
+    params = params_file(root, **PPO_24_STEPS)
+    run = run_stage("ppo", params, root)
+    wait_for(lambda: (root / WORK_ROLLOUTS / rollout_file(5)).exists(), run, "step 6 was written")
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 130, err[-2000:]
+    stopped = re.fullmatch(r"interrupted: ppo: stopped during step (\d+)/24; data/checkpoints/ppo holds the state of "
+                           r"step (\d+): rerunning the stage resumes from it\n", err)
+    assert stopped, err
+    during, saved = map(int, stopped.groups())
+    assert during >= 6 and saved % 4 == 0 and 4 <= saved < during, err
+    assert out == "" and not temporaries(root) and not (root / LOCKS).exists()
+    rerun = run_stage("ppo", params, root)
+    out, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err[-2000:]
+    assert f"note: ppo: resuming from data/checkpoints/ppo/state at step {saved}\n" in err
+    assert out.startswith(f"ppo: 24 steps, resumed at step {saved}, reward")
+
+
+@pytest.mark.slow
+def test_kill_stops_a_stage_as_ctrl_c_does(tiny_run, tmp_path):
+    """SIGTERM (`kill`, a job scheduler) takes Ctrl-C's path: one line, exit status 130, no traceback. A stage without
+    resumable state says nothing was published, and the previous outputs are as they were."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run / "data", root / "data")
+    params = params_file(root)
+    before = files_as_they_are(root, "data/eval")
+    run = run_stage("evaluate", params, root)
+    wait_for(lambda: holds(root / LOCKS / "evaluate.lock", run.pid), run, "the run held its lock")
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 130, err[-2000:]
+    assert err == "interrupted: evaluate: nothing was published; rerun the stage\n" and out == ""
+    assert files_as_they_are(root, "data/eval") == before and not temporaries(root)
+
+
+def test_an_interrupted_trainer_stage_names_its_checkpoint(tiny_run, tmp_path, monkeypatch):
+    """sft interrupted at its third optimiser step: the transformers checkpoint of step 2 is what a rerun resumes."""
+    shutil.copytree(tiny_run / "data" / "raw", tmp_path / "data" / "raw")
+    write_params(tmp_path, {})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sft, "trainer_callback", crash_at(3))  # raises KeyboardInterrupt as step 3 ends
+    result = CliRunner().invoke(app, ["sft", "--params", "params.yaml"])
+    assert result.exit_code == 130, result.output
+    assert result.stderr == (f"interrupted: sft: stopped during step 3/5; {SFT_CHECKPOINTS} holds the state of step "
+                             "2: rerunning the stage resumes from it\n")
+
+
+def test_debug_keeps_the_traceback_of_an_interrupt(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, {})
+
+    def interrupted(params, root=Path(".")):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "run", interrupted)
+    result = CliRunner().invoke(app, ["prepare", "--params", "params.yaml", "--debug"])
+    assert result.exit_code == 130
+    assert result.stderr.startswith("Traceback") and "KeyboardInterrupt" in result.stderr
+    assert "interrupted:" not in result.stderr
