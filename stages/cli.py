@@ -21,6 +21,7 @@ from stages.artifacts import LOCKS, STATE, UNWRITABLE, check_writable
 from stages.params import load_params
 from stages.pipeline import stage as stage_spec
 from stages.pipeline import stages
+from stages.resume import remove_redundant_state
 from stages.runtime import Progress, StageError, stage_lock, terminate_as_interrupt
 
 app = typer.Typer(
@@ -56,10 +57,13 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
 
 
 def _run_stage(stage: str, params_path: Path) -> str:
-    """Run the stage as the only run of it, once its params are read and its outputs found writable."""
+    """Run the stage as the only run of it, once its params are read and its outputs found writable; first delete
+    the state of the others that nothing would resume from."""
     params = load_params(params_path)
     with stage_lock(LOCKS / f"{stage}.lock", stage):  # a second run of the stage stops here
         check_writable(Path("."), [*stage_spec(stage).outs, *(path / "x" for path in STATE.get(stage, ()))])
+        if os.environ.get("RANK", "0") == "0":
+            remove_redundant_state(params, Path("."), stage)
         return importlib.import_module(f"stages.{stage}").run(params)
 
 

@@ -58,14 +58,24 @@ def stage_lock(path: Path, stage: str) -> Iterator[None]:
     if os.environ.get("RANK", "0") != "0":
         yield
         return
-    path = Path(path)
+    with lock_if_free(Path(path)) as held:
+        if not held:
+            raise StageError(f"another {stage} run holds {path}: {lock_holder(Path(path))}")
+        yield
+
+
+@contextmanager
+def lock_if_free(path: Path) -> Iterator[bool]:
+    """Hold the lock ``path`` (see :func:`stage_lock`) for the block when no other process does (True), else run the
+    block without it (False)."""
     fd = take_lock(path)
     if fd is None:
-        raise StageError(f"another {stage} run holds {path}: {lock_holder(path)}")
+        yield False
+        return
     try:
         os.ftruncate(fd, 0)  # what a killed holder wrote
         os.write(fd, json.dumps(holder_info()).encode())
-        yield
+        yield True
     finally:
         release_lock(path, fd)
 
