@@ -142,12 +142,12 @@ def atomic_path(path: Path) -> Iterator[Path]:
     try:
         with writing(path, tmp):
             yield tmp
+        if _staged is None:
+            _move_into_place(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
-    if _staged is None:
-        _move_into_place(tmp, path)
-    elif (tmp, path) not in _staged:
+    if _staged is not None and (tmp, path) not in _staged:
         _staged.append((tmp, path))
 
 

@@ -84,6 +84,10 @@ def setup_long_prompts(root):
         pd.DataFrame({"query": [LONG_PROMPT] * 4}).to_parquet(root / "data" / "raw" / f"{name}.parquet")
 
 
+def setup_long_eval_prompts(root):
+    pd.DataFrame({"query": [LONG_PROMPT] * 4}).to_parquet(root / "data" / "raw" / "prompts_eval.parquet")
+
+
 def setup_truncated_sft_parquet(root):
     path = root / "data" / "raw" / "sft.parquet"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -184,6 +188,9 @@ CASES = [
     ("prompts-beyond-context", "tokenize", "tokenize",
      {"model.name_or_path": "data/models/sft", "tokenize.max_query_tokens": 100},
      setup_long_prompts, "data/raw/prompts_train.parquet: all 4 queries are 48 tokens or longer after truncation"),
+    ("eval-prompts-beyond-context", "tokenize", "tokenize",  # the train prompts fit: neither table is written
+     {"model.name_or_path": "data/models/sft", "tokenize.max_query_tokens": 100},
+     setup_long_eval_prompts, "data/raw/prompts_eval.parquet: all 4 queries are 48 tokens or longer after truncation"),
     ("model-path-missing", "sft", "sft", {"model.name_or_path": "no/such-model"},
      None, "model.name_or_path 'no/such-model': no such directory, and no hub model of that id in the local cache "
            "(downloads are off: HF_HUB_OFFLINE=1); give the directory that save_pretrained wrote, or set "
