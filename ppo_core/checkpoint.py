@@ -12,7 +12,8 @@ A checkpoint is a directory with one layout, with or without DeepSpeed:
   the tag :data:`DEEPSPEED_TAG`, beside DeepSpeed's recovery scripts).
 
 It is assembled under a temporary name beside its path and renamed into place once every process is done
-(:func:`replace_dir`), so a reader sees the previous checkpoint or the new one, never a partial one. Restoring it
+(:func:`replace_dir`), so a reader sees the previous checkpoint or the new one, never a partial one; a write that
+fails (a full disk) removes the temporary directory and raises, leaving the previous checkpoint as it was. Restoring it
 and continuing gives the same run as never stopping (on CPU, bit for bit); it is refused, with a message saying
 what to do, when the run has another number of processes or another ZeRO stage (or none), which lay out the
 global batch and the engine's state.
@@ -125,17 +126,22 @@ def save(path: str, trainer_state: dict[str, Any], engine: PlainEngine | DeepSpe
     ``wait_for_everyone``.
     """
     tmp, main = temporary_dir(path, tag), accelerator.is_main_process
-    if main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a writer killed at this very step
-        os.makedirs(tmp)
-    accelerator.wait_for_everyone()
-    engine.save(tmp, main)
-    if main:
-        torch.save(trainer_state | {"format_version": FORMAT_VERSION, "zero_stage": engine.zero_stage},
-                   os.path.join(tmp, TRAINER_FILE))
-    accelerator.wait_for_everyone()
-    if main:
-        replace_dir(tmp, path)
+    try:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a writer killed at this very step
+            os.makedirs(tmp)
+        accelerator.wait_for_everyone()
+        engine.save(tmp, main)
+        if main:
+            torch.save(trainer_state | {"format_version": FORMAT_VERSION, "zero_stage": engine.zero_stage},
+                       os.path.join(tmp, TRAINER_FILE))
+        accelerator.wait_for_everyone()
+        if main:
+            replace_dir(tmp, path)
+    except BaseException:  # a write that failed (a full disk: torch.save's RuntimeError names no file) or an interrupt
+        if main:
+            _remove(tmp)  # leaves the previous checkpoint, and nothing half-written beside it
+        raise
     accelerator.wait_for_everyone()  # every process may read the checkpoint once this returns
 
 

@@ -1,13 +1,17 @@
 """The pipeline's artifacts: where they live, and how they are written and read.
 
 Every artifact is written atomically: to a temporary name in the same directory, then `os.replace`d onto its
-final name, so a killed stage never leaves a half-written file or model directory behind. Parquet files are
-written deterministically (caller's row order, fixed writer options, no pandas metadata, no timestamps), so the
-same rows give the same bytes and DVC sees no change.
+final name, so a killed stage never leaves a half-written file or model directory behind. A stage publishes its
+outputs all or none (`publishing`): each is written to its temporary name first, and they are renamed into place
+only once all are written. A write that fails because the place cannot be written (denied, read-only, full) is an
+OSError naming the output, whatever the library said (`write_error`). Parquet files are written deterministically
+(caller's row order, fixed writer options, no pandas metadata, no timestamps), so the same rows give the same bytes
+and DVC sees no change.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -56,25 +60,104 @@ PPO_TIMINGS_RUN = Path("data/logs/ppo/run.json")  # which results they are the t
 REPORT_TIMINGS = Path("data/logs/report")  # the report's chart of them, one SVG per run, linked from the page
 # The page of a sweep (`rlhf report --experiments`, outside DVC: it reads the experiments DVC has).
 REPORT_SWEEP = Path("data/report/experiments.html")
-NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"), REPORT_SWEEP)
+# The locks that make a stage's run the only one (see stages.runtime.stage_lock): one file per stage, while it runs.
+LOCKS = Path("data/.locks")
+NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"), REPORT_SWEEP, LOCKS)
 # The run's report page: a DVC output like any result (the same bytes for the same results).
 REPORT = Path("data/report/index.html")
 STATE = {"sft": (SFT_CHECKPOINTS,), "reward": (REWARD_CHECKPOINTS,), "ppo": (PPO_CHECKPOINTS, PPO_TIMINGS.parent)}
 
 
 
+# A file or directory that cannot be written: denied, read-only, or a full disk (what the CLI prints as one line).
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+# What libraries say when a write runs out of space without an OSError carrying its errno (measured on a full tmpfs):
+# safetensors "No space left on device (os error 28)", torch.save a short write ("unexpected pos N vs M", or "file
+# write failed"), shutil.copytree a list of its files' errors.
+OUT_OF_SPACE = ("no space left on device", "unexpected pos", "file write failed")
+
+
+def write_error(err: BaseException, path: Path, tmp: Path | None = None) -> OSError | None:
+    """``err``, raised while writing ``path`` (through its temporary name ``tmp``), as an OSError naming ``path`` (or
+    the file in it) when it says the place cannot be written, else None. Libraries raise such errors without the
+    file's name (pyarrow, json) or without an errno (safetensors, torch.save)."""
+    code = getattr(err, "errno", None)
+    if code is None:
+        text = str(err).lower()
+        code = errno.EDQUOT if "disk quota exceeded" in text else (
+            errno.ENOSPC if any(words in text for words in OUT_OF_SPACE) else None)
+    if code not in UNWRITABLE:
+        return None
+    name, where = getattr(err, "filename", None), Path(path)
+    if tmp is not None and name is not None and Path(name).is_relative_to(tmp):
+        where = Path(path) / Path(name).relative_to(tmp)  # the file inside a directory being written
+    return OSError(code, os.strerror(code), str(where))
+
+
+@contextmanager
+def writing(path: Path, tmp: Path | None = None) -> Iterator[None]:
+    """Run the block that writes ``path`` (through ``tmp``), raising what :func:`write_error` makes of its errors."""
+    try:
+        yield
+    except Exception as err:
+        named = write_error(err, path, tmp)
+        if named is None:
+            raise
+        raise named from err
+
+
+_staged: list[tuple[Path, Path]] | None = None  # the open publication's (temporary, final) paths; None: none open
+
+
+@contextmanager
+def publishing() -> Iterator[None]:
+    """Publish the outputs the block writes all or none: each `atomic_path` in it stays under its temporary name, and
+    only when the block has written all of them are they renamed into place. A failure (a full disk, an error, an
+    interrupt) removes those not in place yet and leaves the previous outputs as they were. Inside another
+    publication, the block joins it."""
+    global _staged
+    if _staged is not None:
+        yield
+        return
+    _staged = staged = []
+    try:
+        yield
+        _staged = None
+        for tmp, path in staged:
+            _move_into_place(tmp, path)
+    except BaseException:
+        for tmp, _ in staged:
+            _remove(tmp)
+        raise
+    finally:
+        _staged = None
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; when the block succeeds, move it onto `path` (file or directory).
-
-    A directory replaces an existing one by two renames (old aside, new in), then the old one is deleted.
-    """
+    """Yield a temporary path beside `path`; when the block succeeds, move it onto `path` (file or directory), at
+    once, or inside :func:`publishing` with the publication's other outputs. A failed block removes the temporary
+    path; its error, when it says `path` cannot be written, becomes an OSError naming `path` (:func:`write_error`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     _remove(tmp)
     try:
-        yield tmp
+        with writing(path, tmp):
+            yield tmp
+        if _staged is None:
+            _move_into_place(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    if _staged is not None and (tmp, path) not in _staged:
+        _staged.append((tmp, path))
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` onto ``path``. A directory replaces an existing one by two renames (old aside, new in), then the
+    old one is deleted."""
+    with writing(path, tmp):
         if tmp.is_dir() and (path.is_dir() or path.is_symlink()):
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
@@ -82,8 +165,6 @@ def atomic_path(path: Path) -> Iterator[Path]:
             _remove(old)
         else:
             os.replace(tmp, path)
-    finally:
-        _remove(tmp)
 
 
 def _remove(path: Path) -> None:

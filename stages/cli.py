@@ -2,25 +2,27 @@
 
 Each subcommand reads a params file, runs its stage from the current directory (the project root) and prints
 one summary line. Bad input (params, data, a missing upstream artifact) prints one `error:` line and exits
-with status 2; `--debug` shows the traceback instead.
+with status 2; Ctrl-C or SIGTERM one `interrupted:` line saying where the run stopped and what a rerun does, exit
+status 130; `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
 
-import errno
 import importlib
 import os
 import time
+import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from stages.artifacts import STATE, check_writable
+from stages.artifacts import LOCKS, STATE, UNWRITABLE, check_writable
 from stages.params import load_params
 from stages.pipeline import stage as stage_spec
 from stages.pipeline import stages
-from stages.runtime import StageError
+from stages.resume import remove_redundant_state
+from stages.runtime import Progress, StageError, stage_lock, terminate_as_interrupt
 
 app = typer.Typer(
     help="RLHF pipeline stages: (sources) -> prepare -> sft -> reward -> tokenize -> ppo -> evaluate -> report. "
@@ -33,23 +35,48 @@ DEFAULT_PARAMS = Path("params.yaml")
 
 
 def _run(stage: str, params_path: Path, debug: bool) -> None:
-    start = time.perf_counter()
+    start, main = time.perf_counter(), os.environ.get("RANK", "0") == "0"  # under `accelerate launch`: the main one
+    Progress.latest = None
     try:
-        params = load_params(params_path)
-        check_writable(Path("."), [*stage_spec(stage).outs, *(path / "x" for path in STATE.get(stage, ()))])
-        summary = importlib.import_module(f"stages.{stage}").run(params)
+        with terminate_as_interrupt():
+            summary = _run_stage(stage, params_path)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: where the run stopped, and what a rerun does
+        if debug:
+            traceback.print_exc()
+        elif main:
+            typer.echo(f"interrupted: {stage}: {interrupted(stage)}{restore_hint()}", err=True)
+        raise typer.Exit(130) from None
     except (StageError, OSError) as err:
         if debug or (isinstance(err, OSError) and err.errno not in UNWRITABLE):
             raise
         message = err if isinstance(err, StageError) else unwritable(err)
         typer.echo(f"error: {stage}: {message}{restore_hint()}", err=True)
         raise typer.Exit(2) from None
-    if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, the main process reports
+    if main:  # the main process reports
         typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s]")
 
 
-# A file or directory the stage cannot write: denied, read-only, or a full disk.
-UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+def _run_stage(stage: str, params_path: Path) -> str:
+    """Run the stage as the only run of it, once its params are read and its outputs found writable; first delete
+    the state of the others that nothing would resume from."""
+    params = load_params(params_path)
+    with stage_lock(LOCKS / f"{stage}.lock", stage):  # a second run of the stage stops here
+        check_writable(Path("."), [*stage_spec(stage).outs, *(path / "x" for path in STATE.get(stage, ()))])
+        if os.environ.get("RANK", "0") == "0":
+            remove_redundant_state(params, Path("."), stage)
+        return importlib.import_module(f"stages.{stage}").run(params)
+
+
+def interrupted(stage: str) -> str:
+    """Where an interrupted run stopped and what a rerun does: a training stage resumes from its state in
+    data/checkpoints/<stage> (the last step it saved); the others published nothing."""
+    progress = Progress.latest
+    if stage not in STATE or progress is None:
+        return "nothing was published; rerun the stage"
+    if progress.saved:
+        return (f"{progress.stopped()}; {STATE[stage][0]} holds the state of step {progress.saved}: rerunning the "
+                "stage resumes from it")
+    return f"{progress.stopped()}; nothing was published or saved yet: rerunning the stage starts over"
 
 
 def unwritable(err: OSError) -> str:

@@ -36,6 +36,7 @@ from stages.artifacts import (
     TOKENIZED_EVAL,
     check_tokenized_with,
     evaluation_metrics,
+    publishing,
     read_table,
     require_dir,
     write_json,
@@ -95,8 +96,9 @@ def compare_policies(params: Params, root: Path) -> str:
     n = len(queries)
     wins = win_rate(columns["score"][n:], columns["score"][:n])
     metrics = evaluation_metrics(by_policy["ppo"], by_policy["sft"], wins)
-    write_parquet(columns, root / EVAL_SAMPLES)
-    write_json(metrics, root / EVAL_METRICS, sort_keys=False)
+    with publishing():  # both or neither
+        write_parquet(columns, root / EVAL_SAMPLES)
+        write_json(metrics, root / EVAL_METRICS, sort_keys=False)
     gold = f", gold {metrics['sft']['gold']:.2f} -> {metrics['gold']:.2f}" if "gold" in columns else ""
     return (f"{n} prompts: reward ({params.scorer.title}) {metrics['sft']['reward']:.2f} (sft) -> "
             f"{metrics['reward']:.2f} (ppo){gold}, win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> "

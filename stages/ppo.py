@@ -123,6 +123,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
             checkpoint(trainer, root, step + 1, tables)
+            progress.saved = step + 1  # what a rerun of an interrupted run resumes from
     progress.close()
     publish(trainer, root, tables, tokenizer)  # the run has finished
     first, last = tables.curves[0], tables.curves[-1]

@@ -5,7 +5,7 @@ The run works in data/checkpoints/ppo (not a DVC output, see stages/resume.py): 
 failed) can be inspected; every `checkpoint.ppo_every` steps the trainer's whole state goes to the directory
 `state/` beside them (ppo_core's checkpoint, with or without DeepSpeed: the stage does not know its layout). Only
 a finished run publishes its artifacts (data/ppo/*, data/models/ppo; the timings to data/logs/ppo, outside DVC's
-hashes), then deletes its state: a failed run leaves no artifact, a finished one no state.
+hashes), all or none, then deletes its state: a failed run leaves no artifact, a finished one no state.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from stages.artifacts import (
     REWARD_MODEL,
     atomic_path,
     fresh_dir,
+    publishing,
     remove_stale_temporaries,
     sha256_file,
     write_csv,
     write_json,
     write_parquet,
+    writing,
 )
 from stages.params import Params
 from stages.pipeline import stage
@@ -107,26 +109,31 @@ def record(root: Path, step: int, rollouts: dict[str, list], tables: StepTables)
 
 def checkpoint(trainer: PPOTrainer, root: Path, next_step: int, tables: StepTables) -> None:
     """The trainer's whole state, the data position and the tables (every process calls it): after the step's
-    artifacts, so a resumed run never redoes a step it has written."""
-    trainer.save_checkpoint(str(root / PPO_CHECKPOINTS / STATE), extra={"step": next_step, "tables": tables.state()})
+    artifacts, so a resumed run never redoes a step it has written. A write that fails (a full disk) leaves the
+    previous checkpoint, and an OSError naming the checkpoint."""
+    state = root / PPO_CHECKPOINTS / STATE
+    with writing(state):
+        trainer.save_checkpoint(str(state), extra={"step": next_step, "tables": tables.state()})
 
 
 def publish(trainer: PPOTrainer, root: Path, tables: StepTables, tokenizer) -> None:
-    """The finished run's artifacts in data/ppo and data/models/ppo (every process calls it: under ZeRO-3 each holds
-    a shard of the weights), then its state deleted: a rerun trains from the start."""
+    """The finished run's artifacts in data/ppo and data/models/ppo, all or none (every process calls it: under ZeRO-3
+    each holds a shard of the weights), then its state deleted: a rerun trains from the start."""
     main = trainer.accelerator.is_main_process
-    if main:
-        with atomic_path(root / PPO_ROLLOUTS) as tmp:
-            shutil.copytree(root / WORK_ROLLOUTS, tmp)
-        tables.write({final: root / final for final in WORK_TABLES})
-    with trainer.whole_policy() as policy:
+    with publishing():
         if main:
-            save_policy(root / PPO_MODEL, policy, tokenizer)
-    if main:
-        last = tables.curves[-1]
-        write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
-                   root / PPO_METRICS)
-        write_json({"curves_sha256": sha256_file(root / PPO_CURVES)}, root / PPO_TIMINGS_RUN)  # for the report
+            with atomic_path(root / PPO_ROLLOUTS) as tmp:
+                shutil.copytree(root / WORK_ROLLOUTS, tmp)
+            tables.write({final: root / final for final in WORK_TABLES})
+        with trainer.whole_policy() as policy:
+            if main:
+                save_policy(root / PPO_MODEL, policy, tokenizer)
+        if main:
+            last = tables.curves[-1]
+            write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
+                       root / PPO_METRICS)
+    if main:  # for the report: which results the timings are of (the curves, once in place)
+        write_json({"curves_sha256": sha256_file(root / PPO_CURVES)}, root / PPO_TIMINGS_RUN)
     trainer.accelerator.wait_for_everyone()
     if main:
         discard(root / PPO_CHECKPOINTS)

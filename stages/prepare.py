@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ppo_core.utils import set_seed
 from stages import synthetic
-from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, write_parquet
+from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
 from stages.params import SYNTHETIC, DatasetSpec, Params
 from stages.runtime import StageError, note, reason, untracked_hint
 
@@ -29,10 +29,11 @@ def run(params: Params, root: Path = Path(".")) -> str:
             f"{data.prompts.source}: {len(prompts)} prompts, but data.n_eval_prompts holds out {data.n_eval_prompts}; "
             f"lower data.n_eval_prompts in {params.path} or give more prompts"
         )
-    write_parquet(tables["sft"], root / RAW_SFT)
-    write_parquet(tables["pairs"], root / RAW_PAIRS)
-    write_parquet({"query": prompts[data.n_eval_prompts:]}, root / RAW_PROMPTS_TRAIN)
-    write_parquet({"query": prompts[:data.n_eval_prompts]}, root / RAW_PROMPTS_EVAL)
+    with publishing():  # all four or none
+        write_parquet(tables["sft"], root / RAW_SFT)
+        write_parquet(tables["pairs"], root / RAW_PAIRS)
+        write_parquet({"query": prompts[data.n_eval_prompts:]}, root / RAW_PROMPTS_TRAIN)
+        write_parquet({"query": prompts[:data.n_eval_prompts]}, root / RAW_PROMPTS_EVAL)
     return (f"{len(tables['sft']['text'])} SFT texts, {len(tables['pairs']['prompt'])} pairs, "
             f"{len(prompts) - data.n_eval_prompts} train + {data.n_eval_prompts} eval prompts -> {RAW_SFT.parent}")
 

@@ -8,7 +8,8 @@ Beside the state lies `fingerprint.json`: the params the stage tracks in dvc.yam
 which changes no output), a digest of each input file, of each code dependency dvc.yaml lists for it and of the
 user's reward code, and the versions of the libraries that compute it. A rerun after an interruption whose
 fingerprint matches resumes; one that does not either starts fresh (and says so) or stops, as
-`checkpoint.on_mismatch` decides.
+`checkpoint.on_mismatch` decides. State that nothing would resume from (`remove_redundant_state`: an interrupted
+run's, whose outputs DVC restored from its run-cache) is deleted when any stage next runs.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.artifacts import fresh_dir, hash_file, write_json
+from stages.artifacts import LOCKS, STATE, fresh_dir, hash_file, write_json
 from stages.params import Params
-from stages.pipeline import CODE_ROOT
-from stages.runtime import StageError, note, process_state
+from stages.pipeline import CODE_ROOT, StageSpec, stage
+from stages.runtime import StageError, lock_if_free, note, process_state
 
 FINGERPRINT = "fingerprint.json"
 
@@ -52,12 +53,12 @@ def fingerprint(params: Params, keys: Iterable[str], inputs: Iterable[Path], roo
             "versions": library_versions()}
 
 
-def library_versions() -> dict[str, str | None]:
+def library_versions(names: Iterable[str] = LIBRARIES) -> dict[str, str | None]:
     """Installed versions of the libraries whose numerics a checkpoint depends on (None: not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {}
-    for name in LIBRARIES:
+    for name in names:
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -117,6 +118,49 @@ def discard(directory: Path) -> None:
 def discarded(directory: Path) -> Path:
     """Where :func:`discard` moves `directory` to delete it."""
     return directory.with_name(f".tmp-{directory.name}-discarded")
+
+
+def remove_redundant_state(params: Params, root: Path, running: str) -> None:
+    """Delete the other training stages' state that nothing would resume from (main process, at the start of a stage's
+    run). An interrupted `dvc repro -f -s ppo` leaves ppo's state; the next `dvc repro` restores ppo's outputs from
+    DVC's run-cache instead of rerunning it, so ppo never runs to resume or delete it. State is redundant when it was
+    written for the params, inputs and code the stage has now and the stage's outputs are all in place: they are
+    what it would finish into. A stage whose lock is held is running: its state is left alone, as is the running
+    stage's own (it resumes from it)."""
+    for name, (directory, *_) in STATE.items():
+        if name == running or not (root / directory / FINGERPRINT).exists():
+            continue
+        with lock_if_free(root / LOCKS / f"{name}.lock") as free:
+            if free and redundant(stage(name), params, root):
+                note(f"{running}: deleted {directory}, the state of an interrupted {name} run: the outputs in place "
+                     "are of the same params, inputs and code, so nothing would resume from it")
+                discard(root / directory)
+
+
+def redundant(spec: StageSpec, params: Params, root: Path) -> bool:
+    """Whether the stage's outputs are all in place and its state's fingerprint is what it would write now."""
+    if not all((root / out).exists() for out in spec.outs):
+        return False
+    try:
+        found = json.loads((root / STATE[spec.name][0] / FINGERPRINT).read_text())
+    except (OSError, ValueError):
+        return False
+    return found == current_fingerprint(found, spec, params, root)
+
+
+def current_fingerprint(found: dict[str, Any], spec: StageSpec, params: Params, root: Path) -> dict[str, Any]:
+    """The fingerprint the stage would write now for the state whose fingerprint is ``found``: :func:`fingerprint` of
+    what dvc.yaml says it tracks (its inputs as ``found`` lists them: the ppo stage leaves the reward model out when
+    it scores otherwise), and each entry the stage added to it (the user's reward code or its package, a local scorer
+    model: see `stages.scoring.scorer_origin`) computed again."""
+    inputs = [path for path in spec.data if str(path) in found.get("inputs", {})]
+    now = fingerprint(params, spec.params, inputs, root, spec.code)
+    for path in found.get("inputs", {}).keys() - now["inputs"].keys():
+        now["inputs"][path] = digest(root / path) if (root / path).exists() else None
+    for path in found.get("code", {}).keys() - now["code"].keys():
+        now["code"][path] = digest(CODE_ROOT / path, "*.py") if (CODE_ROOT / path).exists() else None
+    now["versions"] |= library_versions(found.get("versions", {}).keys() - now["versions"].keys())
+    return now
 
 
 def first_difference(old: dict[str, Any], new: dict[str, Any]) -> str:

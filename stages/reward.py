@@ -23,10 +23,12 @@ from stages.artifacts import (
     REWARD_MODEL,
     SFT_MODEL,
     atomic_path,
+    publishing,
     read_table,
     remove_stale_temporaries,
     require_dir,
     write_json,
+    writing,
 )
 from stages.models import load_float32, merged, reward_inputs, reward_scores, with_lora
 from stages.params import Params
@@ -62,7 +64,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
         model=model, args=training_args(params, checkpoints), train_dataset=train,
         data_collator=PairCollator(tokenizer), processing_class=tokenizer,
         callbacks=[trainer_callback(), trainer_progress("reward")]))
-    trainer.train(resume_from_checkpoint=resume_from)
+    with writing(checkpoints):  # transformers' checkpoints: a full disk names them
+        trainer.train(resume_from_checkpoint=resume_from)
     model.eval()
     bs = params.reward.batch_size * 2
     # Scores of the final model (not the running mean of training, which a resumed run only partly sees)
@@ -77,9 +80,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
                "train": {"accuracy": sum(c > r for c, r in zip(train_chosen, train_rejected)) / len(train),
                          "loss": bradley_terry_loss(train_chosen, train_rejected)},
                "pairs": {"train": len(train), "eval": n_eval}}
-    if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes
-        save_reward_model(root / REWARD_MODEL, model, tokenizer)
-        write_json(metrics, root / REWARD_METRICS)
+    if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes; all outputs or none
+        with publishing():
+            save_reward_model(root / REWARD_MODEL, model, tokenizer)
+            write_json(metrics, root / REWARD_METRICS)
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():  # published: the run is finished, and a rerun trains from the start
         discard(checkpoints)

@@ -1,4 +1,5 @@
-"""What a stage says and where it runs: the error a user can fix, notes and warnings, the process it is.
+"""What a stage says and where it runs: the error a user can fix, notes and warnings, the process it is, the lock
+that makes it the only run of its stage.
 
 A `StageError` is bad input a user can fix: its message is one line naming the file, key or column and what to
 do, which the CLI prints without a traceback (exit status 2).
@@ -6,9 +7,16 @@ do, which the CLI prints without a traceback (exit status 2).
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shlex
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 
@@ -49,6 +57,130 @@ def warning(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+@contextmanager
+def stage_lock(path: Path, stage: str) -> Iterator[None]:
+    """Run the block as the only run of ``stage``: hold an exclusive advisory lock (flock) on the file ``path``, which
+    names its holder (pid, start, command) while held and is deleted on release. The OS releases the lock when its
+    holder ends, however it ends: a SIGKILLed run leaves no stale lock. Another run of the stage stops with a
+    StageError naming the holder, before it touches anything. Under `accelerate launch` the processes of one run are
+    one holder: only the main one (RANK 0) takes it."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    with lock_if_free(Path(path)) as held:
+        if not held:
+            raise StageError(f"another {stage} run holds {path}: {lock_holder(Path(path))}")
+        yield
+
+
+@contextmanager
+def lock_if_free(path: Path) -> Iterator[bool]:
+    """Hold the lock ``path`` (see :func:`stage_lock`) for the block when no other process does (True), else run the
+    block without it (False)."""
+    fd = take_lock(path)
+    if fd is None:
+        yield False
+        return
+    try:
+        os.ftruncate(fd, 0)  # what a killed holder wrote
+        os.write(fd, json.dumps(holder_info()).encode())
+        yield True
+    finally:
+        release_lock(path, fd)
+
+
+def take_lock(path: Path) -> int | None:
+    """An open descriptor of ``path`` (created if missing) holding its exclusive flock, or None when another process
+    holds it."""
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # its folder was removed by a holder's release meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if _same_file(path, fd):
+            return fd
+        os.close(fd)  # locked the file a holder deleted on release: lock the one at ``path`` now
+
+
+def release_lock(path: Path, fd: int) -> None:
+    """Delete the lock file (while holding it, so no one holds a deleted one unseen) and its folder once empty."""
+    if _same_file(path, fd):
+        path.unlink()
+    os.close(fd)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        found, held = path.stat(), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+
+
+def holder_info() -> dict:
+    """Who holds a lock, for the message another run prints: this process's pid, start and command line."""
+    command = reason(shlex.join(sys.orig_argv).replace("\n", " "), 200)  # one line (`python -c` code has several)
+    command += " (run by dvc repro)" if os.environ.get("DVC_STAGE") else ""
+    return {"pid": os.getpid(), "started": datetime.now().isoformat(sep=" ", timespec="seconds"), "command": command}
+
+
+def lock_holder(path: Path, patience: float = 1.0) -> str:
+    """What the holder of the lock ``path`` wrote into it, as the rest of a one-line error. A holder writes it as it
+    takes the lock, so a reader waits up to ``patience`` seconds for it (an empty file, or a killed holder's pid)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            info = json.loads(path.read_text())
+            pid, started, command = info["pid"], info["started"], info["command"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pid = None
+        if pid is not None and _alive(pid):  # not the words of a killed holder
+            return f"pid {pid}, started {started}, command `{command}`; wait for it to end (or stop it: kill {pid}), " \
+                   "then rerun"
+        if time.monotonic() > deadline:
+            return "its process has not said which it is; wait for it to end, then rerun"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """In the block, SIGTERM (what `kill` and job schedulers send) raises KeyboardInterrupt, as Ctrl-C does: a stage
+    stops the same way for both (temporaries removed, locks released, one line). Outside the main thread (where
+    signals cannot be handled) the block runs as it is."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def process_state():
     """accelerate's state of this process: one of several under `accelerate launch`, else the only one.
     On a machine without a GPU (or with ACCELERATE_USE_CPU=1) the processes talk over gloo on the CPU; under a
@@ -75,12 +207,18 @@ def device() -> str:
 class Progress:
     """A stage's progress through its ``total`` steps: a bar on a terminal; elsewhere (a log, CI, `dvc repro` piped)
     one line every ``every`` seconds and at the end, e.g. ``ppo: step 8/24, 12 s, ETA 24 s, reward 0.52, kl 1.31``.
-    Only the main process of a run reports; ``TQDM_DISABLE=1`` silences both."""
+    Only the main process of a run reports; ``TQDM_DISABLE=1`` silences both. It also keeps, for the line an
+    interrupted run prints (`stopped`), the steps done and the last step whose resumable state is saved (``saved``:
+    the stage sets it; a run resumed at ``start`` has that one)."""
+
+    latest: Progress | None = None  # the running stage's
 
     def __init__(self, name: str, total: int, start: int = 0, every: float = 15.0, main: bool = True):
         from tqdm.auto import tqdm
 
         self.name, self.total, self.start, self.every = name, total, start, every
+        self.done, self.saved = start, start or None
+        Progress.latest = self
         self.enabled = main and os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true", "yes")
         self.bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True) \
             if self.enabled and sys.stderr.isatty() else None
@@ -88,6 +226,7 @@ class Progress:
 
     def update(self, done: int, **latest: float) -> None:
         """``done`` steps are complete; ``latest`` are values to show (the last step's reward, KL, ...)."""
+        self.done = done
         if not self.enabled:
             return
         shown = {key: f"{value:.3g}" for key, value in latest.items()}
@@ -108,6 +247,12 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
 
+    def stopped(self) -> str:
+        """Where the run stands, for an interrupted one: "stopped during step 6/24"."""
+        if self.done < self.total:
+            return f"stopped during step {self.done + 1}/{self.total}"
+        return f"stopped after step {self.total}/{self.total}"
+
 
 def trainer_progress(name: str):
     """A transformers Trainer callback reporting its optimiser steps through :class:`Progress` (the Trainer's own bar
@@ -120,6 +265,9 @@ def trainer_progress(name: str):
 
         def on_step_end(self, args, state, control, **kwargs):
             self.progress.update(state.global_step)
+
+        def on_save(self, args, state, control, **kwargs):  # after the stage's mark: a checkpoint a rerun resumes
+            self.progress.saved = state.global_step
 
         def on_train_end(self, args, state, control, **kwargs):
             self.progress.close()

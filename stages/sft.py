@@ -34,11 +34,13 @@ from stages.artifacts import (
     SFT_CURVE,
     SFT_METRICS,
     SFT_MODEL,
+    publishing,
     read_table,
     remove_stale_temporaries,
     save_pretrained,
     write_csv,
     write_json,
+    writing,
 )
 from stages.models import check_model_source, load_float32, merged, with_lora
 from stages.params import ModelParams, Params
@@ -78,19 +80,21 @@ def run(params: Params, root: Path = Path(".")) -> str:
         processing_class=tokenizer,
         callbacks=[trainer_callback(), trainer_progress("sft")],
     ))
-    trainer.train(resume_from_checkpoint=resume_from)
+    with writing(checkpoints):  # transformers' checkpoints: a full disk names them
+        trainer.train(resume_from_checkpoint=resume_from)
     # Losses of the final model (not the running mean of training, which a resumed run only partly sees)
     train_loss = trainer.evaluate(examples[n_eval:], metric_key_prefix="train")["train_loss"]
     eval_loss = trainer.evaluate()["eval_loss"]
     metrics = {"train_loss": train_loss, "eval_loss": eval_loss, "n_train": len(examples) - n_eval, "n_eval": n_eval,
                "n_params": sum(p.numel() for p in model.parameters()),
                "n_trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes
-        save_pretrained(root / SFT_MODEL, merged(model), tokenizer)
-        write_json(metrics, root / SFT_METRICS)
+    if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes; all outputs or none
         history = trainer.state.log_history  # the running training loss, every 2% of the steps (resumed runs too)
-        write_csv([{"step": row["step"], "loss": float(row["loss"])} for row in history if "loss" in row],
-                  root / SFT_CURVE, columns=["step", "loss"])
+        with publishing():
+            save_pretrained(root / SFT_MODEL, merged(model), tokenizer)
+            write_json(metrics, root / SFT_METRICS)
+            write_csv([{"step": row["step"], "loss": float(row["loss"])} for row in history if "loss" in row],
+                      root / SFT_CURVE, columns=["step", "loss"])
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():  # published: the run is finished, and a rerun trains from the start
         discard(checkpoints)

@@ -20,7 +20,7 @@ from importlib.metadata import packages_distributions, version
 from pathlib import Path
 from typing import Any
 
-from stages.artifacts import SOURCES_DATA, SOURCES_MODEL, SOURCES_SCORER, write_json
+from stages.artifacts import SOURCES_DATA, SOURCES_MODEL, SOURCES_SCORER, publishing, write_json
 from stages.params import SYNTHETIC, Params
 from stages.pipeline import CODE_ROOT
 from stages.resume import digest
@@ -30,8 +30,9 @@ from stages.runtime import StageError, untracked_hint
 def run(params: Params, root: Path = Path(".")) -> str:
     records = {SOURCES_DATA: data_sources(params), SOURCES_MODEL: model_source(params),
                SOURCES_SCORER: scorer_source(params)}
-    for path, record in records.items():
-        write_json(record, root / path)
+    with publishing():  # all three or none
+        for path, record in records.items():
+            write_json(record, root / path)
     local = [where for record in records.values() for where in local_paths(record)]
     if not local:
         return f"no local data, model or scorer files in the params -> {SOURCES_DATA.parent}"

@@ -18,6 +18,7 @@ from stages.artifacts import (
     TOKENIZED_EVAL,
     TOKENIZED_TRAIN,
     TOKENIZER_KEY,
+    publishing,
     read_table,
     require_dir,
     tokenizer_digest,
@@ -33,7 +34,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     context = model_context(root / SFT_MODEL)
     made_with = tokenizer_digest(root / SFT_MODEL)  # recorded with the ids: ppo and evaluate check they match
-    kept = {}
+    kept, tables = {}, {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
         queries = read_table(root / source, ["query"])["query"].tolist()
         ids = [x[:params.tokenize.max_query_tokens] for x in tokenizer(queries)["input_ids"]]
@@ -48,11 +49,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
                              f"whole context of {SFT_MODEL}; lower tokenize.max_query_tokens in {params.path}")
         too_long = len(ids) - len(fitting)
         ids = fitting
-        write_parquet({"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}, root / target,
-                      metadata={TOKENIZER_KEY: made_with})
+        tables[target] = {"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}
         dropped = {f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,
                    "filling the whole context": too_long}
         why = ", ".join(f"{n} {reason}" for reason, n in dropped.items() if n)
         kept[target.stem] = f"{len(ids)} of {len(queries)} queries kept" + (f" ({why})" if why else "")
+    with publishing():  # both or neither
+        for target, columns in tables.items():
+            write_parquet(columns, root / target, metadata={TOKENIZER_KEY: made_with})
     return f"{', '.join(f'{name}: {what}' for name, what in kept.items())} -> {TOKENIZED_TRAIN.parent}"
 

@@ -126,6 +126,25 @@ def test_a_directory_checkpoint_is_swapped_in_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["state"]
 
 
+def test_a_failed_write_leaves_the_previous_checkpoint_and_no_temporary_directory(tmp_path, monkeypatch):
+    """A full disk mid-checkpoint (torch.save then raises a RuntimeError naming no file and no errno): the error goes
+    up, the previous checkpoint is untouched, and the half-written temporary directory is gone."""
+    trainer = make_trainer()
+    path = tmp_path / "state"
+    trainer.save_checkpoint(str(path), extra={"at": 0})
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+    def disk_full(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"the first bytes")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        trainer.save_checkpoint(str(path), extra={"at": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["state"]
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+
+
 def test_non_finite_loss_stops_the_step_before_any_update():
     trainer = make_trainer()
     queries = random_queries(8, seed=0)

@@ -159,6 +159,26 @@ def test_killed_repro_resumes(repo):
 
 
 @pytest.mark.slow
+def test_the_state_of_an_interrupted_forced_run_goes_once_dvc_restored_the_outputs(repo):
+    """`dvc repro -f -s ppo` killed after a checkpoint, then `dvc repro`: DVC restores ppo's outputs from its run-cache
+    (the same params and inputs), so ppo never runs to resume from its state or delete it. The next stage that runs
+    deletes that state, saying so."""
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "-f", "-s", "ppo"], cwd=repo, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    state, deadline = repo / "data" / "checkpoints" / "ppo" / "state", time.monotonic() + 300
+    while not state.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "ppo ended before its first checkpoint"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ran(dvc("repro", cwd=repo).stdout) == [] and state.exists()  # restored, not run: the state stays
+    report = dvc("repro", "-f", "-s", "report", cwd=repo)
+    assert "note: report: deleted data/checkpoints/ppo, the state of an interrupted ppo run" in report.stderr
+    assert not (repo / "data" / "checkpoints").exists()
+    assert_clean(repo)
+
+
+@pytest.mark.slow
 def test_a_failing_stage_says_how_to_restore_its_outputs(repo):
     """DVC deletes a stage's outputs before running it; when the stage then fails on bad input, its one-line error says
     so and how to get them back, and `dvc checkout ppo` does."""

@@ -3,6 +3,7 @@ do, exit status 2, no traceback, and no output written (the resumable state in d
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -11,11 +12,16 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors import SafetensorError
 from typer.testing import CliRunner
 
+from ppo_core import AutoModelForCausalLMWithValueHead
 from stages.cli import app
 from tests.conftest import write_params
+from tests.test_stages_by_hand import start_holder
 
 SCORERS = '''import math
 
@@ -79,6 +85,10 @@ def setup_long_prompts(root):
         pd.DataFrame({"query": [LONG_PROMPT] * 4}).to_parquet(root / "data" / "raw" / f"{name}.parquet")
 
 
+def setup_long_eval_prompts(root):
+    pd.DataFrame({"query": [LONG_PROMPT] * 4}).to_parquet(root / "data" / "raw" / "prompts_eval.parquet")
+
+
 def setup_truncated_sft_parquet(root):
     path = root / "data" / "raw" / "sft.parquet"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -108,6 +118,42 @@ def setup_unwritable(folder: str):
         if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)]).returncode:
             pytest.skip("needs chattr +i (an immutable directory) to make a directory root cannot write")
         return lambda: subprocess.run(["chattr", "-i", str(path)], check=True)
+    return setup
+
+
+# What libraries raise on a full disk: pyarrow an OSError with errno 28 but no file name, safetensors its own error,
+# torch.save a RuntimeError about a short write (measured on a full tmpfs); none names the file.
+PYARROW_DISK_FULL = OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+SAFETENSORS_DISK_FULL = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+TORCH_DISK_FULL = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+
+def disk_full(owner, name: str, where: str, error: Exception):
+    """A setup: the writer ``owner.name`` runs out of space (writes some bytes, then raises ``error`` as the library
+    does) when it writes to a path containing ``where``; undone after the test."""
+    real = getattr(owner, name)
+
+    def writer(*args, **kwargs):
+        target = Path(next(arg for arg in args if isinstance(arg, (str, Path))))
+        if where not in target.as_posix():
+            return real(*args, **kwargs)
+        partial = target / "model.safetensors" if name == "save_pretrained" else target
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(b"the first bytes")
+        raise error
+
+    def setup(root):
+        patch = pytest.MonkeyPatch()
+        patch.setattr(owner, name, writer)
+        return patch.undo
+    return setup
+
+
+def setup_running(stage: str):
+    """Another run of `stage` in progress: a process holding its lock; stopped after the test."""
+    def setup(root):
+        holder = start_holder(root / "data" / ".locks" / f"{stage}.lock", stage)
+        return lambda: (holder.kill(), holder.wait())
     return setup
 
 
@@ -143,6 +189,9 @@ CASES = [
     ("prompts-beyond-context", "tokenize", "tokenize",
      {"model.name_or_path": "data/models/sft", "tokenize.max_query_tokens": 100},
      setup_long_prompts, "data/raw/prompts_train.parquet: all 4 queries are 48 tokens or longer after truncation"),
+    ("eval-prompts-beyond-context", "tokenize", "tokenize",  # the train prompts fit: neither table is written
+     {"model.name_or_path": "data/models/sft", "tokenize.max_query_tokens": 100},
+     setup_long_eval_prompts, "data/raw/prompts_eval.parquet: all 4 queries are 48 tokens or longer after truncation"),
     ("model-path-missing", "sft", "sft", {"model.name_or_path": "no/such-model"},
      None, "model.name_or_path 'no/such-model': no such directory, and no hub model of that id in the local cache "
            "(downloads are off: HF_HUB_OFFLINE=1); give the directory that save_pretrained wrote, or set "
@@ -187,6 +236,20 @@ CASES = [
      None, "PPO step 1: scorer (callable scorers:one_number) returned float, not a list"),
     ("scorer-not-importable", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:missing"},
      None, "params.yaml: scorer.name 'scorers:missing' is not an importable 'module:function'"),
+    ("raw-disk-full", "prepare", None, {},
+     disk_full(pq, "write_table", "data/raw/.prompts_train.parquet.tmp-", PYARROW_DISK_FULL),
+     "data/raw/prompts_train.parquet: no space left on device; cannot write there (make it writable, or free space)"),
+    ("ppo-disk-full", "ppo", "ppo", {},
+     disk_full(pq, "write_table", "data/ppo/.stats.parquet.tmp-", PYARROW_DISK_FULL),
+     "data/ppo/stats.parquet: no space left on device; cannot write there (make it writable, or free space)"),
+    ("ppo-model-disk-full", "ppo", "ppo", {},
+     disk_full(AutoModelForCausalLMWithValueHead, "save_pretrained", "data/models/.ppo.tmp-", SAFETENSORS_DISK_FULL),
+     "data/models/ppo: no space left on device; cannot write there (make it writable, or free space)"),
+    ("checkpoints-disk-full", "ppo", "ppo", {},
+     disk_full(torch, "save", "data/checkpoints/ppo/.tmp-state-", TORCH_DISK_FULL),
+     "data/checkpoints/ppo/state: no space left on device; cannot write there (make it writable, or free space)"),
+    ("stage-already-running", "ppo", "ppo", {},
+     setup_running("ppo"), "another ppo run holds data/.locks/ppo.lock: pid "),
     ("upstream-missing", "ppo", None, {},
      None, "data/tokenized/train.parquet: not found; run the stage that writes it"),
 ]

@@ -339,3 +339,43 @@ def test_params_file_path_does_not_change_the_fingerprint(tiny_params, tmp_path)
     other = load_params(params_file(tmp_path))
     keys, inputs = stage("ppo").params, ()
     assert resume.fingerprint(other, keys, inputs, tmp_path) == resume.fingerprint(tiny_params, keys, inputs, tmp_path)
+
+
+def test_redundant_state_is_deleted_by_the_next_run_of_any_stage(tiny_run, tiny_params, tmp_path, monkeypatch):
+    """An interrupted `dvc repro -f -s ppo` leaves ppo's state; the next `dvc repro` restores ppo's outputs from DVC's
+    run-cache, so ppo never runs again to resume or delete it. The next run of any stage deletes such state (saying
+    so): state written for the params, inputs and code the outputs in place are of. State for other params is kept,
+    and so is the state of a run in progress (its stage's lock held)."""
+    from typer.testing import CliRunner
+
+    from stages.artifacts import LOCKS
+    from stages.cli import app
+    from tests.test_stages_by_hand import start_holder
+
+    root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
+    for out in DVC_STAGES["ppo"]["outs"]:  # restored from the run-cache: the outputs of the same params and inputs
+        (shutil.copytree if (tiny_run / out).is_dir() else shutil.copy)(tiny_run / out, root / out)
+    monkeypatch.chdir(root)
+    state = root / PPO_CHECKPOINTS
+
+    write_params(root, {"ppo.learning_rate": 0.0001})
+    result = CliRunner().invoke(app, ["report", "--params", "params.yaml"])
+    assert result.exit_code == 0 and result.stderr == "", result.stderr
+    assert (state / ppo_run.STATE).exists()  # written for other params than these: kept
+
+    write_params(root, {})
+    holder = start_holder(root / LOCKS / "ppo.lock", "ppo")  # a ppo run in progress
+    try:
+        result = CliRunner().invoke(app, ["report", "--params", "params.yaml"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.exit_code == 0 and result.stderr == "", result.stderr
+    assert (state / ppo_run.STATE).exists()
+
+    result = CliRunner().invoke(app, ["report", "--params", "params.yaml"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ("note: report: deleted data/checkpoints/ppo, the state of an interrupted ppo run: the "
+                             "outputs in place are of the same params, inputs and code, so nothing would resume "
+                             "from it\n")
+    assert not state.exists() and not state.parent.exists()
