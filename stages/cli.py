@@ -88,9 +88,10 @@ def unwritable(err: OSError) -> str:
 
 
 def restore_hint() -> str:
-    """Under `dvc repro` (which sets DVC_STAGE): DVC deleted the stage's outputs before running it, and says so."""
+    """Under `dvc repro` (which sets DVC_STAGE): DVC deleted the stage's outputs before running it, and says so (but
+    for those it keeps, `persist: true`: the sources stage's)."""
     stage = os.environ.get("DVC_STAGE")
-    if not stage:
+    if not stage or all(Path(out).exists() for out in stage_spec(stage).outs):
         return ""
     return f" (dvc removed this stage's outputs before running it: `dvc checkout {stage}` restores the last ones)"
 

@@ -47,7 +47,8 @@ def stages() -> dict[str, StageSpec]:
         out[name] = StageSpec(name=name, cmd=stage["cmd"], params=tuple(stage.get("params", [])),
                               code=tuple(d for d in deps if not d.startswith("data/")),
                               data=tuple(Path(d) for d in deps if d.startswith("data/")),
-                              outs=tuple(stage.get("outs", []) + stage.get("metrics", [])))
+                              outs=tuple(next(iter(out)) if isinstance(out, dict) else out  # {path: options}
+                                         for out in stage.get("outs", []) + stage.get("metrics", [])))
     return out
 
 
