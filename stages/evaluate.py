@@ -17,6 +17,7 @@ policy; `gold` only with the synthetic data; the SFT policy's KL to itself, 0, i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ from stages.artifacts import (
 from stages.models import is_encoder_decoder, load_float32
 from stages.params import Params
 from stages.runtime import device, note
-from stages.scoring import build_scorer, scored
+from stages.scoring import build_scorer, load_callable, scored
 from stages.synthetic import gold_score
 
 
@@ -72,9 +73,9 @@ def compare_policies(params: Params, root: Path) -> str:
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     bs = params.evaluate.batch_size
+    judges = judge_functions(params)
     columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
-    if params.data.is_synthetic:
-        columns["gold"] = []
+    columns |= {name: [] for name in judges}
     by_policy = {}
     for name, policy in policies.items():
         response_ids = sample(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
@@ -88,38 +89,48 @@ def compare_policies(params: Params, root: Path) -> str:
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
                 "score": scores_of(score, texts, params, name), "kl_to_sft": kl.tolist(),
                 "response_tokens": [len(r) for r in response_ids]}
-        if "gold" in columns:
-            rows["gold"] = [gold_score(t) for t in texts]
+        for judge, fn in judges.items():
+            rows[judge] = scores_of(fn, texts, params, name, who=f"judge {judge}")
         for key in columns:
             columns[key] += rows[key]
-        by_policy[name] = policy_metrics(rows)
+        by_policy[name] = policy_metrics(rows, list(judges))
     n = len(queries)
     wins = win_rate(columns["score"][n:], columns["score"][:n])
     metrics = evaluation_metrics(by_policy["ppo"], by_policy["sft"], wins)
     with publishing():  # both or neither
         write_parquet(columns, root / EVAL_SAMPLES)
         write_json(metrics, root / EVAL_METRICS, sort_keys=False)
-    gold = f", gold {metrics['sft']['gold']:.2f} -> {metrics['gold']:.2f}" if "gold" in columns else ""
+    judged = "".join(f", {judge} {metrics['sft'][judge]:.2f} -> {metrics[judge]:.2f}" for judge in judges)
     return (f"{n} prompts: reward ({params.scorer.title}) {metrics['sft']['reward']:.2f} (sft) -> "
-            f"{metrics['reward']:.2f} (ppo){gold}, win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> "
+            f"{metrics['reward']:.2f} (ppo){judged}, win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> "
             f"{EVAL_METRICS}")
 
 
-def scores_of(score, texts: list[str], params: Params, policy: str) -> list[float]:
-    """The scorer's checked scores of a policy's texts, `evaluate.batch_size` at a time (as the ppo stage calls it on
-    one step's rollouts; the reward model and a pipeline batch each call by `scorer.batch_size`)."""
+def judge_functions(params: Params) -> dict[str, Callable[[list[str]], list[float]]]:
+    """The scorers the policy never trained on, by metric name: the synthetic data's gold score (the lexicon its pairs
+    were labelled with), and `evaluate.judges` (one of which may take the name `gold`)."""
+    judges = {"gold": lambda texts: [gold_score(t) for t in texts]} if params.data.is_synthetic else {}
+    return judges | {name: load_callable(spec, f"evaluate.judges.{name}", params)
+                     for name, spec in params.evaluate.judges.items()}
+
+
+def scores_of(score, texts: list[str], params: Params, policy: str, who: str | None = None) -> list[float]:
+    """The checked scores of a policy's texts by the scorer (or ``who``, a judge), `evaluate.batch_size` at a time
+    (as the ppo stage calls the scorer on one step's rollouts; the reward model and a pipeline batch each call by
+    `scorer.batch_size`)."""
     out, size = [], params.evaluate.batch_size
     for start in range(0, len(texts), size):
         batch = texts[start:start + size]
-        out += scored(score, batch, params, f"the {policy} policy's samples {start + 1}-{start + len(batch)}")
+        out += scored(score, batch, params, f"the {policy} policy's samples {start + 1}-{start + len(batch)}", who)
     return out
 
 
-def policy_metrics(rows: dict[str, list]) -> dict[str, float]:
-    """A policy's means over its samples: gold score where known, the scorer's, KL to SFT and response length."""
-    metrics = {"gold": float(np.mean(rows["gold"]))} if "gold" in rows else {}
-    return metrics | {"reward": float(np.mean(rows["score"])), "kl": float(np.mean(rows["kl_to_sft"])),
-                      "length": float(np.mean(rows["response_tokens"]))}
+def policy_metrics(rows: dict[str, list], judges: list[str] = ()) -> dict[str, float]:
+    """A policy's means over its samples: each judge's (the gold score first), the scorer's, KL to SFT and response
+    length."""
+    return {judge: float(np.mean(rows[judge])) for judge in judges} | {
+        "reward": float(np.mean(rows["score"])), "kl": float(np.mean(rows["kl_to_sft"])),
+        "length": float(np.mean(rows["response_tokens"]))}
 
 
 def win_rate(scores: list[float], baseline_scores: list[float]) -> float:

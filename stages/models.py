@@ -74,6 +74,11 @@ def load_float32(model_class, path, **kwargs):
     return model_class.from_pretrained(path, dtype=torch.float32, **kwargs)
 
 
+def autocast_args(mixed_precision: str | None) -> dict[str, bool]:
+    """`TrainingArguments`' autocast flags for `model.mixed_precision` (float32 weights, bf16 or fp16 compute)."""
+    return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16"}
+
+
 def lora_config(spec, task_type: str):
     """The `peft.LoraConfig` of the `model.lora` params (task_type "CAUSAL_LM" or "SEQ_CLS")."""
     try:

@@ -35,21 +35,40 @@ class StageSpec:
         return tuple(dict.fromkeys(key.split(".")[0] for key in self.params))
 
 
-@functools.cache
 def stages() -> dict[str, StageSpec]:
-    """Every stage of dvc.yaml, in order."""
+    """Every stage of the pipeline being run, in order: the dvc.yaml in the working directory when it is one of this
+    project's (an example's, e.g. examples/sentiment: its stages run `python3 -m stages`), else the repository's."""
+    here = Path.cwd() / "dvc.yaml"
+    return read_pipeline(here if here.is_file() and _runs_stages(here) else DVC_YAML)
+
+
+def _runs_stages(path: Path) -> bool:
+    return "python3 -m stages " in path.read_text()
+
+
+@functools.cache
+def read_pipeline(path: Path) -> dict[str, StageSpec]:
+    """The stages of the dvc.yaml at ``path``. Code deps come relative to the repository (``../../stages/ppo.py`` in
+    an example's dvc.yaml is ``stages/ppo.py``); data deps and outputs relative to the dvc.yaml's directory (the
+    project root its stages run in)."""
     from ruamel.yaml import YAML
 
-    declared = YAML(typ="safe", pure=True).load(DVC_YAML.read_text())["stages"]
+    declared = YAML(typ="safe", pure=True).load(path.read_text())["stages"]
     out = {}
     for name, stage in declared.items():
         deps = stage.get("deps", [])
-        out[name] = StageSpec(name=name, cmd=stage["cmd"], params=tuple(stage.get("params", [])),
-                              code=tuple(d for d in deps if not d.startswith("data/")),
+        code = [_in_repository(path.parent / d) for d in deps if not d.startswith("data/")]
+        out[name] = StageSpec(name=name, cmd=stage["cmd"], params=tuple(stage.get("params", [])), code=tuple(code),
                               data=tuple(Path(d) for d in deps if d.startswith("data/")),
                               outs=tuple(next(iter(out)) if isinstance(out, dict) else out  # {path: options}
                                          for out in stage.get("outs", []) + stage.get("metrics", [])))
     return out
+
+
+def _in_repository(path: Path) -> str:
+    """``path`` relative to the repository (as the root dvc.yaml names its code deps)."""
+    resolved = path.resolve()
+    return resolved.relative_to(CODE_ROOT).as_posix() if resolved.is_relative_to(CODE_ROOT) else str(path)
 
 
 def stage(name: str) -> StageSpec:

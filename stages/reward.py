@@ -30,7 +30,7 @@ from stages.artifacts import (
     write_json,
     writing,
 )
-from stages.models import load_float32, merged, reward_inputs, reward_scores, with_lora
+from stages.models import autocast_args, load_float32, merged, reward_inputs, reward_scores, with_lora
 from stages.params import Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
@@ -117,6 +117,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         remove_unused_columns=False, logging_strategy="no", report_to="none", disable_tqdm=True,
         tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
+        **autocast_args(params.model.mixed_precision),
     )
 
 

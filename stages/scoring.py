@@ -52,8 +52,14 @@ def build_scorer(params: Params, root: Path, policy=None) -> Callable[[list[str]
             return [float(labels[spec.label]) for labels in by_label]
 
         return score_with_pipeline
-    module_name, _, attr = spec.name.partition(":")
-    where = f"{params.path}: scorer.name '{spec.name}'"
+    return load_callable(spec.name, "scorer.name", params)  # its output is checked by `scored`
+
+
+def load_callable(name: str, key: str, params: Params) -> Callable[[list[str]], list[float]]:
+    """The function ``name`` ("module:function") that params ``key`` names, imported; a StageError naming the key
+    and the problem (not importable, a syntax error or an exception in the module, no such function) otherwise."""
+    module_name, _, attr = name.partition(":")
+    where = f"{params.path}: {key} '{name}'"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -67,7 +73,7 @@ def build_scorer(params: Params, root: Path, policy=None) -> Callable[[list[str]
     if not callable(fn):
         raise StageError(f"{where} is not an importable 'module:function' ({module_name} has no function "
                          f"'{attr}')")
-    return fn  # its output is checked by `scored`
+    return fn
 
 
 def reward_adapter(params: Params, root: Path, seq2seq: bool) -> Path | None:
@@ -103,25 +109,32 @@ def shown(filename: str | None) -> str | None:
         return filename
 
 
-def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, at: str) -> list[float]:
+def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, at: str,
+           who: str | None = None) -> list[float]:
     """``score(texts)`` checked (see `checked_scores`); an exception the scorer raises becomes one line naming where
-    (``at``: "PPO step 3", "the ppo policy's samples 1-100"), the scorer, the exception and where it was raised
-    (``--debug`` shows the traceback)."""
+    (``at``: "PPO step 3", "the ppo policy's samples 1-100"), the scorer (``who``: by default `scorer`'s, e.g.
+    "scorer (callable rewards.example:score)"), the exception and where it was raised (``--debug`` shows the
+    traceback)."""
+    who = who or scorer_name(params)
     try:
         scores = score(texts)
     except StageError:
         raise
     except Exception as err:  # the user's function may raise anything
-        name = f" {params.scorer.name}" if params.scorer.name else ""
-        raise StageError(f"{at}: scorer ({params.scorer.source}{name}) raised {raised_at(err)}") from err
-    return checked_scores(scores, len(texts), params, at)
+        raise StageError(f"{at}: {who} raised {raised_at(err)}") from err
+    return checked_scores(scores, len(texts), params, at, who)
 
 
-def checked_scores(scores, n: int, params: Params, at: str) -> list[float]:
-    """The scorer's output as n finite floats, or a StageError naming where (``at``: "PPO step 3", steps counted from
-    1 as `step()`'s errors count them), the text and the value."""
+def scorer_name(params: Params) -> str:
+    """The scorer in messages: "scorer (reward_model)", "scorer (callable module:function)"."""
     name = f" {params.scorer.name}" if params.scorer.name else ""
-    where = f"{at}: scorer ({params.scorer.source}{name})"
+    return f"scorer ({params.scorer.source}{name})"
+
+
+def checked_scores(scores, n: int, params: Params, at: str, who: str | None = None) -> list[float]:
+    """The scorer's output as n finite floats, or a StageError naming where (``at``: "PPO step 3", steps counted from
+    1 as `step()`'s errors count them), the scorer (``who``, see `scored`), the text and the value."""
+    where = f"{at}: {who or scorer_name(params)}"
     try:
         scores = list(scores)
     except TypeError:

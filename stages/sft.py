@@ -42,7 +42,7 @@ from stages.artifacts import (
     write_json,
     writing,
 )
-from stages.models import check_model_source, load_float32, merged, with_lora
+from stages.models import autocast_args, check_model_source, load_float32, merged, with_lora
 from stages.params import ModelParams, Params
 from stages.pipeline import stage
 from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
@@ -125,6 +125,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         logging_strategy="steps", logging_steps=0.02, report_to="none", disable_tqdm=True,  # the loss curve: 50 points
         tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
+        **autocast_args(params.model.mixed_precision),
     )
 
 

@@ -67,16 +67,19 @@ def model_source(params: Params) -> dict[str, Any]:
 
 def scorer_source(params: Params) -> dict[str, Any]:
     """The reward function of ppo and evaluate: the reward model (an artifact of the pipeline already), a pipeline
-    model or a callable, with what its scores depend on (its code or model, hashed; or its package's version)."""
-    spec = params.scorer
-    return {"source": spec.source, "name": spec.name} | scorer_origin(params)
+    model or a callable, with what its scores depend on (its code or model, hashed; or its package's version); and
+    evaluate's judges likewise."""
+    spec, judges = params.scorer, params.evaluate.judges
+    return {"source": spec.source, "name": spec.name} | scorer_origin(params) | ({"judges": {
+        name: {"source": value} | callable_origin(value, f"evaluate.judges.{name}", params)
+        for name, value in judges.items()}} if judges else {})
 
 
 def local_paths(record: dict[str, Any]) -> list[str]:
     """The local files and directories a record hashed (for the summary line)."""
     found = [record["source"]] if "sha256" in record else []
     found += list(record.get("code", {})) + list(record.get("inputs", {}))
-    for value in record.values():
+    for value in [*record.values(), *record.get("judges", {}).values()]:
         if isinstance(value, dict) and "source" in value:
             found += local_paths(value)
     return found
@@ -86,36 +89,40 @@ def scorer_origin(params: Params) -> dict[str, dict[str, Any]]:
     """What the scores depend on beyond the params and the stage's inputs, as fingerprint entries: {"code": {file:
     sha256}} for a callable defined in a file, {"versions": {distribution: version}} for one from an installed
     package, {"inputs": {dir: sha256}} for a pipeline model given as a local directory; {} for the reward model (an
-    input of the stage already). The callable's module is found, not imported (the sources stage records this too,
-    and a module may do heavy work on import)."""
+    input of the stage already)."""
     spec = params.scorer
     if spec.source == "pipeline":
         local = Path(spec.name)
         return {"inputs": {spec.name: digest(local)}} if local.is_dir() else {}
-    if spec.source != "callable":
-        return {}
-    module_name = spec.name.partition(":")[0]
-    file = module_file(module_name, params)
+    return callable_origin(spec.name, "scorer.name", params) if spec.source == "callable" else {}
+
+
+def callable_origin(name: str, key: str, params: Params) -> dict[str, dict[str, Any]]:
+    """Where the function ``name`` ("module:function", params ``key``) comes from: its module's file, hashed, or its
+    installed package's version (see `scorer_origin`). The module is found, not imported: a module may do heavy work
+    on import."""
+    module_name = name.partition(":")[0]
+    file = module_file(module_name, name, key, params)
     if file is None:
         return {}
     source = file.parent if file.name == "__init__.py" else file
     distribution = next(iter(packages_distributions().get(module_name.split(".")[0], [])), None)
     if distribution is not None and any(file.is_relative_to(folder) for folder in installed_code_folders()):
         return {"versions": {distribution: version(distribution)}}
-    name = str(source.relative_to(CODE_ROOT) if source.is_relative_to(CODE_ROOT) else source)
-    return {"code": {name: digest(source, "*.py")}}
+    shown = str(source.relative_to(CODE_ROOT) if source.is_relative_to(CODE_ROOT) else source)
+    return {"code": {shown: digest(source, "*.py")}}
 
 
-def module_file(module_name: str, params: Params) -> Path | None:
+def module_file(module_name: str, name: str, key: str, params: Params) -> Path | None:
     """The resolved source file of ``module_name`` (its ``__init__.py`` for a package), found as import would find
-    it but without running it; None for a module with no file (built in). Not found: a StageError."""
+    it but without running it; None for a module with no file (built in). Not found: a StageError naming ``key``."""
     try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError):  # a parent package that is missing or fails to import
         spec = None
     if spec is None:
         missing = f"{module_name.replace('.', '/')}.py"
-        raise StageError(f"{params.path}: scorer.name '{params.scorer.name}' is not an importable 'module:function' "
+        raise StageError(f"{params.path}: {key} '{name}' is not an importable 'module:function' "
                          f"(no module named '{module_name}'){untracked_hint(missing)}")
     return Path(spec.origin).resolve() if spec.origin and Path(spec.origin).is_file() else None
 

@@ -166,9 +166,9 @@ def test_evaluate_metrics_by_hand():
     rows = {"score": [1.0, -2.0, 0.5, 3.0], "kl_to_sft": [0.0, 0.25, 0.5, 0.25], "response_tokens": [3, 5, 4, 8],
             "gold": [1, -1, 0, 2]}
     # score (1 - 2 + 0.5 + 3) / 4 = 0.625; kl 1.0 / 4 = 0.25; length 20 / 4 = 5; gold 2 / 4 = 0.5
-    ppo = policy_metrics(rows)
+    ppo = policy_metrics(rows, ["gold"])
     assert ppo == {"gold": 0.5, "reward": 0.625, "kl": 0.25, "length": 5.0}
-    assert "gold" not in policy_metrics({k: v for k, v in rows.items() if k != "gold"})
+    assert "gold" not in policy_metrics(rows)  # only the judges named
     sft = {"gold": 0.0, "reward": -1.0, "kl": 0.0, "length": 4.0}
     metrics = evaluation_metrics(ppo, sft, 0.75)
     assert metrics == {"win_rate": 0.75, **ppo, "sft": {"gold": 0.0, "reward": -1.0, "length": 4.0}}
