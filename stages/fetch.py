@@ -84,7 +84,6 @@ def smollm2():
     """SmolLM2-135M-Instruct's tokenizer and a plain (saveable) bf16 `LlamaForCausalLM` with its weights."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
     from transformers.utils import logging
 
     folder = package_dir(MODEL_PACKAGE)
@@ -101,6 +100,10 @@ def smollm2():
         model = LlamaForCausalLM(config)
     model.load_state_dict(quantized.state_dict(), assign=True)
     model = model.to(torch.bfloat16)
+    meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]  # RoPE's inv_freq: in no state dict
+    for name in meta:  # (not saved either), but a forward pass needs it
+        module, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module), leaf, quantized.get_buffer(name))
     model.tie_weights()
     model.generation_config = quantized.generation_config
     return tokenizer, model
