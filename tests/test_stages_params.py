@@ -117,3 +117,28 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("seed: [1,\n")
     with pytest.raises(ParamsError, match="bad.yaml: not valid YAML"):
         load_params(bad)
+
+
+@pytest.mark.parametrize(("judges", "expected"), [
+    ({"mine": "my_judges"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges'"),
+    ({"mine": "my_judges:"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges:'"),
+    ({"reward": "my_judges:vowels"}, "evaluate.judges.reward must be not one of ['win_rate', 'reward', 'kl', "
+                                     "'length', 'sft'] (metric names of their own), got 'reward'"),
+    ({"sft": "my_judges:vowels"}, "evaluate.judges.sft must be not one of ['win_rate', 'reward', 'kl', 'length', "
+                                  "'sft'] (metric names of their own), got 'sft'"),
+])
+def test_a_bad_judge_is_one_line_at_load(tmp_path, judges, expected):
+    """evaluate.judges names a function per metric: a value that is no 'module:function', or a name that is one of
+    data/eval/metrics.json's own keys (it would overwrite the scorer's reward or the SFT group), stops every stage at
+    load (the sources stage, which runs first, hashes the judges' code)."""
+    path = write_params(tmp_path, lambda p: p["evaluate"].update(judges=judges))
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value) == f"{path}: {expected}"
+
+
+def test_judges_load_by_name_gold_included(tmp_path):
+    judges = {"gold": "rewards.sentiment:vader", "minilm": "rewards.sentiment:minilm"}  # the example's
+    path = write_params(tmp_path, lambda p: p["evaluate"].update(judges=judges))
+    assert load_params(path).evaluate.judges == judges
+

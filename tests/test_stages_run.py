@@ -6,6 +6,7 @@ import dataclasses
 import json
 import shutil
 
+import numpy as np
 import pandas as pd
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -229,6 +230,72 @@ def test_evaluate_and_the_report_measure_the_scorer_the_policy_was_trained_on(ti
     assert ">callable word_scores:words<" in page  # the legend of the reward curve (an SVG text element)
     assert page.count("<th>callable word_scores:words score</th>") == 2  # the side-by-side samples' two columns
     assert not any(label in page for label in (">reward model<", "reward model score", "RM score"))
+
+
+JUDGES = """
+def vowels(texts):
+    return [float(sum(c in "aeiou" for c in t)) for t in texts]
+
+
+def words(texts):
+    return [float(len(t.split())) for t in texts]
+"""
+
+
+def test_evaluate_reports_each_judge_as_a_metric_and_a_samples_column(tiny_run, tiny_params, tmp_path, monkeypatch):
+    """evaluate.judges, scorers the policy never trained on: each is a column of data/eval/samples.parquet (its score of
+    each sample's query + response) and a metric of each policy (their mean), beside the scorer's; one named `gold`
+    takes the place of the synthetic data's lexicon (as the example's VADER does)."""
+    from stages import evaluate
+    from stages.synthetic import gold_score
+    from tests.conftest import params_per_stage
+
+    (tmp_path / "my_judges.py").write_text(JUDGES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "eval", "report", "logs"))
+    judges = {"gold": "my_judges:vowels", "words": "my_judges:words"}
+    params = dataclasses.replace(tiny_params, evaluate=dataclasses.replace(tiny_params.evaluate, judges=judges))
+    summary = evaluate.run(params_per_stage(params)["evaluate"], root)  # evaluate tracks the evaluate section
+
+    metrics = json.loads((root / EVAL_METRICS).read_text())
+    samples = pd.read_parquet(root / EVAL_SAMPLES)
+    assert list(samples.columns) == ["policy", "query", "response", "score", "kl_to_sft", "response_tokens", "gold",
+                                     "words"]
+    assert list(metrics) == ["win_rate", "gold", "words", "reward", "kl", "length", "sft"]
+    assert list(metrics["sft"]) == ["gold", "words", "reward", "length"]
+    for policy, means in (("ppo", metrics), ("sft", metrics["sft"])):
+        texts = (samples["query"] + samples["response"])[samples["policy"] == policy]
+        vowels = texts.map(lambda t: sum(c in "aeiou" for c in t)).astype(float)
+        words = texts.str.split().str.len().astype(float)
+        assert samples.loc[texts.index, "gold"].tolist() == vowels.tolist()
+        assert samples.loc[texts.index, "words"].tolist() == words.tolist()
+        assert means["gold"] == pytest.approx(vowels.mean(), abs=1e-12)
+        assert means["words"] == pytest.approx(words.mean(), abs=1e-12)
+        assert means["gold"] != pytest.approx(np.mean([gold_score(t) for t in texts]))  # not the lexicon's
+    assert f", words {metrics['sft']['words']:.2f} -> {metrics['words']:.2f}," in summary
+
+
+def test_a_judge_that_fails_is_one_line_naming_it(tiny_params, tmp_path, monkeypatch):
+    """A judge that cannot be imported, or whose scores are not finite numbers, stops evaluate with one line naming
+    the judge, as the scorer's problems do."""
+    from stages.evaluate import judge_functions, scores_of
+
+    (tmp_path / "odd_judges.py").write_text(JUDGES + "\n\ndef broken(texts):\n    return [float('nan')] * len(texts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with_judges = lambda judges: dataclasses.replace(  # noqa: E731
+        tiny_params, evaluate=dataclasses.replace(tiny_params.evaluate, judges=judges))
+    with pytest.raises(StageError, match=r"evaluate.judges.mine 'no_such_module:score' is not an importable "
+                                         r"'module:function'"):
+        judge_functions(with_judges({"mine": "no_such_module:score"}))
+    with pytest.raises(StageError, match=r"odd_judges has no function 'nothing'"):
+        judge_functions(with_judges({"mine": "odd_judges:nothing"}))
+    params = with_judges({"mine": "odd_judges:broken"})
+    fn = judge_functions(params)["mine"]
+    with pytest.raises(StageError) as err:
+        scores_of(fn, ["a b", "c"], params, "ppo", who="judge mine")
+    assert str(err.value) == ("the ppo policy's samples 1-2: judge mine returned nan for text 0; scores must be finite "
+                              "numbers")
 
 
 def test_pipeline_scorer_reads_the_named_label(tiny_run, tiny_params, tmp_path):
