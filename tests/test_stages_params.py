@@ -142,3 +142,23 @@ def test_judges_load_by_name_gold_included(tmp_path):
     path = write_params(tmp_path, lambda p: p["evaluate"].update(judges=judges))
     assert load_params(path).evaluate.judges == judges
 
+
+def test_mixed_precision_is_the_ppo_accelerator_s(tmp_path):
+    """model.mixed_precision reaches the ppo stage as accelerate's `mixed_precision` (PPOConfig.accelerator_kwargs, as
+    a legacy user would set it), beside the other accelerator kwargs; one set there too must agree, or the params
+    stop at load with one line."""
+    def precision(model, accelerator_kwargs):
+        path = write_params(tmp_path, lambda p: (p["model"].update(mixed_precision=model),
+                                                 p["ppo"].update(accelerator_kwargs=accelerator_kwargs)))
+        return ppo_config(load_params(path)).accelerator_kwargs
+
+    assert precision(None, {}) == {}
+    assert precision(None, {"mixed_precision": "fp16"}) == {"mixed_precision": "fp16"}  # accelerate's own, as legacy
+    assert precision("bf16", {}) == {"mixed_precision": "bf16"}
+    assert precision("bf16", {"mixed_precision": "bf16", "cpu": True}) == {"mixed_precision": "bf16", "cpu": True}
+    with pytest.raises(ParamsError) as err:
+        precision("bf16", {"mixed_precision": "fp16"})
+    assert str(err.value) == (f"{tmp_path / 'params.yaml'}: ppo.accelerator_kwargs.mixed_precision (fp16) differs "
+                              "from model.mixed_precision (bf16); set one of them")
+    with pytest.raises(ParamsError, match=r"model.mixed_precision must be one of .*'bf16'.*got 'bf32'"):
+        precision("bf32", {})
