@@ -182,16 +182,13 @@ def test_chunked_logprob_gradients_equal_float64_autograd(policy, tokenizer, mon
 
 
 # ---- (d) left padding in batched generation ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def trainer(policy, tokenizer):
-    return PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, seed=0), policy, tokenizer=tokenizer)
-
-
 @pytest.mark.slow
-def test_batched_greedy_generation_gives_each_prompt_s_own_tokens(trainer, tokenizer):
+def test_batched_greedy_generation_gives_each_prompt_s_own_tokens_on_cpu(policy, tokenizer):
     """`generate` left-pads a batch of prompts of different lengths (3 to 36 tokens) with the pad token, which here is
     EOS: greedily, every prompt gets the tokens it gets alone, and a response that ends (the chat prompt's, with
-    EOS) is cut after its EOS while the others run on, although the rows that finished are filled with EOS too."""
+    EOS) is cut after its EOS while the others run on, although the rows that finished are filled with EOS too.
+    (On the CPU: on a GPU the padded batch may round otherwise, and greedy decoding turn at a near-tie.)"""
+    trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, seed=0), policy, tokenizer=tokenizer)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Say only the word yes."}],
                                          add_generation_prompt=True, return_dict=False)
     queries = [token_ids(tokenizer, q) for q in QUERIES[:3]] + [torch.tensor(chat)]
@@ -206,41 +203,51 @@ def test_batched_greedy_generation_gives_each_prompt_s_own_tokens(trainer, token
 
 
 # ---- (f) one PPO step with LoRA, (c) EOS scored although it is the pad token ------------------------------------
-@pytest.fixture(scope="module")
-def lora_run(checkpoint, tokenizer):
-    """One PPO step of a LoRA policy (r=8 on q_proj and v_proj) on four prompts, eight sampled tokens each, scored by
-    VADER (the example's gold scorer) on prompt + response. Records the log-ratios of the step's first mini-batch."""
+def lora_policy(checkpoint) -> AutoModelForCausalLMWithValueHead:
+    """The example's setup at a small scale: a LoRA adapter, r=8 on q_proj and v_proj, on the checkpoint."""
     pytest.importorskip("peft")
-    pytest.importorskip("vaderSentiment")
     from peft import LoraConfig
-
-    from rewards.sentiment import vader
 
     torch.manual_seed(0)
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                       task_type="CAUSAL_LM")
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(checkpoint, peft_config=lora)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return AutoModelForCausalLMWithValueHead.from_pretrained(checkpoint, peft_config=lora)
+
+
+def lora_trainer(model, tokenizer) -> PPOTrainer:
     config = PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-4, seed=0)
-    trainer = PPOTrainer(config, model, tokenizer=tokenizer)
-    queries = [token_ids(tokenizer, q) for q in QUERIES]
-    responses = trainer.generate(queries, return_prompt=False, batch_size=4, do_sample=True, top_k=0, top_p=1.0,
-                                 max_new_tokens=8)
-    texts = [q + tokenizer.decode(r, skip_special_tokens=True) for q, r in zip(QUERIES, responses)]
-    scores = [torch.tensor(s) for s in vader(texts)]
+    return PPOTrainer(config, model, tokenizer=tokenizer)
 
-    log_ratios = []
-    loss = trainer.loss
 
-    def recording_loss(old_logprobs, values, logits, vpreds, logprobs, mask, *args, **kwargs):
-        log_ratios.append(((logprobs - old_logprobs) * mask).detach())  # (b, R)
-        return loss(old_logprobs, values, logits, vpreds, logprobs, mask, *args, **kwargs)
+@pytest.fixture(scope="module")
+def lora_run(checkpoint, tokenizer):
+    """One PPO step of the LoRA policy on four prompts, eight sampled tokens each, scored by VADER (the example's gold
+    scorer) on prompt + response, on the CPU (`cpu_only`: the first ratio is exactly 1 there, within rounding on a
+    GPU). Records the log-ratios of the step's mini-batches."""
+    pytest.importorskip("vaderSentiment")
+    from rewards.sentiment import vader
+    from tests.conftest import cpu_only
 
-    trainer.loss = recording_loss  # a hook step() calls (README)
-    stats = trainer.step(queries, responses, scores)
-    del trainer.loss
-    return SimpleNamespace(model=model, trainer=trainer, before=before, stats=stats, responses=responses,
-                           log_ratios=log_ratios)
+    with cpu_only():
+        model = lora_policy(checkpoint)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        trainer = lora_trainer(model, tokenizer)
+        queries = [token_ids(tokenizer, q) for q in QUERIES]
+        responses = trainer.generate(queries, return_prompt=False, batch_size=4, do_sample=True, top_k=0, top_p=1.0,
+                                     max_new_tokens=8)
+        texts = [q + tokenizer.decode(r, skip_special_tokens=True) for q, r in zip(QUERIES, responses)]
+        scores = [torch.tensor(s) for s in vader(texts)]
+
+        log_ratios = []
+        loss = trainer.loss
+
+        def recording_loss(old_logprobs, values, logits, vpreds, logprobs, mask, *args, **kwargs):
+            log_ratios.append(((logprobs - old_logprobs) * mask).detach())  # (b, R)
+            return loss(old_logprobs, values, logits, vpreds, logprobs, mask, *args, **kwargs)
+
+        trainer.loss = recording_loss  # a hook step() calls (README)
+        stats = trainer.step(queries, responses, scores)
+    return SimpleNamespace(model=model, before=before, stats=stats, responses=responses, log_ratios=log_ratios)
 
 
 @pytest.mark.slow
@@ -263,13 +270,13 @@ def test_one_lora_ppo_step_trains_only_the_adapter_and_the_value_head(lora_run):
     assert lora_run.log_ratios[-1].abs().max() > 1e-6  # later mini-batches see the updated adapter
 
 
-@pytest.mark.slow
-def test_a_response_ending_with_eos_is_scored_although_eos_is_the_pad_token(lora_run, tokenizer, monkeypatch):
+def test_a_response_ending_with_eos_is_scored_although_eos_is_the_pad_token_on_cpu(checkpoint, tokenizer,
+                                                                                    monkeypatch):
     """The pad token is EOS here, so telling a response's EOS from padding by its id (legacy TRL's attention masks
     did) would drop the very token that ends it, and the policy would never be rewarded for stopping. The EOS at
     the end of a response is a response token: in the mask, with its log-probability, in `step`'s rollout pass and
     in `batched_forward_pass`; the padding after the shorter responses is not."""
-    trainer = lora_run.trainer
+    trainer = lora_trainer(lora_policy(checkpoint), tokenizer)
     queries = [token_ids(tokenizer, q) for q in QUERIES]
     responses = [token_ids(tokenizer, r) for r in (" bad.", " good, honestly, and fun", " the plot", " film ever made")]
     responses[0] = torch.cat([responses[0], torch.tensor([EOS])])  # 3 tokens, the last EOS; the longest has 6
