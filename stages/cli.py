@@ -25,8 +25,8 @@ from stages.resume import remove_redundant_state
 from stages.runtime import Progress, StageError, stage_lock, terminate_as_interrupt
 
 app = typer.Typer(
-    help="RLHF pipeline stages: (sources) -> prepare -> sft -> reward -> tokenize -> ppo -> evaluate -> report. "
-    "`dvc repro` runs them in order; each one can also run alone.",
+    help=f"RLHF pipeline stages: {' -> '.join(stages())}. `dvc repro` runs them in order; each one can also run "
+    "alone.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
 )
 ParamsPath = Annotated[Path, typer.Option("--params", help="Params file (YAML 1.2), one section per stage.")]

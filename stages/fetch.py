@@ -32,6 +32,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from ppo_core.utils import swapped
 from stages.artifacts import atomic_path, publishing, save_pretrained, write_json, write_parquet
 from stages.params import Params
 from stages.runtime import StageError, note, reason
@@ -83,14 +84,16 @@ def package_dir(name: str) -> Path:
 def smollm2():
     """SmolLM2-135M-Instruct's tokenizer and a plain (saveable) bf16 `LlamaForCausalLM` with its weights."""
     import torch
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-    from transformers.utils import logging
 
     folder = package_dir(MODEL_PACKAGE)
-    logging.disable_progress_bar()  # its bar over the GGUF's 272 tensors: the stage says what it does itself
+    # its tqdm bar over the GGUF's 272 tensors (plain tqdm, deaf to transformers' switch): the stage says what it does
+    without_bar = swapped(gguf_loading, "tqdm", gguf_loading.tqdm, lambda iterable, **_: iterable)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
+        with without_bar:
+            quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
     except (OSError, ImportError, ValueError) as err:
         raise StageError(f"{folder / GGUF_FILE}: could not be loaded ({reason(err)}); {INSTALL}") from None
     config = quantized.config

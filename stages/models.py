@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from stages.artifacts import require_dir
 from stages.runtime import StageError, device, reason
+
+# Notices about what the stages do on purpose, a line or two each at every LoRA run: peft saves the embeddings of a
+# model whose vocabulary sft grew (a pad token apart from EOS) with each adapter, and reads transformers' deprecated
+# `is_gradient_checkpointing`.
+warnings.filterwarnings("ignore", message="Setting `save_embedding_layers` to `True`", category=UserWarning)
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def check_model_source(name: str, key: str = "model.name_or_path") -> None:

@@ -326,7 +326,7 @@ def _check_values(p: Params) -> None:
          p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1),
         *((f"evaluate.judges.{name}", value, "a 'module:function'", ":" in value and value.partition(":")[2] != "")
           for name, value in p.evaluate.judges.items()),
-        *((f"evaluate.judges.{name}", name, f"not one of {list(RESERVED_METRICS)} (metric names of their own)",
+        *((f"evaluate.judges.{name}", name, f"a name other than {list(RESERVED_METRICS)} (metric names of their own)",
            name not in RESERVED_METRICS) for name in p.evaluate.judges),
         ("model.lora.r", lora and lora.r, ">= 1", lora is None or lora.r >= 1),
         ("model.lora.alpha", lora and lora.alpha, "> 0", lora is None or lora.alpha > 0),

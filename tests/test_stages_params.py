@@ -122,10 +122,10 @@ def test_missing_file_and_bad_yaml(tmp_path):
 @pytest.mark.parametrize(("judges", "expected"), [
     ({"mine": "my_judges"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges'"),
     ({"mine": "my_judges:"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges:'"),
-    ({"reward": "my_judges:vowels"}, "evaluate.judges.reward must be not one of ['win_rate', 'reward', 'kl', "
+    ({"reward": "my_judges:vowels"}, "evaluate.judges.reward must be a name other than ['win_rate', 'reward', 'kl', "
                                      "'length', 'sft'] (metric names of their own), got 'reward'"),
-    ({"sft": "my_judges:vowels"}, "evaluate.judges.sft must be not one of ['win_rate', 'reward', 'kl', 'length', "
-                                  "'sft'] (metric names of their own), got 'sft'"),
+    ({"sft": "my_judges:vowels"}, "evaluate.judges.sft must be a name other than ['win_rate', 'reward', 'kl', "
+                                  "'length', 'sft'] (metric names of their own), got 'sft'"),
 ])
 def test_a_bad_judge_is_one_line_at_load(tmp_path, judges, expected):
     """evaluate.judges names a function per metric: a value that is no 'module:function', or a name that is one of
