@@ -53,7 +53,16 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
         typer.echo(f"error: {stage}: {message}{restore_hint()}", err=True)
         raise typer.Exit(2) from None
     if main:  # the main process reports
-        typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s]")
+        typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_gib():.2f} GiB]")
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, in GiB (Linux reports kilobytes, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 30 if sys.platform == "darwin" else 1 << 20)
 
 
 def _run_stage(stage: str, params_path: Path) -> str:

@@ -71,11 +71,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
                          "first (`dvc repro` runs them in order)")
     evaluation = json.loads((root / EVAL_METRICS).read_text())
     scorer = params.scorer.title  # the scorer that gave the rewards (and the win rate): its name in every label
-    samples = read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS)
+    judges = params.evaluate.judges  # the named ones (the synthetic gold is in the tables already)
+    samples = read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS + list(judges))
     sections = [
-        ("Evaluation on the held-out prompts", evaluation_table(evaluation, scorer)),
+        ("Evaluation on the held-out prompts", evaluation_table(evaluation, scorer, judges)),
         ("PPO, step by step", charts(curves, scorer) + time_chart(root)),
-        ("Held-out prompts: SFT and PPO side by side", side_by_side(samples, score_header(params.scorer))),
+        ("Held-out prompts: SFT and PPO side by side", side_by_side(samples, score_header(params.scorer),
+                                                                      judges=list(judges))),
         ("Rollouts: the best and worst of the first and last steps", extremes(root / PPO_ROLLOUTS, curves)),
         ("Reward model and SFT", models(root)),
         ("Params that differ from the committed params.yaml", params_diff(params)),
@@ -107,9 +109,14 @@ def table(rows: list[list], header: list[str]) -> str:
     return f"<table><tr>{head}</tr>" + "".join(f"<tr>{''.join(map(cell, r))}</tr>" for r in rows) + "</table>"
 
 
-def evaluation_table(metrics: dict, scorer: str) -> str:
-    """SFT and PPO side by side; ``scorer``: the title of the scorer that gave the rewards and the win rate."""
-    names = {"reward": f"{scorer} score", "gold": "gold score", "kl": "KL to SFT", "length": "response length (tokens)"}
+def evaluation_table(metrics: dict, scorer: str, judges: dict[str, str] | None = None) -> str:
+    """SFT and PPO side by side; ``scorer``: the title of the scorer that gave the rewards and the win rate; ``judges``:
+    `evaluate.judges` (name -> module:function), each a row after the gold score."""
+    judges = judges or {}
+    gold = f"gold score ({judges['gold']})" if "gold" in judges else "gold score"
+    names = {"reward": f"{scorer} score", "gold": gold,
+             **{name: f"judge {name} ({spec})" for name, spec in judges.items() if name != "gold"},
+             "kl": "KL to SFT", "length": "response length (tokens)"}
     sft, ppo = policy_means(metrics, "sft"), policy_means(metrics, "ppo")
     rows = [[label, sft[key], ppo[key], ppo[key] - sft[key]] for key, label in names.items() if key in ppo]
     win = f"<p>Win rate of PPO over SFT ({html.escape(scorer)}, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
@@ -189,11 +196,14 @@ def score_header(scorer) -> str:
     return "RM score" if scorer.source == "reward_model" else f"{scorer.title} score"
 
 
-def side_by_side(samples: pd.DataFrame, score: str, n: int = 8) -> str:
+def side_by_side(samples: pd.DataFrame, score: str, n: int = 8, judges: list[str] = ()) -> str:
+    """The first ``n`` held-out prompts answered by both policies, with the scorer's score and each named judge's."""
     sft, ppo = (samples[samples["policy"] == p].reset_index(drop=True).head(n) for p in ("sft", "ppo"))
-    rows = [[s["query"], s["response"], float(s["score"]), p["response"], float(p["score"])]
+    columns = ["score", *judges]
+    rows = [[s["query"], s["response"], *(float(s[c]) for c in columns), p["response"], *(float(p[c]) for c in columns)]
             for (_, s), (_, p) in zip(sft.iterrows(), ppo.iterrows())]
-    return table(rows, ["prompt", "SFT response", score, "PPO response", score])
+    header = [score, *judges]
+    return table(rows, ["prompt", "SFT response", *header, "PPO response", *header])
 
 
 def extremes(rollouts_dir: Path, curves: pd.DataFrame, n: int = 3) -> str:
@@ -225,11 +235,12 @@ def models(root: Path) -> str:
 
 
 def params_diff(params: Params) -> str:
-    """The params that differ from params.yaml as committed (git HEAD): what this run, or experiment, changed."""
+    """The params that differ from params.yaml as committed (git HEAD): what this run, or experiment, changed. The path
+    is taken from the working directory (`HEAD:./params.yaml`: an example's own, in examples/sentiment)."""
     from ruamel.yaml import YAML
 
     try:
-        committed = subprocess.run(["git", "show", f"HEAD:{params.path.as_posix()}"], capture_output=True, text=True,
+        committed = subprocess.run(["git", "show", f"HEAD:./{params.path.as_posix()}"], capture_output=True, text=True,
                                    check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return '<p class="note">No committed params.yaml to compare with (not a git checkout).</p>'

@@ -275,6 +275,13 @@ def test_evaluate_reports_each_judge_as_a_metric_and_a_samples_column(tiny_run, 
         assert means["words"] == pytest.approx(words.mean(), abs=1e-12)
         assert means["gold"] != pytest.approx(np.mean([gold_score(t) for t in texts]))  # not the lexicon's
     assert f", words {metrics['sft']['words']:.2f} -> {metrics['words']:.2f}," in summary
+    # the report: a row per judge (the gold score named by its function), and the judges beside each sample's score
+    from stages import report
+
+    report.run(params_per_stage(params)["report"], root)
+    page = (root / "data" / "report" / "index.html").read_text()
+    assert "<td>gold score (my_judges:vowels)</td>" in page and "<td>judge words (my_judges:words)</td>" in page
+    assert "<th>SFT response</th><th>RM score</th><th>gold</th><th>words</th><th>PPO response</th>" in page
 
 
 def test_a_judge_that_fails_is_one_line_naming_it(tiny_params, tmp_path, monkeypatch):
