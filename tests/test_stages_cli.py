@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,9 @@ def test_stage_help_says_what_it_reads_and_writes(stage):
 def test_single_stage_run_prints_a_summary(tmp_path):
     result = run_module("prepare", "--params", str(TINY), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1].startswith("prepare: 160 SFT texts")
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith("prepare: 160 SFT texts")
+    assert re.search(r" \[\d+\.\d s, peak RSS 0\.\d\d GiB\]$", summary), summary  # its seconds and memory
     assert (tmp_path / "data" / "raw" / "sft.parquet").exists()
 
 
@@ -79,7 +82,9 @@ def test_a_python3_without_the_packages_reruns_itself_in_the_project_venv(tmp_pa
     result = subprocess.run([SYSTEM_PYTHON, "-m", "stages", "prepare", "--params", str(TINY)], cwd=tmp_path, env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1].startswith("prepare: 160 SFT texts")
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith("prepare: 160 SFT texts")
+    assert re.search(r" \[\d+\.\d s, peak RSS 0\.\d\d GiB\]$", summary), summary  # its seconds and memory
 
 
 @pytest.mark.skipif(not lacks_the_project_packages(SYSTEM_PYTHON), reason="needs a python3 without the packages")
