@@ -18,7 +18,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -29,6 +28,8 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
+
+from stages.runtime import peak_rss_bytes
 
 hf_logging.disable_progress_bar()  # transformers 5 draws bars for every save/load of the tiny model
 
@@ -256,9 +257,8 @@ def median_after_warmup(values: list, warmup: int) -> float:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+    """Peak resident set size of this process so far, in MiB (see peak_rss_bytes: not the forking parent's)."""
+    return peak_rss_bytes() / 2**20
 
 
 def peak_gpu_mb() -> float | None:

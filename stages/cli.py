@@ -22,7 +22,7 @@ from stages.params import load_params
 from stages.pipeline import stage as stage_spec
 from stages.pipeline import stages
 from stages.resume import remove_redundant_state
-from stages.runtime import Progress, StageError, stage_lock, terminate_as_interrupt
+from stages.runtime import Progress, StageError, peak_rss_bytes, stage_lock, terminate_as_interrupt
 
 app = typer.Typer(
     help=f"RLHF pipeline stages: {' -> '.join(stages())}. `dvc repro` runs them in order; each one can also run "
@@ -53,16 +53,8 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
         typer.echo(f"error: {stage}: {message}{restore_hint()}", err=True)
         raise typer.Exit(2) from None
     if main:  # the main process reports
-        typer.echo(f"{stage}: {summary} [{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_gib():.2f} GiB]")
-
-
-def peak_rss_gib() -> float:
-    """This process's peak resident memory so far, in GiB (Linux reports kilobytes, macOS bytes)."""
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 30 if sys.platform == "darwin" else 1 << 20)
+        seconds, peak_gib = time.perf_counter() - start, peak_rss_bytes() / 2**30
+        typer.echo(f"{stage}: {summary} [{seconds:.1f} s, peak RSS {peak_gib:.2f} GiB]")
 
 
 def _run_stage(stage: str, params_path: Path) -> str:

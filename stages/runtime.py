@@ -281,3 +281,20 @@ def quiet_trainer(trainer):
 
     trainer.remove_callback(PrinterCallback)
     return trainer
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far, in bytes. On Linux, /proc's VmHWM: ru_maxrss would not do, as
+    it carries over a forked parent's peak through exec (a stage run from pytest, or from a large parent, would
+    report the parent's gigabytes). Elsewhere ru_maxrss (kilobytes, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

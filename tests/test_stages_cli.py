@@ -40,7 +40,12 @@ def test_stage_help_says_what_it_reads_and_writes(stage):
 
 
 def test_single_stage_run_prints_a_summary(tmp_path):
+    """The summary's peak RSS is the stage's own: here the parent holds 1.2 GiB, which Linux's ru_maxrss would carry
+    into the child across fork and exec (a stage run from a large process reported its gigabytes)."""
+    ballast = bytearray(1200 * 2**20)
+    ballast[:: 4096] = b"\1" * len(range(0, len(ballast), 4096))  # touch every page: resident, not just reserved
     result = run_module("prepare", "--params", str(TINY), cwd=tmp_path)
+    del ballast
     assert result.returncode == 0, result.stderr
     summary = result.stdout.strip().splitlines()[-1]
     assert summary.startswith("prepare: 160 SFT texts")
