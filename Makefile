@@ -43,8 +43,8 @@ run: install
 
 # The seed's example on a real model, offline but for PyPI (examples/sentiment): SmolLM2-135M-Instruct, Pang & Lee's
 # movie-review text, VADER and a MiniLM judge. ~30 minutes on 2 cores; see the README.
+# examples/sentiment is a DVC project of its own (its .dvc/), so the root's dvc status and exp show leave it out.
 example: $(VENV)/.installed-example
-	@test -d .dvc || $(BIN)/dvc init -q
 	cd examples/sentiment && $(CURDIR)/$(BIN)/dvc repro
 
 # lint first (seconds), then every test, the slow ones included (`pytest -m "not slow"` is the fast loop). The report's

@@ -138,3 +138,16 @@ def test_the_cli_lists_fetch_in_the_example_only():
     help_text = " ".join(run_module("fetch", "--help", cwd=EXAMPLE).stdout.split())
     assert f"Reads: params seed. Writes: {', '.join(outs(EXAMPLE_STAGES['fetch']))}." in help_text
     assert run_module("fetch", "--help", cwd=ROOT).returncode == 2  # no such command at the root
+
+
+def test_the_example_is_a_dvc_project_of_its_own():
+    """The root's DVC (dvc status, repro, exp show) sees the root's stages and params.yaml only: with the example's
+    collected too, `dvc exp show` named every param by its file (`params.yaml:ppo.learning_rate`) and `dvc status`
+    listed the example's stages as never run. The example's own project sees its stages."""
+    from dvc.repo import Repo
+
+    with Repo(str(ROOT)) as root, Repo(str(EXAMPLE)) as example:
+        assert {Path(stage.path) for stage in root.index.stages} == {ROOT / "dvc.yaml"}
+        assert {Path(params.fs_path) for params in root.index.params} == {ROOT / "params.yaml"}
+        assert {Path(stage.path) for stage in example.index.stages} == {EXAMPLE / "dvc.yaml"}
+        assert {stage.name for stage in example.index.stages} == set(EXAMPLE_STAGES)
