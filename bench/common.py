@@ -18,6 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -28,8 +29,6 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
-
-from stages.runtime import peak_rss_bytes
 
 hf_logging.disable_progress_bar()  # transformers 5 draws bars for every save/load of the tiny model
 
@@ -257,8 +256,15 @@ def median_after_warmup(values: list, warmup: int) -> float:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (see peak_rss_bytes: not the forking parent's)."""
-    return peak_rss_bytes() / 2**20
+    """Peak resident set size of this process so far, in MiB: /proc's VmHWM on Linux (ru_maxrss would carry the
+    forking parent's peak across exec: stages.runtime.peak_rss_bytes, which the TRL venvs cannot import), else
+    ru_maxrss (KiB; bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**10
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 def peak_gpu_mb() -> float | None:
