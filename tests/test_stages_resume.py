@@ -76,9 +76,12 @@ def params_file(tmp_path: Path, **changes) -> Path:
 
 
 def run_stage(stage: str, params: Path, cwd: Path) -> subprocess.Popen:
+    """The stage as a terminal starts it: with SIGINT at its default, which a test run started in the background
+    (`cmd &` in a script) would otherwise pass on as ignored, so that Ctrl-C's tests could not interrupt it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
     return subprocess.Popen([sys.executable, "-m", "stages", stage, "--params", str(params)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def upstream_of_ppo(tiny_run: Path, root: Path) -> Path:
