@@ -105,6 +105,10 @@ def non_finite_stat(stats: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
+# The stats measured against the reference policy: not measured (NaN) in a step that skips its pass (coefficient 0)
+REFERENCE_STATS = ("objective/kl", "objective/kl_dist", "objective/ref_logprobs")
+
+
 def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                non_score_reward: torch.Tensor, kls: torch.Tensor, masks: torch.Tensor, query_lens: torch.Tensor,
                response_lens: torch.Tensor, advantages: torch.Tensor, train_stats: list[dict[str, torch.Tensor]],

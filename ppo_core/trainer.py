@@ -23,7 +23,8 @@ checkpoint format in ``checkpoint``, the models and their surgery in ``modeling`
   token and left the first generated token out of the loss);
 * under fp16 a loss-scale overflow is a skipped update, counted in the stats (legacy's scaler skipped it unseen),
   and ``max_consecutive_overflows`` in a row stop the run as diverged;
-* a mini-batch waits for the GPU once (its checks), plus once per optimizer update (see ``update``).
+* a mini-batch waits for the GPU once (its checks), plus once per optimizer update (see ``update``);
+* no reference pass where the KL's coefficient is 0: the KL stats are then NaN, not measured.
 
 Under N processes (``accelerate launch``), ``step`` on each process's ``batch_size`` samples gives what
 one process gives on the ``N * batch_size`` samples (``global_batch_size``), process 0's first, up to
@@ -52,6 +53,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -90,7 +92,7 @@ from .rollout import (
     policy_outputs,
     warn_if_start_token_included,
 )
-from .stats import minibatch_stats, non_finite_stat
+from .stats import REFERENCE_STATS, minibatch_stats, non_finite_stat
 from .update import Updates, minibatch_decision
 from .utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
 from .zero import configure_engine, gathered, is_zero3
@@ -259,17 +261,18 @@ class PPOTrainer(LegacyMethods):
                               cfg.score_clip, self._group.gather)
         # 2. legacy push_to_hub_if_best_kwargs: the policy that sampled these responses, if they score best so far
         self._push_to_hub_if_best(scores)
-        # 3. no-grad passes of policy and reference
+        # 3. no-grad passes of policy and reference (the reference's only where its KL has a coefficient)
         inputs = self._model_inputs(queries, responses)
         mask = build_response_masks(response_masks, inputs)
+        with_reference = self._reference_in_use()
         with timed(timing, "time/ppo/forward_pass"):
-            old, ref = self._rollout_passes(inputs)
+            old, ref = self._rollout_passes(inputs, with_reference)
         if self._step_hooks:  # 4-5 through a subclass's compute_rewards / _kl_penalty / compute_advantages
             shaped, adv = self._hooked_advantages(scores, old.logprobs, ref.logprobs, old.values, mask, timing)
         else:
             # 4. per-token KL (in the reward, or, with kl_in "loss", in the loss instead)
             with timed(timing, "time/ppo/compute_rewards"):
-                kls = self._kl_per_token(inputs, old, ref)
+                kls = self._kl_per_token(inputs, old, ref) if with_reference else torch.zeros_like(old.logprobs)
             # 5. KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator), over the global batch
             with timed(timing, "time/ppo/compute_advantages"):
                 shaped, adv = step_advantages(cfg, scores, kls, old.values, mask,
@@ -287,6 +290,8 @@ class PPOTrainer(LegacyMethods):
                 ref_logprobs=rollout.ref_logprobs, non_score_reward=shaped.non_score_rewards, kls=shaped.kls,
                 masks=mask, queries=queries, responses=responses, train_stats=train_stats,
                 advantages=rollout.advantages)))
+        if not with_reference:  # no reference pass: the KL to it was not measured (not 0)
+            stats |= {key: np.full_like(stats[key], np.nan, dtype=float) for key in REFERENCE_STATS}
         if cfg.advantage_estimator in GROUP_ESTIMATORS:  # groups with one score for all: no learning signal
             flat = self._group.gather(zero_std_groups(scores, cfg.num_generations))  # (global prompts,)
             stats["ppo/frac_reward_zero_std"] = float(flat.mean())
@@ -294,7 +299,7 @@ class PPOTrainer(LegacyMethods):
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         if self._updates.loss_scaled:  # fp16: the scale after this step's updates
             stats["ppo/loss_scale"] = loss_scale(self.accelerator, self.model)
-        self._end_step(float(stats["objective/kl"]))
+        self._end_step(float(stats["objective/kl"]) if with_reference else None)
         timing["time/ppo/total"] = time.perf_counter() - t_start
         return convert_to_scalar(stats | timing)
 
@@ -306,19 +311,29 @@ class PPOTrainer(LegacyMethods):
         with self._reference() as ref_model:
             return full_kl_per_token(self.model, old.hidden, ref_model, ref.hidden, inputs)
 
-    def _end_step(self, mean_kl: float) -> None:
-        """After a step's update: the KL controller and the lr scheduler move on, the step is counted."""
-        self.kl_ctl.update(mean_kl, self.config.batch_size * self.accelerator.num_processes)
+    def _end_step(self, mean_kl: float | None) -> None:
+        """After a step's update: the KL controller (where the KL was measured) and the lr scheduler move on, the step
+        is counted."""
+        if mean_kl is not None:
+            self.kl_ctl.update(mean_kl, self.config.batch_size * self.accelerator.num_processes)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
         if self.config.optimize_device_cache:
             free_device_cache()
 
+    def _reference_in_use(self) -> bool:
+        """Whether this step's rewards or loss use the reference policy: not where its KL's coefficient is 0 (Dr.
+        GRPO's default; an adaptive controller at 0 stays there), where the reference pass would only feed the KL
+        stats (TRL's GRPOTrainer skips it at ``beta=0`` too). A subclass's legacy reward hooks always get it."""
+        cfg = self.config
+        return bool(self._step_hooks) or (cfg.kl_loss_coef if cfg.kl_in == "loss" else self.kl_ctl.value) != 0
+
     @torch.no_grad()
-    def _rollout_passes(self, inputs: ModelInputs) -> tuple[PolicyOutputs, PolicyOutputs]:
+    def _rollout_passes(self, inputs: ModelInputs, with_reference: bool = True) -> tuple[PolicyOutputs, PolicyOutputs]:
         """The policy's and the reference's outputs on ``inputs``, in eval mode, ``mini_batch_size`` samples at a
-        time (with the hidden states for ``kl_penalty="full"``)."""
+        time (with the hidden states for ``kl_penalty="full"``). Without the reference, the policy's stand in for
+        it: a KL of exactly 0, which its coefficient of 0 multiplies anyway."""
         self.model.eval()
 
         def outputs(model):
@@ -326,6 +341,8 @@ class PPOTrainer(LegacyMethods):
                 return chunked_outputs(model, inputs, self.config.mini_batch_size, self.config.kl_penalty == "full")
 
         old = outputs(self.model)
+        if not with_reference:
+            return old, old
         with self._reference() as ref_model:
             return old, outputs(ref_model)
 

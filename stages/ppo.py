@@ -8,6 +8,7 @@ code resumes from its checkpoint and ends with the same artifacts."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 import warnings
@@ -128,8 +129,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
     publish(trainer, root, tables, tokenizer)  # the run has finished
     first, last = tables.curves[0], tables.curves[-1]
     resumed = f", resumed at step {start}" if start else ""
-    return (f"{len(tables.curves)} steps{resumed}, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, "
-            f"kl {last['kl']:.2f} -> {PPO_MODEL}")
+    kl = "kl not measured (coefficient 0: no reference pass)" if math.isnan(last["kl"]) else f"kl {last['kl']:.2f}"
+    return f"{len(tables.curves)} steps{resumed}, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, " \
+           f"{kl} -> {PPO_MODEL}"
 
 
 FLAT = "ppo/frac_reward_zero_std"

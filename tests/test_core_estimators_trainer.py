@@ -71,7 +71,9 @@ def test_critic_free_steps_leave_the_value_head_alone_and_report_no_value_stats(
     assert all(p.grad is None and not p.requires_grad for p in trainer.model.v_head.parameters())  # frozen
     assert not torch.equal(body, trainer.model.pretrained_model.lm_head.weight)  # the policy trained
     assert not [k for k in stats if k.startswith(("ppo/val/", "ppo/returns/"))] and "ppo/loss/value" not in stats
-    assert np.isfinite(stats["ppo/loss/policy"]) and np.isfinite(stats["objective/kl"])
+    assert np.isfinite(stats["ppo/loss/policy"])
+    # dr_grpo's KL has coefficient 0: no reference pass, so its KL is not measured (NaN), never a made-up 0
+    assert np.isfinite(stats["objective/kl"]) == (estimator != "dr_grpo")
     kl_in_loss = estimator in ("grpo", "reinforce_plus_plus_baseline")  # dr_grpo: coefficient 0, no term
     assert ("ppo/policy/kl_loss" in stats) == kl_in_loss
 
@@ -176,3 +178,32 @@ def test_the_share_of_groups_without_a_reward_spread_is_a_stat():
     assert stats["ppo/frac_reward_zero_std"] == 0.5  # groups 0 and 2 of 4
     gae = PPOTrainer(PPOConfig(batch_size=16, mini_batch_size=8), tiny_value_model("gpt2"), tokenizer=tiny_tokenizer())
     assert "ppo/frac_reward_zero_std" not in gae.step(queries, responses, scores)
+
+
+@pytest.mark.parametrize("estimator, options", [("dr_grpo", {}), ("grpo", {"kl_loss_coef": 0.0}),
+                                                ("rloo", {"init_kl_coef": 0.0, "adap_kl_ctrl": False})])
+def test_a_kl_with_coefficient_0_skips_the_reference_pass_and_changes_nothing_else(estimator, options):
+    """Where the KL's coefficient is 0 (in the loss, or in the reward through a fixed controller) the reference pass
+    would only feed the KL stats: it is skipped, those stats are NaN (not measured), the controller is left alone, and
+    the update is bit for bit the one the pass would have given (a KL times 0 is 0)."""
+    skipping, forced = make_trainer(estimator, **options), make_trainer(estimator, **options)
+    forced._reference_in_use = lambda: True  # the same trainer, made to run the reference pass
+    calls = []
+    reference = skipping._reference
+    skipping._reference = lambda: calls.append(1) or reference()
+    batch = rollout(skipping, 0, 4)
+    stats, forced_stats = skipping.step(*batch), forced.step(*batch)
+    assert calls == []  # the reference model never ran
+    for key in ("objective/kl", "objective/kl_dist", "objective/ref_logprobs"):
+        assert np.isnan(stats[key]).all() and np.isfinite(forced_stats[key]).all(), key
+    assert skipping.kl_ctl.value == options.get("init_kl_coef", 0.2)  # not updated from a KL never measured
+    for (name, a), b in zip(skipping.model.named_parameters(), forced.model.parameters()):
+        assert torch.equal(a, b), name
+    assert stats["ppo/loss/total"] == forced_stats["ppo/loss/total"]
+
+
+def test_the_reference_pass_runs_wherever_its_kl_counts():
+    for estimator, options in [("grpo", {}), ("rloo", {}), ("dr_grpo", {"kl_loss_coef": 0.01}),
+                               ("rloo", {"init_kl_coef": 0.0, "adap_kl_ctrl": True, "target": 6.0})]:
+        trainer = make_trainer(estimator, **options)
+        assert trainer._reference_in_use() == (options.get("init_kl_coef") != 0.0), (estimator, options)

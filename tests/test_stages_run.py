@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from stages import ppo, scoring, sft, tokenize
+from stages import ppo, report, scoring, sft, tokenize
 from stages.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
@@ -24,6 +24,7 @@ from stages.artifacts import (
     PPO_TIMINGS,
     RAW_PAIRS,
     RAW_SFT,
+    REPORT,
     REWARD_METRICS,
     REWARD_MODEL,
     SFT_METRICS,
@@ -141,6 +142,23 @@ def test_ppo_with_a_group_estimator_samples_each_prompt_g_times_within_the_same_
     assert not [c for c in stats.columns if c.startswith(("ppo/val/", "ppo/returns/")) or c == "ppo/loss/value"]
     assert {"ppo/loss/policy", "objective/kl"} <= set(stats.columns)
     assert pd.read_csv(root / PPO_CURVES)["loss_value"].isna().all()  # no critic: nothing to draw
+
+
+def test_dr_grpo_skips_the_reference_and_says_its_kl_was_not_measured(tiny_run, tiny_params, tmp_path):
+    """Dr. GRPO's KL has coefficient 0: the ppo stage runs without the reference pass, its KL columns are NaN (not a
+    made-up 0), its summary says so, and the report draws the run."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "ppo", "report", "logs"))
+    shutil.rmtree(root / PPO_MODEL, ignore_errors=True)
+    params = dataclasses.replace(tiny_params, ppo={**tiny_params.ppo, "advantage_estimator": "dr_grpo",
+                                                   "num_generations": 4})
+    summary = ppo.run(params, root)
+    assert "kl not measured (coefficient 0: no reference pass)" in summary, summary
+    assert pd.read_csv(root / PPO_CURVES)["kl"].isna().all()
+    assert pd.read_parquet(root / PPO_ROLLOUTS)["kl"].isna().all()
+    assert pd.read_parquet(root / PPO_STATS)["ppo/loss/policy"].notna().all()
+    report.run(params, root)
+    assert (root / REPORT).stat().st_size > 0
 
 
 def test_evaluate_metrics_are_those_of_its_samples(tiny_run, tiny_params):
