@@ -16,6 +16,7 @@ KV width K: 2 L (2 H^2 + 2 H K + 3 H I) in the blocks, plus 4 L H t for attentio
 the LM head where a logit is needed. A backward pass is counted as twice its forward.
 """
 
+import argparse
 import json
 import statistics
 import sys
@@ -70,17 +71,20 @@ def gemm_rate(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 1.0) 
 
 
 def rates(d: dict, setting: common.Setting) -> dict:
-    """GEMM rates on each phase's typical product: a decode step's (batch, H) x (H, I), a log-prob pass's and an
-    update's (mini-batch tokens, H) x (H, I), in fp32 and bf16."""
+    """GEMM rates on each phase's typical product, in fp32 and bf16: a decode step's (batch, H) x (H, I); the log-prob
+    passes' and the update's (mini-batch tokens, H) x (H, I), one shape for both, measured once (two measurements of
+    one shape a minute apart differ by up to 25% on this shared machine)."""
     tokens = setting.mini_batch_size * (setting.query_len_max + setting.max_new_tokens)
-    shapes = {"generate": (setting.batch_size, d["H"], d["I"]), "log-probs": (tokens, d["H"], d["I"]),
-              "update": (tokens, d["H"], d["I"])}
-    return {(phase, dtype): gemm_rate(*mkn, dtype) for phase, mkn in shapes.items()
-            for dtype in (torch.float32, torch.bfloat16)}
+    shapes = {"generate": (setting.batch_size, d["H"], d["I"]), "log-probs": (tokens, d["H"], d["I"])}
+    measured = {(phase, dtype): gemm_rate(*mkn, dtype, seconds=3.0) for phase, mkn in shapes.items()
+                for dtype in (torch.float32, torch.bfloat16)}
+    return measured | {("update", dtype): measured[("log-probs", dtype)] for dtype in (torch.float32, torch.bfloat16)}
 
 
 def main() -> None:
-    results = json.loads((RESULTS / "latest.json").read_text())
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=RESULTS / "latest.json", help="a compare.py result (JSON)")
+    results = json.loads(parser.parse_args().results.read_text())
     torch.set_num_threads(2)
     for shape_name, by_label in results.items():
         shape = common.SHAPES[shape_name]
@@ -90,7 +94,7 @@ def main() -> None:
         measured = rates(d, setting)
         print(f"\n{shape_name}: GEMM rates (GFLOP/s) " + ", ".join(
             f"{phase} {str(dtype).removeprefix('torch.')} {rate / 1e9:.0f}"
-            for (phase, dtype), rate in measured.items()))
+            for (phase, dtype), rate in measured.items() if phase != "update"))
         print("| impl | phase | s | GFLOPs | s at GEMM rate | ratio |\n|---|---|---:|---:|---:|---:|")
         for label, r in by_label.items():
             if label.startswith("_") or "error" in r:
