@@ -265,6 +265,7 @@ class PPOTrainer(LegacyMethods):
         inputs = self._model_inputs(queries, responses)
         mask = build_response_masks(response_masks, inputs)
         with_reference = self._reference_in_use()
+        reward_kl_coef = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0  # the KL's coefficient in the rewards
         with timed(timing, "time/ppo/forward_pass"):
             old, ref = self._rollout_passes(inputs, with_reference)
         if self._step_hooks:  # 4-5 through a subclass's compute_rewards / _kl_penalty / compute_advantages
@@ -275,8 +276,7 @@ class PPOTrainer(LegacyMethods):
                 kls = self._kl_per_token(inputs, old, ref) if with_reference else torch.zeros_like(old.logprobs)
             # 5. KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator), over the global batch
             with timed(timing, "time/ppo/compute_advantages"):
-                shaped, adv = step_advantages(cfg, scores, kls, old.values, mask,
-                                              self.kl_ctl.value if cfg.kl_in == "reward" else 0.0, self._group)
+                shaped, adv = step_advantages(cfg, scores, kls, old.values, mask, reward_kl_coef, self._group)
         if cfg.loss_aggregation == "seq-mean-token-sum-norm":  # its constant: the global batch's longest response
             self._norm_length = self._group.gather(mask.sum(dim=1)).max()  # the same on every process
         rollout = Rollout(inputs, mask, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)
@@ -286,10 +286,12 @@ class PPOTrainer(LegacyMethods):
         # 7. statistics
         with timed(timing, "time/ppo/calc_stats"):
             stats = stats_to_np(self.gather_stats(self.record_step_stats(
-                kl_coef=self.kl_ctl.value, scores=scores, logprobs=rollout.old_logprobs,
+                kl_coef=reward_kl_coef, scores=scores, logprobs=rollout.old_logprobs,
                 ref_logprobs=rollout.ref_logprobs, non_score_reward=shaped.non_score_rewards, kls=shaped.kls,
                 masks=mask, queries=queries, responses=responses, train_stats=train_stats,
                 advantages=rollout.advantages)))
+        if cfg.kl_in == "loss":  # the coefficient in effect there (objective/kl_coef is the rewards': 0)
+            stats["objective/kl_loss_coef"] = cfg.kl_loss_coef
         if not with_reference:  # no reference pass: the KL to it was not measured (not 0)
             stats |= {key: np.full_like(stats[key], np.nan, dtype=float) for key in REFERENCE_STATS}
         if cfg.advantage_estimator in GROUP_ESTIMATORS:  # groups with one score for all: no learning signal
@@ -299,7 +301,8 @@ class PPOTrainer(LegacyMethods):
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         if self._updates.loss_scaled:  # fp16: the scale after this step's updates
             stats["ppo/loss_scale"] = loss_scale(self.accelerator, self.model)
-        self._end_step(float(stats["objective/kl"]) if with_reference else None)
+        # the controller moves only where it sets the coefficient in effect, from a KL that was measured
+        self._end_step(float(stats["objective/kl"]) if with_reference and cfg.kl_in == "reward" else None)
         timing["time/ppo/total"] = time.perf_counter() - t_start
         return convert_to_scalar(stats | timing)
 

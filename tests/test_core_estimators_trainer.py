@@ -207,3 +207,25 @@ def test_the_reference_pass_runs_wherever_its_kl_counts():
                                ("rloo", {"init_kl_coef": 0.0, "adap_kl_ctrl": True, "target": 6.0})]:
         trainer = make_trainer(estimator, **options)
         assert trainer._reference_in_use() == (options.get("init_kl_coef") != 0.0), (estimator, options)
+
+
+@pytest.mark.parametrize("estimator, kl_in, coef", [("grpo", "loss", 0.04), ("rloo", "reward", 0.2),
+                                                    ("reinforce_plus_plus_baseline", "loss", 0.001)])
+def test_the_kl_coefficients_reported_are_those_applied(estimator, kl_in, coef):
+    """`objective/kl_coef` is the coefficient the rewards were shaped with (0 where the KL is in the loss; it used to
+    report the unused legacy controller's 0.2), `objective/kl_loss_coef` the loss's; the adaptive controller moves
+    only where it sets the coefficient in effect."""
+    trainer = make_trainer(estimator)
+    stats, values = [], []
+    for step in range(2):
+        stats.append(trainer.step(*rollout(trainer, step, 4)))
+        values.append(trainer.kl_ctl.value)
+    if kl_in == "loss":
+        assert [s["objective/kl_coef"] for s in stats] == [0.0, 0.0]
+        assert [s["objective/kl_loss_coef"] for s in stats] == pytest.approx([coef, coef])
+        assert [s["ppo/mean_non_score_reward"] for s in stats] == [0.0, 0.0]  # nothing in the rewards
+        assert values == [0.2, 0.2]  # the legacy controller, unused: left at init_kl_coef
+    else:
+        assert "objective/kl_loss_coef" not in stats[0]
+        assert stats[0]["objective/kl_coef"] == pytest.approx(coef) and values[0] != coef  # adaptive: it moved
+        assert stats[1]["objective/kl_coef"] == pytest.approx(values[0], rel=1e-6)  # and step 1 shaped with it
