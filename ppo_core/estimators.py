@@ -42,6 +42,10 @@ def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scal
     (TRL's ``scale_rewards="batch"``; ``batch_std``: the global batch's, under N processes), ``"none"`` by nothing
     (then grpo is dr_grpo). Needs ``G >= 2``.
     """
+    if estimator not in ("grpo", "dr_grpo", "rloo"):  # checked first: "none" below would let any name through
+        raise ValueError(f"group_advantages: unknown estimator {estimator!r}; one of grpo, dr_grpo, rloo.")
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"group_advantages: scale_rewards must be 'group', 'batch' or 'none' (got {scale_rewards!r}).")
     if group_size < 2:
         raise ValueError(f"group_advantages: {estimator} compares the samples of a prompt, so it needs "
                          f"num_generations >= 2 (got {group_size}).")
@@ -52,8 +56,6 @@ def group_advantages(scores: torch.Tensor, group_size: int, estimator: str, scal
     centred = groups - mean
     if estimator == "dr_grpo" or scale_rewards == "none":
         return centred.reshape(-1)
-    if estimator != "grpo":
-        raise ValueError(f"group_advantages: unknown estimator {estimator!r}; one of grpo, dr_grpo, rloo.")
     if scale_rewards == "group":
         std = groups.std(dim=1, keepdim=True)
     else:

@@ -80,6 +80,17 @@ def test_group_advantages_properties():
         group_advantages(scores, 5, "rloo")
 
 
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_an_unknown_estimator_or_scaling_is_refused_whatever_the_other(scale):
+    """With scale_rewards "none" an unknown name used to come back as centred scores, without a word."""
+    scores = torch.tensor([1.0, 3.0, 0.5, 0.5], dtype=F64)
+    with pytest.raises(ValueError, match=r"^group_advantages: unknown estimator 'grop'; one of grpo, dr_grpo, rloo"):
+        group_advantages(scores, 2, "grop", scale)
+    with pytest.raises(ValueError, match=r"^group_advantages: scale_rewards must be 'group', 'batch' or 'none' "
+                                         r"\(got 'std'\)"):
+        group_advantages(scores, 2, "grpo", "std")
+
+
 def test_reinforce_plus_plus_by_hand():
     kls = torch.tensor([[0.5, 1.0], [2.0, 9.0]], dtype=F64)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=F64)
