@@ -18,11 +18,11 @@ the LM head where a logit is needed. A backward pass is counted as twice its for
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import common
+import compare
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,16 +96,14 @@ def main() -> None:
             f"{phase} {str(dtype).removeprefix('torch.')} {rate / 1e9:.0f}"
             for (phase, dtype), rate in measured.items() if phase != "update"))
         print("| impl | phase | s | GFLOPs | s at GEMM rate | ratio |\n|---|---|---:|---:|---:|---:|")
+        lengths = [len(q) for q in common.make_queries(0, shape.vocab_size, setting)]  # the step the FLOPs count
         for label, r in by_label.items():
             if label.startswith("_") or "error" in r:
                 continue
             group = 4 if "grpo" in label.lower() or "G=4" in label else 1
-            lengths = [len(q) for q in common.make_queries(0, shape.vocab_size, setting)]
             flops = step_flops(d, setting, lengths, group)
             dtype = torch.bfloat16 if "bf16" in label else torch.float32
-            for phase, (key, floor_key) in zip(flops, (("gen_s", "gen_s"), ("logprobs_s", "forward_s"),
-                                                       ("update_s", "train_s"))):
-                s = statistics.median(step.get(key, step.get(floor_key)) for step in r["per_step"])
+            for phase, s in zip(flops, compare.phase_medians(r["per_step"])):  # generate, log-probs, update
                 ideal = flops[phase] / measured[(phase, dtype)]
                 print(f"| {label} | {phase} | {s:.2f} | {flops[phase] / 1e9:.0f} | {ideal:.2f} | {s / ideal:.1f} |")
     sys.stdout.flush()
