@@ -10,7 +10,8 @@
 # Exits 1 without a GPU, or when a stage variant fails (after printing every table). DRY_RUN=1 runs it on the CPU:
 # the tiny pipeline, the variants a CPU can run (float32, bf16, LoRA + bf16, ZeRO-2 and ZeRO-3 in float32 over gloo;
 # fp16 needs a GPU's GradScaler and is listed as skipped) and one tiny-shape benchmark step (checks the script).
-# STEPS (default 16) sets the ppo steps of each variant.
+# STEPS (default 16) sets the ppo steps of each variant; VARIANTS (names, space-separated) runs only those variants;
+# BENCH=0 skips the benchmark (3.): a rerun of what failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || command -v python )}
@@ -52,6 +53,7 @@ if [ -n "${DRY_RUN:-}" ]; then ds_precision=no; fi  # DeepSpeed's CPU accelerato
 : > "$work/variants.jsonl"
 for entry in "${variants[@]}"; do
   IFS='|' read -r name launcher changes <<< "$entry"
+  if [ -n "${VARIANTS:-}" ] && [[ " $VARIANTS " != *" $name "* ]]; then continue; fi
   if [ -n "${DRY_RUN:-}" ] && [ "$name" = fp16 ]; then
     echo "{\"variant\": \"fp16\", \"pass\": null, \"error\": \"skipped: needs a GPU (accelerate gives a CPU no GradScaler)\"}" \
       >> "$work/variants.jsonl"
@@ -91,6 +93,7 @@ PYEOF
 variants_ok=${PIPESTATUS[0]}
 set -e
 
+if [ "${BENCH:-1}" = 0 ]; then exit "$variants_ok"; fi
 echo | tee -a "$out/gpu_check.md"
 echo "## PPO benchmark (ppo_core, batch 64, mini-batch 16, 4 epochs, 24 new tokens)" | tee -a "$out/gpu_check.md"
 runs=("32k" "32k --bf16" "base" "base --bf16" "base --bf16 --lora")

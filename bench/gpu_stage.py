@@ -8,8 +8,12 @@ PROJECT holds the outputs of the stages before ppo (the tiny pipeline of gpu_che
 pass (the stage finished and every statistic is finite) or the error, seconds per step (the stage's whole loop:
 generate, score, step, checkpoint), response tokens generated per second, peak GPU memory (MiB, torch's allocator),
 MFU of the PPO update (model FLOPs of the epochs' forward and backward passes over the optimize time, against the
-GPU's dense peak for the compute dtype; None where the GPU is not in PEAK_TFLOPS), and the first step's KL and
-approximate KL (0 on a CPU: the policy is its own reference there; on a GPU, how far rounding takes them).
+GPU's dense peak for the compute dtype; None where the GPU is not in PEAK_TFLOPS), and the first step's KL (0 where
+the policy's and the reference's log-probs come out of the same kernels; how far rounding takes them otherwise) and
+approximate KL (the policy's own movement over that step's epochs, averaged over its mini-batches).
+
+A variant with ``model.lora`` first reruns the reward stage with it (untimed), as `dvc repro` would: ``model`` is one
+of that stage's params, and a LoRA policy scores with the reward stage's adapter on its own base weights.
 """
 
 from __future__ import annotations
@@ -116,6 +120,10 @@ def main() -> None:
     result = {"variant": args.name, "pass": False}
     try:
         params = load_params(path)
+        if params.model.lora:
+            from stages import reward
+
+            print(reward.run(params, args.root), file=sys.stderr)
         start = time.perf_counter()
         ppo.run(params, args.root)
         result |= measure(args.root, params, time.perf_counter() - start)

@@ -3,6 +3,7 @@ on the CPU with DRY_RUN=1 in about a minute and a half: not part of the suite)."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,3 +47,24 @@ def test_a_finished_run_is_measured(tiny_run, tiny_params):
     assert result["pass"] and result["dtype"] == "fp32" and result["mfu_update"] is None  # a CPU: no peak to divide by
     assert result["s_per_step"] == pytest.approx(1.0) and result["tokens_per_s"] > 0
     assert result["first_kl"] == 0  # the policy is its own reference at step 1 (exactly, on a CPU)
+
+
+@pytest.mark.slow
+def test_a_lora_variant_trains_its_reward_adapter_first(tiny_run, tmp_path):
+    """The GPU check's project has a full reward model; a LoRA policy scores with the reward stage's adapter (failed
+    on the first GPU run: 'no reward adapter'), so the variant reruns that stage with its model.lora, as dvc would."""
+    import json
+    import shutil
+
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "ppo"))
+    assert not (root / "data" / "models" / "reward" / "adapter").exists()
+    out = tmp_path / "variants.jsonl"
+    lora = "model.lora={r: 8, alpha: 16, dropout: 0.0, target_modules: [c_attn]}"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_stage.py"), "--root", str(root), "--name", "lora",
+                    "--params", str(ROOT / "tests" / "fixtures" / "params.tiny.yaml"), "--json", str(out),
+                    "--set", "ppo.steps=16", "--set", lora], check=True, capture_output=True, cwd=root,
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    row = json.loads(out.read_text())
+    assert row["pass"] and row["error"] is None, row
+    assert (root / "data" / "models" / "reward" / "adapter").is_dir()
