@@ -50,7 +50,8 @@ ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 TRL_PYTHON = os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python")
 TRL_GRPO_PYTHON = os.environ.get("TRL_GRPO_PYTHON", "/work/trl116-venv/bin/python")  # trl 1.16, transformers 5
-ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]  # critic-free
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dapo", "gspo",
+              "cispo"]  # critic-free
 IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS, "trl_grpo"]
 DEFAULT_IMPLS = IMPLS[:5]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
 BF16 = "ppo_core, bf16 mixed"

@@ -1,4 +1,4 @@
-"""The six advantage estimators on the embedded default pipeline: the evaluation of each, three seeds, one table.
+"""The built-in advantage estimators on the embedded default pipeline: the evaluation of each, three seeds, one table.
 
 Each estimator runs as `dvc exp run -S ppo.advantage_estimator=X -S ppo.num_generations=G` would run it: the
 committed params.yaml with those two keys changed and nothing else (same rollout budget, `ppo.steps`; a group
@@ -7,7 +7,7 @@ differ too) the upstream stages run once in a work directory, then ppo and evalu
 the stage command (`python -m stages <stage> --params ...`) in its own process. Prints a markdown table (the mean
 over seeds of the evaluation on the held-out prompts, and the per-seed gold gains), and writes everything as JSON.
 
-    .venv/bin/python bench/estimators.py                        # six estimators x seeds 0 1 2 (about 15 min here)
+    .venv/bin/python bench/estimators.py                        # nine estimators x seeds 0 1 2 (about 25 min here)
     .venv/bin/python bench/estimators.py --estimators gae grpo --seeds 0
 """
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 GROUP = 4  # samples per prompt for the estimators that compare samples of one prompt
 ESTIMATORS = {"gae": 1, "grpo": GROUP, "dr_grpo": GROUP, "rloo": GROUP, "reinforce_plus_plus": 1,
-              "reinforce_plus_plus_baseline": GROUP}
+              "reinforce_plus_plus_baseline": GROUP, "dapo": GROUP, "gspo": GROUP, "cispo": GROUP}
 UPSTREAM = ("prepare", "sft", "reward", "tokenize")
 
 

@@ -38,7 +38,8 @@ def import_impl(impl: str):
     return lib.PPOConfig, lib.PPOTrainer, lib.AutoModelForCausalLMWithValueHead
 
 
-ESTIMATORS = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+ESTIMATORS = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dapo", "gspo",
+              "cispo"]
 
 
 def lora_config(r: int, alpha: int, shape: str):

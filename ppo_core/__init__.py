@@ -14,6 +14,7 @@ _EXPORTS = {
     "PPOConfig": "config", "LengthSampler": "core", "PPOTrainer": "trainer", "set_seed": "utils",
     "AutoModelForCausalLMWithValueHead": "modeling", "AutoModelForSeq2SeqLMWithValueHead": "modeling",
     "PreTrainedModelWrapper": "modeling", "SUPPORTED_ARCHITECTURES": "modeling", "create_reference_model": "reference",
+    "register_estimator": "registry",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
         PreTrainedModelWrapper,
     )
     from .reference import create_reference_model
+    from .registry import register_estimator
     from .trainer import PPOTrainer
     from .utils import set_seed
 

@@ -1,6 +1,6 @@
-"""A step's advantages and its policy-loss reduction, by ``PPOConfig.advantage_estimator``: GAE with the critic (PPO,
-legacy TRL's), or a critic-free estimator (``ppo_core.estimators``: GRPO, Dr. GRPO, RLOO, REINFORCE++ and its group
-baseline). The trainer calls these two; the math is in ``ppo_math`` and ``estimators``.
+"""A step's advantages, its policy-loss reduction and its KL loss term, from the config and the estimator's registry
+entry (``ppo_core.registry``); and the built-in estimators' advantage functions, which that registry names. The
+trainer calls these; the math is in ``ppo_math`` and ``estimators``.
 """
 
 from __future__ import annotations
@@ -9,32 +9,49 @@ from collections.abc import Callable
 
 import torch
 
-from .estimators import aggregate, centred_on_groups, group_advantages, kl_estimate, reinforce_plus_plus_advantages
-from .ppo_math import Advantages, ShapedRewards, gae_advantages, shape_rewards
+from .estimators import (
+    group_centred,
+    group_normalized,
+    leave_one_out,
+    reinforce_plus_plus_advantages,
+    soft_overlong_penalty,
+    zero_std_groups,
+)
+from .ppo_math import Advantages, ShapedRewards, aggregate, gae_advantages, kl_penalty, shape_rewards
+from .registry import StepBatch, get_estimator
 
 
 def step_advantages(config, scores: torch.Tensor, kls: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                     kl_coef: float, group) -> tuple[ShapedRewards, Advantages]:
-    """The KL-shaped rewards and the advantages (and returns) of a step, all ``(B, R)``.
+    """The KL-shaped rewards and the advantages (and returns) of a step, all ``(B, R)``, by the estimator's function.
 
     ``scores`` ``(B,)``, ``kls`` and ``values`` ``(B, R)``; ``kl_coef`` is 0 when the KL goes to the loss instead
     (``kl_in="loss"``). ``group`` is the run's processes: GAE and REINFORCE++ whiten over the global batch, the group
     estimators' groups lie within one process (the batch is laid out in whole groups).
     """
-    estimator, size = config.advantage_estimator, config.num_generations
-    reward_scores = centred_on_groups(scores, size) if estimator == "reinforce_plus_plus_baseline" else scores
-    shaped = shape_rewards(reward_scores, kls, mask, kl_coef)
-    if estimator == "gae":
-        return shaped, gae_advantages(values, shaped.rewards, mask, config.gamma, config.lam, config.whiten_rewards,
-                                      sum_across=group.sum_across)
-    if estimator.startswith("reinforce_plus_plus"):
-        return shaped, Advantages(*reinforce_plus_plus_advantages(shaped.rewards, mask, config.gamma,
-                                                                   sum_across=group.sum_across))
-    sequence = shaped.rewards.sum(dim=1)  # (B,) the score, less the KL penalty when that is in the reward
-    batch_std = group.gather(sequence).std() if config.scale_rewards == "batch" else None
-    per_sample = group_advantages(sequence, size, estimator, config.scale_rewards, batch_std=batch_std)  # (B,)
-    advantages = per_sample[:, None].to(mask.dtype) * mask  # every token of a response: its sequence's advantage
-    return shaped, Advantages(advantages, advantages)  # no critic: nothing learns the returns
+    advantages = get_estimator(config.advantage_estimator).advantage_function()
+    return advantages(StepBatch(scores, kls, values, mask, kl_coef), config, group)
+
+
+def overlong_penalties(config, mask: torch.Tensor) -> torch.Tensor | None:
+    """``(B,)`` DAPO's overlong penalties of the responses (``mask`` ``(B, R)``), or None where shaping is off."""
+    if not config.overlong_buffer_len:
+        return None
+    return soft_overlong_penalty(mask.sum(dim=1), config.max_completion_length, config.overlong_buffer_len,
+                                 config.overlong_penalty_factor)
+
+
+def loss_mask(config, mask: torch.Tensor, scores: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """``(B, R)`` the tokens the loss trains on: ``mask`` less the responses cut at the length limit
+    (``mask_truncated_completions``; ``truncated`` ``(B,)`` bool) and the groups whose samples all scored the same
+    (``dynamic_sampling``: no learning signal in them)."""
+    keep = torch.ones_like(scores, dtype=mask.dtype)
+    if config.mask_truncated_completions:
+        keep = keep * (~truncated).to(mask.dtype)
+    if config.dynamic_sampling:
+        informative = 1 - zero_std_groups(scores, config.num_generations)  # (P,)
+        keep = keep * informative.repeat_interleave(config.num_generations).to(mask.dtype)
+    return mask * keep[:, None]
 
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a (b, R) per-token loss -> its scalar
@@ -53,6 +70,63 @@ def kl_loss(config, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, m
     """The KL loss term (before its coefficient), reduced as the policy loss is; None when the KL is in the reward."""
     if config.kl_in != "loss" or not config.kl_loss_coef or ref_logprobs is None:
         return None
-    reduce = loss_reduction(config, mask, n_tokens, norm_length)
-    per_token = kl_estimate(logprobs, ref_logprobs, config.kl_estimator)
-    return reduce(per_token) if reduce is not None else aggregate(per_token, mask, "token-mean", n_tokens=n_tokens)
+    per_token = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
+    return aggregate(per_token, mask, config.loss_aggregation, norm_length=norm_length, n_tokens=n_tokens)
+
+
+# ---- the built-in estimators' advantage functions: (batch, config, group) -> (shaped rewards, advantages) ----------
+
+
+def sequence_advantages(per_sample: torch.Tensor, mask: torch.Tensor) -> Advantages:
+    """``(B,)`` sequence-level advantages broadcast to every token of their response ``(B, R)``; no critic, so
+    nothing learns the returns (they are the advantages)."""
+    advantages = per_sample[:, None].to(mask.dtype) * mask
+    return Advantages(advantages, advantages)
+
+
+def shaped_group_scores(batch: StepBatch) -> tuple[ShapedRewards, torch.Tensor]:
+    """The KL-shaped rewards ``(B, R)`` and their sum per response ``(B,)``: the score, less the KL penalty where the
+    KL is in the reward."""
+    shaped = shape_rewards(batch.scores, batch.kls, batch.mask, batch.kl_coef)
+    return shaped, shaped.rewards.sum(dim=1)
+
+
+def gae(batch: StepBatch, config, group) -> tuple[ShapedRewards, Advantages]:
+    """PPO: GAE over the KL-shaped per-token rewards with the value head, whitened over the global batch."""
+    shaped = shape_rewards(batch.scores, batch.kls, batch.mask, batch.kl_coef)
+    return shaped, gae_advantages(batch.values, shaped.rewards, batch.mask, config.gamma, config.lam,
+                                  config.whiten_rewards, sum_across=group.sum_across)
+
+
+def group_normalized_advantages(batch: StepBatch, config, group) -> tuple[ShapedRewards, Advantages]:
+    """GRPO's (and DAPO's, GSPO's, CISPO's): the shaped scores centred on their group and divided by its std (or the
+    batch's, or none: ``scale_rewards``)."""
+    shaped, scores = shaped_group_scores(batch)
+    batch_std = group.gather(scores).std() if config.scale_rewards == "batch" else None
+    per_sample = group_normalized(scores, config.num_generations, config.scale_rewards, batch_std=batch_std)
+    return shaped, sequence_advantages(per_sample, batch.mask)
+
+
+def group_centred_advantages(batch: StepBatch, config, group) -> tuple[ShapedRewards, Advantages]:
+    """Dr. GRPO's: the shaped scores centred on their group, no std."""
+    shaped, scores = shaped_group_scores(batch)
+    return shaped, sequence_advantages(group_centred(scores, config.num_generations), batch.mask)
+
+
+def leave_one_out_advantages(batch: StepBatch, config, group) -> tuple[ShapedRewards, Advantages]:
+    """RLOO's: each shaped score less the mean of the other samples of its prompt."""
+    shaped, scores = shaped_group_scores(batch)
+    return shaped, sequence_advantages(leave_one_out(scores, config.num_generations), batch.mask)
+
+
+def reinforce_plus_plus(batch: StepBatch, config, group) -> tuple[ShapedRewards, Advantages]:
+    """REINFORCE++: the discounted return of the KL-shaped per-token rewards, whitened over the global batch."""
+    shaped = shape_rewards(batch.scores, batch.kls, batch.mask, batch.kl_coef)
+    return shaped, Advantages(*reinforce_plus_plus_advantages(shaped.rewards, batch.mask, config.gamma,
+                                                              sum_across=group.sum_across))
+
+
+def reinforce_plus_plus_baseline(batch: StepBatch, config, group) -> tuple[ShapedRewards, Advantages]:
+    """REINFORCE++-baseline: REINFORCE++ on scores centred on their group first."""
+    return reinforce_plus_plus(batch._replace(scores=group_centred(batch.scores, config.num_generations)), config,
+                               group)

@@ -20,7 +20,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .fields import check_keys, check_range, checked
+from .choices import LOSS_TYPES
+from .fields import ConfigError, _literal, check_keys, check_range, checked
+from .registry import get_estimator
 
 # Fields derived from the others (on construction) or from the run (by the trainer), and what from: kept for the
 # legacy API, which lets a caller pass them (and overwrites them); a params file must not set them.
@@ -71,10 +73,12 @@ class PPOConfig:
     """Adam learning rate (when no optimizer is passed)"""
     adap_kl_ctrl: bool = True
     """adaptive KL controller (Ziegler et al.) instead of a fixed coefficient"""
-    init_kl_coef: float | None = 0.2
-    """initial KL penalty coefficient (beta)"""
-    kl_penalty: Literal["kl", "abs", "mse", "full"] = "kl"  # ppo_math.KL_PENALTIES
-    """per-token KL estimate: 'kl' (logp - ref), 'abs', 'mse' (0.5 * diff^2) or 'full' (whole distribution)"""
+    init_kl_coef: float | None = None
+    """initial KL penalty coefficient (beta) in the rewards; None: the estimator's (0.2 for PPO, legacy TRL's; see
+    ppo_core.registry), 0 when the KL goes to the loss"""
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "k3", "full"] = "kl"  # choices.KL_PENALTIES
+    """per-token KL estimate in the rewards: 'kl' = 'k1' (logp - ref), 'abs', 'mse' = 'k2' (0.5 * diff^2), 'k3'
+    (low variance, >= 0) or 'full' (whole distribution)"""
     target: float | None = 6
     """target KL of the adaptive controller"""
     horizon: float | None = 10000
@@ -83,8 +87,9 @@ class PPOConfig:
     """GAE discount"""
     lam: float = 0.95
     """GAE lambda"""
-    cliprange: float = 0.2
-    """policy ratio clip range"""
+    cliprange: float | None = None
+    """policy ratio clip range (TRL GRPOConfig's ``epsilon``, the lower one where epsilon_high is set); None: the
+    estimator's (0.2; GSPO's 3e-4)"""
     cliprange_value: float = 0.2
     """value clip range"""
     vf_coef: float = 0.1
@@ -145,26 +150,51 @@ class PPOConfig:
     tf32: bool = True
     """(ppo_core) let float32 matmuls use TF32 on CUDA GPUs that have it (Ampere and newer) while the trainer's
     generate and step run; false leaves torch's setting as it is (no effect on CPUs)"""
-    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
-                                 "reinforce_plus_plus_baseline"] = "gae"
-    """(ppo_core) 'gae': PPO with a critic (the value head); the others are critic-free (``ppo_core.estimators``):
-    the value head is neither used nor trained and the ppo/val/* stats are absent"""
+    advantage_estimator: str = "gae"
+    """(ppo_core) a registered estimator (``ppo_core.registry``): 'gae' (PPO with a critic, the value head), or
+    critic-free 'grpo', 'dr_grpo', 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'dapo', 'gspo',
+    'cispo', or one of your own; without the critic the value head is neither used nor trained and the ppo/val/*
+    stats are absent"""
     num_generations: int = 1
     """(ppo_core) samples per prompt, G: the dataloader yields batch_size / G prompts, each G times in a row, and
     step() checks that every G consecutive queries are one prompt (grpo, dr_grpo, rloo and the baseline need G >= 2)"""
     kl_in: Literal["reward", "loss"] | None = None
     """(ppo_core) where the KL to the reference goes: 'reward' (per-token shaping with init_kl_coef and kl_penalty, as
-    legacy PPO) or 'loss' (kl_loss_coef times the kl_estimator term); None: the estimator's reference choice (see
-    ESTIMATOR_DEFAULTS)"""
+    legacy PPO) or 'loss' (kl_loss_coef times the kl_estimator term); None: the estimator's reference choice"""
     kl_loss_coef: float | None = None
-    """(ppo_core) the KL loss term's coefficient when kl_in is 'loss'; None: the estimator's default"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """(ppo_core) the KL loss term's per-token estimate: k1 the log-ratio, k2 half its square, k3 low-variance"""
+    """(ppo_core) the KL loss term's coefficient when kl_in is 'loss' (TRL GRPOConfig's ``beta``); None: the
+    estimator's"""
+    kl_estimator: Literal["kl", "k1", "abs", "mse", "k2", "k3"] = "k3"
+    """(ppo_core) the KL loss term's per-token estimate, in kl_penalty's vocabulary ('full' is reward-side only)"""
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
-    """(ppo_core) how the policy loss averages its tokens: over all tokens (PPO), per sequence then over sequences
-    (GRPO), or the token sum over a constant, the step's longest response (Dr. GRPO); None: the estimator's default"""
+    """(ppo_core) how the policy loss averages its tokens: over all tokens (PPO, DAPO), per sequence then over
+    sequences (GRPO), or the token sum over a constant, the step's longest response (Dr. GRPO); None: loss_type's,
+    else the estimator's"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """(ppo_core) grpo: divide the centred scores by their group's std, the batch's, or nothing"""
+    """(ppo_core) GRPO's advantages: divide the centred scores by their group's std, the batch's, or nothing"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] | None = None
+    """(ppo_core) TRL GRPOConfig's loss_type: the loss aggregation and policy loss in one name (grpo: per-sequence
+    means; bnpo, dapo: token mean; dr_grpo: constant normaliser; cispo: CISPO's loss, token mean); None: the
+    estimator's"""
+    epsilon_high: float | None = None
+    """(ppo_core) the clip's upper eps, decoupled from cliprange (DAPO's clip-higher: 0.28); with CISPO's loss the cap
+    on its importance weight (5.0); None: the estimator's, else cliprange"""
+    importance_sampling_level: Literal["token", "sequence"] | None = None
+    """(ppo_core) the importance ratio per token (PPO) or per sequence (GSPO); None: the estimator's"""
+    mask_truncated_completions: bool = False
+    """(ppo_core) leave responses that did not end with the EOS token (cut at the length limit) out of the loss"""
+    dynamic_sampling: bool | None = None
+    """(ppo_core) leave groups whose samples all scored the same out of the loss (DAPO; their advantages are 0, and
+    counted in the token mean they dilute the others'); None: the estimator's"""
+    max_completion_length: int | None = None
+    """(ppo_core) the responses' length limit (TRL's name; the pipeline passes generation.max_new_tokens): DAPO's
+    L_max of its overlong shaping"""
+    overlong_buffer_len: int | None = None
+    """(ppo_core) DAPO's L_cache: responses longer than max_completion_length - this lose up to
+    overlong_penalty_factor from their score (0: off); None: the estimator's share of max_completion_length (DAPO:
+    0.2), off without max_completion_length"""
+    overlong_penalty_factor: float = 1.0
+    """(ppo_core) the overlong penalty at max_completion_length"""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -196,40 +226,55 @@ class PPOConfig:
         return dataclasses.asdict(self)
 
 
-# What each estimator's reference implementation does, where PPOConfig leaves it open (None): where the KL goes, its
-# loss coefficient, the loss aggregation. PPO (TRL), GRPO (DeepSeekMath: KL loss k3, beta 0.04, per-sequence means),
-# Dr. GRPO (no KL, no std, a constant normaliser), RLOO (TRL: KL in the reward), REINFORCE++ (OpenRLHF: KL in the
-# reward per token) and its group baseline (OpenRLHF: a KL loss, coefficient 0.001).
-ESTIMATOR_DEFAULTS = {
-    "gae": ("reward", 0.0, "token-mean"),
-    "grpo": ("loss", 0.04, "seq-mean-token-mean"),
-    "dr_grpo": ("loss", 0.0, "seq-mean-token-sum-norm"),
-    "rloo": ("reward", 0.0, "token-mean"),
-    "reinforce_plus_plus": ("reward", 0.0, "token-mean"),
-    "reinforce_plus_plus_baseline": ("loss", 0.001, "token-mean"),
-}
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
-
-
 def _resolve_estimator(config: PPOConfig) -> None:
-    """Fill the estimator settings left None with the estimator's defaults, and check the group sizes."""
-    kl_in, kl_loss_coef, aggregation = ESTIMATOR_DEFAULTS[config.advantage_estimator]
-    config.kl_in = config.kl_in or kl_in
+    """Fill the estimator settings left None from the estimator's registry entry, and check what they imply."""
+    try:
+        entry = get_estimator(config.advantage_estimator)
+    except ValueError as err:  # worded for the config or the params file, as every other bad value
+        raise ConfigError("advantage_estimator", "{key}" + _literal(str(err).partition(":")[2])) from None
+    config.kl_in = config.kl_in or entry.kl_in
     check_range("kl_loss_coef", config.kl_loss_coef, f"unset (or 0) when the KL is in the reward (kl_in "
                 f"{config.kl_in!r}, whose coefficient is init_kl_coef)",
                 config.kl_in == "loss" or not config.kl_loss_coef, "set kl_in: 'loss' for a KL loss term")
-    config.kl_loss_coef = kl_loss_coef if config.kl_loss_coef is None else config.kl_loss_coef
-    config.loss_aggregation = config.loss_aggregation or aggregation
+    if config.kl_loss_coef is None:
+        config.kl_loss_coef = entry.kl_coef if config.kl_in == "loss" else 0.0
+    if config.init_kl_coef is None:
+        config.init_kl_coef = entry.kl_coef if config.kl_in == "reward" else 0.0
+    _resolve_loss(config, entry)
+    config.cliprange = entry.cliprange if config.cliprange is None else config.cliprange
+    config.epsilon_high = next(e for e in (config.epsilon_high, entry.epsilon_high, config.cliprange) if e is not None)
+    config.importance_sampling_level = config.importance_sampling_level or entry.importance_sampling_level
+    config.dynamic_sampling = entry.dynamic_sampling if config.dynamic_sampling is None else config.dynamic_sampling
+    if config.overlong_buffer_len is None:
+        config.overlong_buffer_len = int(entry.overlong_buffer_fraction * (config.max_completion_length or 0))
+    check_range("overlong_buffer_len", config.overlong_buffer_len, f"<= max_completion_length "
+                f"({config.max_completion_length}), which overlong shaping needs",
+                not config.overlong_buffer_len or config.overlong_buffer_len <= (config.max_completion_length or 0))
     group = config.num_generations
     check_range("num_generations", group, ">= 2 for advantage_estimator " + config.advantage_estimator,
-                group >= 2 or config.advantage_estimator not in GROUP_ESTIMATORS,
-                "the estimator compares the samples of a prompt")
+                group >= 2 or not entry.needs_groups, "the estimator compares the samples of a prompt")
+    check_range("dynamic_sampling", config.dynamic_sampling, "false with num_generations 1 (it drops groups of one "
+                "score, and a group of one sample always has one)", group >= 2 or not config.dynamic_sampling)
     for name in ("batch_size", "mini_batch_size"):
         value = getattr(config, name)
         check_range(name, value, f"a multiple of num_generations ({group})", value % group == 0,
                     "a prompt's samples must not straddle two batches")
 
 
+def _resolve_loss(config: PPOConfig, entry) -> None:
+    """The loss aggregation: loss_type's (TRL's name for an aggregation and a loss), else the estimator's."""
+    if config.loss_type is not None:
+        implied = LOSS_TYPES[config.loss_type][0]
+        check_range("loss_aggregation", config.loss_aggregation, f"{implied!r}, as loss_type {config.loss_type!r} "
+                    "implies (or unset)", config.loss_aggregation in (None, implied), "set one of the two")
+        config.loss_aggregation = implied
+    config.loss_aggregation = config.loss_aggregation or entry.loss_aggregation
+
+
+# TRL GRPOConfig's and RLOOConfig's names for fields that legacy PPOConfig names otherwise
+OTHER_NAMES = {"epsilon": "TRL's epsilon is legacy PPOConfig's cliprange",
+               "beta": "TRL's beta is kl_loss_coef here (the KL in the loss: kl_in 'loss')",
+               "kl_coef": "TRL RLOOConfig's kl_coef is init_kl_coef here (the KL in the reward)"}
 _HINTS = typing.get_type_hints(PPOConfig)
 _FIELD_NAMES = [f.name for f in dataclasses.fields(PPOConfig)]
 
@@ -239,7 +284,7 @@ def _reject_unknown_keys(init):
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
-        check_keys(kwargs, _FIELD_NAMES)
+        check_keys(kwargs, _FIELD_NAMES, renamed=OTHER_NAMES)
         init(self, *args, **kwargs)
 
     return checked_init
@@ -252,8 +297,8 @@ PPOConfig.__init__ = _reject_unknown_keys(PPOConfig.__init__)
 _POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
              "cliprange", "cliprange_value", "target_kl", "compare_steps", "ratio_threshold", "max_grad_norm",
              "score_clip", "target", "horizon", "world_size", "dataset_num_proc", "max_consecutive_overflows",
-             "num_generations"]
-_NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed", "kl_loss_coef"]
+             "num_generations", "epsilon_high", "max_completion_length"]
+_NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed", "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor"]
 _UNIT_INTERVAL = ["gamma", "lam"]
 
 
@@ -267,7 +312,6 @@ def _check_ranges(config: PPOConfig) -> None:
     for name in _UNIT_INTERVAL:
         value = getattr(config, name)
         check_range(name, value, "in [0, 1]", 0 <= value <= 1)
-    check_range("init_kl_coef", None, "a number >= 0 (0 disables the KL penalty)", config.init_kl_coef is not None)
     for name in ("target", "horizon"):
         check_range(name, None, "set for the adaptive KL controller (or adap_kl_ctrl: false)",
                     not config.adap_kl_ctrl or getattr(config, name) is not None)

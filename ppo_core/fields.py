@@ -44,11 +44,15 @@ def _got(value: Any) -> str:
     return _literal(f"got {value!r} ({type(value).__name__})")
 
 
-def check_keys(values: Iterable[str], known: Iterable[str], key_prefix: str = "", required: bool = False) -> None:
+def check_keys(values: Iterable[str], known: Iterable[str], key_prefix: str = "", required: bool = False,
+               renamed: dict[str, str] | None = None) -> None:
     """Raise a ConfigError for the first key of ``values`` not in ``known`` (suggesting the closest known key, or
-    listing them), and with ``required`` for the first key of ``known`` missing from ``values``."""
+    listing them; ``renamed``: another library's name for a known key, and what to write instead), and with
+    ``required`` for the first key of ``known`` missing from ``values``."""
     values, known = list(values), list(known)
     for key in values:
+        if key in (renamed or {}):
+            raise ConfigError(key_prefix + key, "unknown key '{key}'; " + renamed[key])
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = (f"did you mean '{{prefix}}{_literal(key_prefix + close[0])}'?" if close

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .config import GROUP_ESTIMATORS
+from .registry import get_estimator
 from .utils import moved, swapped
 
 _torch_multinomial = torch.multinomial  # the original, restored after every sampling call
@@ -149,7 +149,7 @@ def check_group_sampling(config, generation_kwargs: dict, generation_config) -> 
     """A group estimator compares ``num_generations`` samples of each prompt: refuse to generate them greedily (the
     kwargs' ``do_sample``, else the model's generation config), which makes them identical, every advantage 0."""
     do_sample = generation_kwargs.get("do_sample", getattr(generation_config, "do_sample", False))
-    if config.advantage_estimator in GROUP_ESTIMATORS and not do_sample:
+    if get_estimator(config.advantage_estimator).needs_groups and not do_sample:
         raise ValueError(f"generate: greedy decoding (do_sample=False) gives num_generations={config.num_generations} "
                          f"identical responses to each prompt, so {config.advantage_estimator}'s advantages are all 0; "
                          "pass do_sample=True.")

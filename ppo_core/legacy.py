@@ -28,6 +28,7 @@ from .modeling import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
 from .ppo_math import Advantages, ShapedRewards, full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
 from .precision import floating_dtype, with_tf32
 from .reference import placed_reference
+from .registry import LEGACY_ESTIMATOR
 from .rollout import build_response_masks, checked_step_inputs, policy_outputs
 from .stats import mean_over_processes, reward_stats, step_stats
 from .utils import timed
@@ -116,7 +117,7 @@ def overridden_step_hooks(trainer) -> tuple[str, ...]:
                       "loss or train_minibatch instead.", stacklevel=3)
     hooks = tuple(name for name in STEP_HOOKS if changed(name))
     cfg = trainer.config
-    if hooks and (cfg.advantage_estimator != "gae" or cfg.kl_in != "reward" or cfg.kl_penalty == "full"):
+    if hooks and (cfg.advantage_estimator != LEGACY_ESTIMATOR or cfg.kl_in != "reward" or cfg.kl_penalty == "full"):
         raise ValueError(f"{type(trainer).__name__} overrides {', '.join(hooks)}, which step() calls as legacy did "
                          "only with advantage_estimator='gae', kl_in='reward' and kl_penalty other than 'full' (got "
                          f"{cfg.advantage_estimator!r}, {cfg.kl_in!r}, {cfg.kl_penalty!r}).")

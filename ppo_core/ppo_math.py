@@ -13,27 +13,35 @@ from typing import NamedTuple
 
 import torch
 
+from .choices import IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES
 from .core import SumAcross, clip_by_value, masked_mean, masked_whiten
 
-KL_PENALTIES = ("kl", "abs", "mse", "full")
+K3_MAX = 10.0  # the cap on the k3 estimate of one token's KL
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str) -> torch.Tensor:
-    """Per-token KL estimate from the sampled tokens' log-probabilities, ``(B, R)`` -> ``(B, R)``.
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probabilities, ``(B, R)`` x2 ->
+    ``(B, R)``.
 
-    # kl:  log p - log q            (k1, unbiased, can be negative per token)
-    # abs: |log p - log q|
-    # mse: 0.5 * (log p - log q)^2  (k2)
+    # kl, k1:  d = log p - log q                          unbiased, high variance, can be negative per token
+    # abs:     |d|
+    # mse, k2: 0.5 * d^2                                  biased, low variance (its gradient is KL's to first order)
+    # k3:      exp(-d) - 1 + d                            unbiased, low variance, >= 0 (GRPO's)
+
+    k3 grows as exp(-d) where the policy has moved far below the reference (d << 0): it is capped at ``K3_MAX`` (10,
+    as veRL's ``low_var_kl``), so that one such token cannot make the loss infinite; a capped token gives no gradient.
     ``full`` needs the whole distributions: see :func:`ppo_core.logprobs.full_kl`.
     """
     diff = logprobs - ref_logprobs
-    if mode == "kl":
+    if mode in ("kl", "k1"):
         return diff
     if mode == "abs":
         return diff.abs()
-    if mode == "mse":
+    if mode in ("mse", "k2"):
         return 0.5 * diff.square()
-    raise ValueError(f"kl_penalty: mode must be one of 'kl', 'abs', 'mse' here (got {mode!r}); "
+    if mode == "k3":  # exp(-d) - 1 + d, accurate near d = 0; d clamped first so that exp cannot overflow
+        return (torch.expm1(-diff.clamp(min=-K3_MAX)) + diff).clamp(max=K3_MAX)
+    raise ValueError(f"kl_penalty: mode must be one of {KL_PENALTIES[:-1]} here (got {mode!r}); "
                      "'full' is computed from the distributions by ppo_core.logprobs.full_kl.")
 
 
@@ -88,10 +96,10 @@ def discount_matrix(length: int, discount: float, dtype: torch.dtype, device: to
 
 
 class Advantages(NamedTuple):
-    """GAE results, all ``(B, R)``."""
+    """An estimator's results, all ``(B, R)``, zero at masked positions."""
 
-    advantages: torch.Tensor  # whitened over the mask, zero at masked positions
-    returns: torch.Tensor  # raw (un-whitened) advantages + values: the value-function target
+    advantages: torch.Tensor  # GAE's: whitened over the mask
+    returns: torch.Tensor  # GAE's: raw (un-whitened) advantages + values, the value-function target
 
 
 def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
@@ -138,35 +146,90 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, n_tokens: torch.Tensor 
     return (values * mask.to(values.dtype)).sum() / n_tokens
 
 
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+              norm_length: int | torch.Tensor | None = None, n_tokens: torch.Tensor | float | None = None
+              ) -> torch.Tensor:
+    """A per-token loss ``(B, R)`` reduced to a scalar over the valid tokens: every policy and KL loss goes through it.
+
+    # token-mean:              sum_{i,t} l m / sum_{i,t} m                 every token weighs the same (PPO's, DAPO's)
+    # seq-mean-token-mean:     mean_i ( sum_t l m / sum_t m )              every sequence weighs the same (GRPO's)
+    # seq-mean-token-sum-norm: sum_{i,t} l m / (B * norm_length)           a constant normaliser (Dr. GRPO's)
+
+    The sequence means count the rows with a valid token (a row masked whole, e.g. by dynamic sampling, is not a
+    sequence). ``n_tokens``: the token mean's divisor (:func:`token_mean`; the global count over N processes).
+    """
+    if mode == "token-mean":
+        return token_mean(loss, mask, n_tokens)
+    mask = mask.to(loss.dtype)
+    lengths = mask.sum(dim=1)  # (B,)
+    sequences = (lengths > 0).sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(dim=1) / lengths.clamp(min=1)).sum() / sequences
+    if mode == "seq-mean-token-sum-norm":
+        return (loss * mask).sum() / (sequences * (mask.shape[1] if norm_length is None else norm_length))
+    raise ValueError(f"aggregate: mode must be one of {LOSS_AGGREGATIONS} (got {mode!r}).")
+
+
 class PolicyLoss(NamedTuple):
-    """Clipped surrogate loss and its diagnostics (scalars)."""
+    """Policy loss and its diagnostics (scalars)."""
 
     loss: torch.Tensor
-    clipfrac: torch.Tensor  # fraction of tokens where the clipped branch was taken
+    clipfrac: torch.Tensor  # fraction of tokens where the clipped branch was taken (CISPO: whose weight was capped)
     approxkl: torch.Tensor  # k2 estimate: 0.5 * E[(log p_new - log p_old)^2]
     policykl: torch.Tensor  # k1 estimate: E[log p_old - log p_new]
-    ratio_mean: torch.Tensor
+    ratio_mean: torch.Tensor  # the importance ratio in use (per sequence with importance_sampling_level="sequence")
+
+
+def importance_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                         level: str = "token") -> torch.Tensor:
+    """``(B, R)`` log importance ratios: per token (PPO's), or per sequence (GSPO, Zheng et al. 2025: the
+    length-normalised log-ratio of the whole response, the same at each of its tokens, with the gradient of that
+    mean).
+
+    # token:    log r_t = log p_t - log p_old_t
+    # sequence: log s   = sum_t m_t (log p_t - log p_old_t) / sum_t m_t
+    """
+    log_ratio = logprobs - old_logprobs
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        mask = mask.to(log_ratio.dtype)
+        per_sequence = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (B,)
+        return per_sequence[:, None].expand_as(log_ratio)
+    raise ValueError(f"importance_log_ratio: level must be one of {IMPORTANCE_SAMPLING_LEVELS} (got {level!r}).")
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cliprange: float, n_tokens: torch.Tensor | float | None = None,
-                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PolicyLoss:
-    """PPO clipped surrogate objective, all inputs ``(B, R)``; every ``E_mask`` is a :func:`token_mean`.
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, cliprange_high: float | None = None,
+                level: str = "token", kind: str = "clip") -> PolicyLoss:
+    """The policy loss, all inputs ``(B, R)``; every ``E_mask`` is a :func:`token_mean`.
 
-    # ratio = exp(log p_new - log p_old)
-    # L     = E_mask[ max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) ]
+    # ratio = exp(log p_new - log p_old)   (per sequence with level="sequence": :func:`importance_log_ratio`)
+    # clip:  L = E_mask[ max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) ]   PPO; DAPO's decoupled clip
+    # cispo: L = E_mask[ -sg(min(ratio, eps_high)) * A * log p_new ]                       CISPO (MiniMax-M1 2025)
 
-    ``reduce`` replaces the loss's token mean (the critic-free estimators' per-sequence means, see
-    ``estimators.aggregate``); the statistics stay token means.
+    ``cliprange`` is eps_low, ``cliprange_high`` eps_high (None: ``cliprange``, PPO's symmetric clip). CISPO caps the
+    importance weight itself at ``cliprange_high`` (TRL's meaning of ``epsilon_high`` there, 5.0 recommended) and
+    stops its gradient, so every token keeps a REINFORCE gradient. ``reduce`` replaces the loss's token mean (the
+    per-sequence means of :func:`aggregate`); the statistics stay token means.
     """
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    per_token = torch.max(unclipped, clipped)
+    high = cliprange if cliprange_high is None else cliprange_high
+    ratio = torch.exp(importance_log_ratio(logprobs, old_logprobs, mask, level))
+    if kind == "clip":
+        unclipped = -advantages * ratio
+        clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+        per_token = torch.max(unclipped, clipped)
+        was_clipped = clipped > unclipped
+    elif kind == "cispo":
+        per_token = -ratio.clamp(max=high).detach() * advantages * logprobs
+        was_clipped = ratio > high
+    else:
+        raise ValueError(f"policy_loss: kind must be one of {POLICY_LOSSES} (got {kind!r}).")
     loss = token_mean(per_token, mask, n_tokens) if reduce is None else reduce(per_token)
     with torch.no_grad():
-        clipfrac = token_mean((clipped > unclipped).to(logprobs.dtype), mask, n_tokens)
+        log_ratio = logprobs - old_logprobs
+        clipfrac = token_mean(was_clipped.to(logprobs.dtype), mask, n_tokens)
         approxkl = 0.5 * token_mean(log_ratio.square(), mask, n_tokens)
         policykl = token_mean(-log_ratio, mask, n_tokens)
         ratio_mean = token_mean(ratio, mask, n_tokens)

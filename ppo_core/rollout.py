@@ -266,12 +266,13 @@ class Rollout(NamedTuple):
     """
 
     inputs: ModelInputs  # the (query, response) sequences, (B, T)
-    mask: torch.Tensor  # (B, R) float, 1 = response token that counts
+    mask: torch.Tensor  # (B, R) float, 1 = response token the loss trains on (dynamic sampling and
+    # mask_truncated_completions leave whole responses out)
     old_logprobs: torch.Tensor  # (B, R) log-probabilities of the response tokens under the rollout policy
     old_values: torch.Tensor  # (B, R) the rollout policy's value predictions
     ref_logprobs: torch.Tensor  # (B, R) log-probabilities under the reference policy
-    advantages: torch.Tensor  # (B, R) GAE advantages, whitened over the (global) batch
-    returns: torch.Tensor  # (B, R) advantages + values, the value target
+    advantages: torch.Tensor  # (B, R) the estimator's advantages (GAE's whitened over the global batch)
+    returns: torch.Tensor  # (B, R) the value target (GAE: advantages + values; critic-free: unused)
 
     def minibatch(self, idx: torch.Tensor, host_idx: torch.Tensor | None = None) -> Rollout:
         """The samples ``idx`` ``(b,)`` (``host_idx``: the same on the host), each ``(B, R)`` tensor trimmed to their

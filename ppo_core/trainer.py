@@ -58,8 +58,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from . import checkpoint
-from .advantages import kl_loss, loss_reduction, step_advantages
-from .config import GROUP_ESTIMATORS, PPOConfig
+from .advantages import kl_loss, loss_mask, loss_reduction, overlong_penalties, step_advantages
+from .config import PPOConfig
 from .core import convert_to_scalar, entropy_from_logits, flatten_dict, stats_to_np
 from .cpu_attention import float32_attention_on_cpu
 from .distributed import (
@@ -80,6 +80,7 @@ from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dr
 from .ppo_math import kl_penalty, policy_loss, value_loss
 from .precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
 from .reference import frozen_reference, placed_reference, reference_policy
+from .registry import get_estimator, policy_loss_kind
 from .rollout import (
     ModelInputs,
     PolicyOutputs,
@@ -155,7 +156,9 @@ class PPOTrainer(LegacyMethods):
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
         ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
         prepare_dtypes(self.accelerator, model, ref_model)  # frozen weights in the autocast dtype; half weights warned
-        if config.advantage_estimator != "gae":  # critic-free: the value head is neither used nor trained, and is
+        self.estimator = get_estimator(config.advantage_estimator)  # what the step computes (ppo_core.registry)
+        self._policy_loss = policy_loss_kind(config)  # "clip" or "cispo"
+        if not self.estimator.uses_critic:  # critic-free: the value head is neither used nor trained, and is
             model.v_head.requires_grad_(False)  # frozen so that DDP does not wait for its gradient
 
         # 3. data, optimiser, KL controller
@@ -268,6 +271,8 @@ class PPOTrainer(LegacyMethods):
         reward_kl_coef = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0  # the KL's coefficient in the rewards
         with timed(timing, "time/ppo/forward_pass"):
             old, ref = self._rollout_passes(inputs, with_reference)
+        penalties = overlong_penalties(cfg, mask)  # DAPO's overlong shaping of the scores, where set
+        scores_in = scores if penalties is None else scores + penalties.to(scores.dtype)
         if self._step_hooks:  # 4-5 through a subclass's compute_rewards / _kl_penalty / compute_advantages
             shaped, adv = self._hooked_advantages(scores, old.logprobs, ref.logprobs, old.values, mask, timing)
         else:
@@ -276,10 +281,13 @@ class PPOTrainer(LegacyMethods):
                 kls = self._kl_per_token(inputs, old, ref) if with_reference else torch.zeros_like(old.logprobs)
             # 5. KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator), over the global batch
             with timed(timing, "time/ppo/compute_advantages"):
-                shaped, adv = step_advantages(cfg, scores, kls, old.values, mask, reward_kl_coef, self._group)
+                shaped, adv = step_advantages(cfg, scores_in, kls, old.values, mask, reward_kl_coef, self._group)
         if cfg.loss_aggregation == "seq-mean-token-sum-norm":  # its constant: the global batch's longest response
             self._norm_length = self._group.gather(mask.sum(dim=1)).max()  # the same on every process
-        rollout = Rollout(inputs, mask, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)
+        trained = mask  # the tokens the loss trains on: all, or fewer (truncated responses, groups of one score)
+        if cfg.mask_truncated_completions or cfg.dynamic_sampling:
+            trained = loss_mask(cfg, mask, scores_in, self._truncated(responses))
+        rollout = Rollout(inputs, trained, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)
         # 6. PPO epochs over shuffled mini-batches
         with timed(timing, "time/ppo/optimize_step"):
             train_stats = self._optimize(rollout)
@@ -294,9 +302,14 @@ class PPOTrainer(LegacyMethods):
             stats["objective/kl_loss_coef"] = cfg.kl_loss_coef
         if not with_reference:  # no reference pass: the KL to it was not measured (not 0)
             stats |= {key: np.full_like(stats[key], np.nan, dtype=float) for key in REFERENCE_STATS}
-        if cfg.advantage_estimator in GROUP_ESTIMATORS:  # groups with one score for all: no learning signal
-            flat = self._group.gather(zero_std_groups(scores, cfg.num_generations))  # (global prompts,)
+        if self.estimator.needs_groups:  # groups with one score for all: no learning signal
+            flat = self._group.gather(zero_std_groups(scores_in, cfg.num_generations))  # (global prompts,)
             stats["ppo/frac_reward_zero_std"] = float(flat.mean())
+        if penalties is not None:
+            stats["ppo/overlong_penalty_mean"] = float(self._group.gather(penalties).mean())
+        if trained is not mask:  # the share of the (global) batch's responses the loss left out
+            left_out = (trained.sum(dim=1) == 0) & (mask.sum(dim=1) > 0)
+            stats["ppo/frac_responses_left_out"] = float(self._group.gather(left_out.float()).mean())
         # 8. KL controller, scheduler, step counter
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         if self._updates.loss_scaled:  # fp16: the scale after this step's updates
@@ -305,6 +318,11 @@ class PPOTrainer(LegacyMethods):
         self._end_step(float(stats["objective/kl"]) if with_reference and cfg.kl_in == "reward" else None)
         timing["time/ppo/total"] = time.perf_counter() - t_start
         return convert_to_scalar(stats | timing)
+
+    def _truncated(self, responses: list[torch.Tensor]) -> torch.Tensor:
+        """``(B,)`` bool: the responses that do not end with the EOS token (cut at the length limit)."""
+        last = torch.stack([r[-1] for r in responses])
+        return last != self.tokenizer.eos_token_id
 
     def _kl_per_token(self, inputs: ModelInputs, old: PolicyOutputs, ref: PolicyOutputs) -> torch.Tensor:
         """``(B, R)`` the KL penalty of each response token: from the sampled tokens' log-probabilities, or over the
@@ -416,10 +434,14 @@ class PPOTrainer(LegacyMethods):
         """
         cfg = self.config
         n_tokens = tokens_per_process(mask, self._group)
+        if cfg.mask_truncated_completions or cfg.dynamic_sampling:  # a mini-batch may have no token left: loss 0
+            n_tokens = mask.sum() if n_tokens is None else n_tokens
+            n_tokens = torch.where(n_tokens > 0, n_tokens, torch.ones_like(n_tokens))
         norm_length = self._norm_length if self._norm_length is not None else mask.shape[1]
         pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens,
-                         loss_reduction(cfg, mask, n_tokens, norm_length))
-        critic = cfg.advantage_estimator == "gae"
+                         loss_reduction(cfg, mask, n_tokens, norm_length), cliprange_high=cfg.epsilon_high,
+                         level=cfg.importance_sampling_level, kind=self._policy_loss)
+        critic = self.estimator.uses_critic
         vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens) if critic else None
         kl = kl_loss(cfg, logprobs, ref_logprobs, mask, n_tokens, norm_length)
         if entropy is None and logits is not None:

@@ -21,8 +21,8 @@ from typing import Any, Literal
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
-from ppo_core.config import GROUP_ESTIMATORS
 from ppo_core.fields import ConfigError, check_keys, check_range, checked
+from ppo_core.registry import get_estimator
 from stages.runtime import ParamsError
 
 SYNTHETIC = "synthetic"
@@ -260,7 +260,7 @@ def load_params(path: str | Path) -> Params:
     with warnings.catch_warnings():  # deprecation warnings come again when the ppo stage builds its config
         warnings.simplefilter("ignore")
         config = ppo_config(params)  # every stage checks the ppo section: a typo there fails at once, not after sft
-    if config.advantage_estimator in GROUP_ESTIMATORS and not params.generation.do_sample:
+    if get_estimator(config.advantage_estimator).needs_groups and not params.generation.do_sample:
         raise ParamsError(f"{path}: generation.do_sample is false, but ppo.advantage_estimator "
                           f"{config.advantage_estimator} compares ppo.num_generations={config.num_generations} samples "
                           "of each prompt: greedy decoding makes them identical (every advantage 0); set "
@@ -268,9 +268,10 @@ def load_params(path: str | Path) -> Params:
     return params
 
 
-def ppo_config(params: Params):
-    """Build ppo_core.PPOConfig from the `ppo` section; `ppo.seed: null` means the run's top-level seed. The fields
-    PPOConfig derives (`DERIVED`) are refused: the trainer would overwrite them."""
+def ppo_config(params: Params, max_completion_length: int | None = None):
+    """Build ppo_core.PPOConfig from the `ppo` section; `ppo.seed: null` means the run's top-level seed, and
+    `ppo.max_completion_length: null` the ``max_completion_length`` given (the ppo stage's generation.max_new_tokens).
+    The fields PPOConfig derives (`DERIVED`) are refused: the trainer would overwrite them."""
     from ppo_core.config import DERIVED, PPOConfig
 
     derived = next((key for key in params.ppo if key in DERIVED), None)
@@ -279,6 +280,8 @@ def ppo_config(params: Params):
     kwargs = dict(params.ppo)
     if kwargs.get("seed") is None:
         kwargs["seed"] = params.seed
+    if kwargs.get("max_completion_length") is None:
+        kwargs["max_completion_length"] = max_completion_length
     precision = params.model.mixed_precision
     if precision is not None:  # accelerate's autocast, as the legacy accelerator_kwargs would ask it
         given = (kwargs.get("accelerator_kwargs") or {}).get("mixed_precision", precision)

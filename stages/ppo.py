@@ -40,7 +40,7 @@ from stages.synthetic import gold_score
 
 def run(params: Params, root: Path = Path(".")) -> str:
     set_seed(params.seed)
-    config = ppo_config(params)
+    config = ppo_config(params, max_completion_length=params.generation.max_new_tokens)  # DAPO's L_max
     prompts = read_table(root / TOKENIZED_TRAIN, ["query", "input_ids"])
     state = process_state()
     world = state.num_processes  # under `accelerate launch`: ppo.batch_size is per process, as in the seed

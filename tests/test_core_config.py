@@ -32,15 +32,21 @@ def field_default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
+BY_ESTIMATOR = {"init_kl_coef", "cliprange"}  # the estimator's (ppo_core.registry): RLOO's KL 0.05, GSPO's clip
+
+
 def test_every_seed_field_exists_with_the_seed_default():
     fields = {f.name: f for f in dataclasses.fields(PPOConfig)}
     missing = sorted(set(SEED_SIGNATURE_DEFAULTS) - set(fields))
     assert not missing, f"fields of trl.PPOConfig missing from ppo_core.PPOConfig: {missing}"
     for name, default in SEED_SIGNATURE_DEFAULTS.items():
+        if name in BY_ESTIMATOR:  # None in the signature: the estimator's value, PPO's (the seed's) by default
+            assert field_default(fields[name]) is None, name
+            continue
         assert field_default(fields[name]) == default, name
         assert type(field_default(fields[name])) in (type(default), float), name
     assert "exp_name" in fields
-    config = PPOConfig()
+    config = PPOConfig()  # the estimator is PPO's (gae): every seed default holds once the config is built
     for name, default in SEED_SIGNATURE_DEFAULTS.items():
         assert getattr(config, name) == DERIVED.get(name, default), name
     assert config.total_ppo_epochs == 157  # ceil(20000 / 128)
@@ -176,7 +182,8 @@ def test_kl_penalty_choices_are_the_math_layer_s():
 @pytest.mark.parametrize("kwargs,message", [
     ({"learning_rate": "fast"}, "PPOConfig.learning_rate must be a number, got 'fast' (str)"),
     ({"ppo_epochs": 2.5}, "PPOConfig.ppo_epochs must be an integer, got 2.5 (float)"),
-    ({"kl_penalty": "kll"}, "PPOConfig.kl_penalty must be one of ['kl', 'abs', 'mse', 'full'], got 'kll' (str)"),
+    ({"kl_penalty": "kll"},
+     "PPOConfig.kl_penalty must be one of ['kl', 'k1', 'abs', 'mse', 'k2', 'k3', 'full'], got 'kll' (str)"),
     ({"gamma": 1.5}, "PPOConfig.gamma must be in [0, 1], got 1.5"),
     ({"vf_coef": -1}, "PPOConfig.vf_coef must be >= 0, got -1.0"),
     ({"early_stopping": "yes"}, "PPOConfig.early_stopping must be true or false, got 'yes' (str)"),

@@ -20,7 +20,9 @@ from tests.tiny import (
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
 
-CRITIC_FREE = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+BUILT_IN = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dapo", "gspo",
+            "cispo"]
+CRITIC_FREE = BUILT_IN[1:]
 TARGET = 7  # the rewarded token of the learning test
 
 
@@ -72,9 +74,11 @@ def test_critic_free_steps_leave_the_value_head_alone_and_report_no_value_stats(
     assert not torch.equal(body, trainer.model.pretrained_model.lm_head.weight)  # the policy trained
     assert not [k for k in stats if k.startswith(("ppo/val/", "ppo/returns/"))] and "ppo/loss/value" not in stats
     assert np.isfinite(stats["ppo/loss/policy"])
-    # dr_grpo's KL has coefficient 0: no reference pass, so its KL is not measured (NaN), never a made-up 0
-    assert np.isfinite(stats["objective/kl"]) == (estimator != "dr_grpo")
-    kl_in_loss = estimator in ("grpo", "reinforce_plus_plus_baseline")  # dr_grpo: coefficient 0, no term
+    # a KL with coefficient 0 (dr_grpo, dapo, gspo, cispo): no reference pass, so its KL is not measured (NaN), never
+    # a made-up 0
+    no_kl = ("dr_grpo", "dapo", "gspo", "cispo")
+    assert np.isfinite(stats["objective/kl"]) == (estimator not in no_kl)
+    kl_in_loss = estimator in ("grpo", "reinforce_plus_plus_baseline")  # the others: in the reward, or coefficient 0
     assert ("ppo/policy/kl_loss" in stats) == kl_in_loss
 
 
@@ -98,6 +102,31 @@ def test_the_seed_loop_learns_with_each_estimator(estimator):
         means.append(torch.stack(scores).mean().item())
     first, last = np.mean(means[:5]), np.mean(means[-5:])
     assert last > 2 * first and last > first + 0.5, f"{estimator}: mean score {first:.2f} -> {last:.2f}"
+
+
+POSITIVE = (3, 4, 5)  # the seed loop's positive words: w3, w4, w5 of the tiny vocabulary's 61 words
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", BUILT_IN)
+def test_switching_the_estimator_in_the_seed_loop_learns(estimator):
+    """The seed's loop as a legacy user writes it, on the tiny GPT-2: every PPOConfig field at its legacy default but
+    the learning rate (1e-3) and the two that switch the estimator; the score is the number of positive words in a
+    24-token response (a random policy: ~0.9; at most 24). Each estimator's own defaults (its KL coefficient and
+    place, its clip, its aggregation) must make it learn in 40 steps: above 3.0 at the end."""
+    tokenizer = tiny_tokenizer()
+    size = 1 if estimator in ("gae", "reinforce_plus_plus") else 4
+    config = PPOConfig(learning_rate=1e-3, seed=0, advantage_estimator=estimator, num_generations=size)
+    trainer = PPOTrainer(config, tiny_value_model("gpt2", seed=0), tokenizer=tokenizer)
+    kwargs = dict(max_new_tokens=24, do_sample=True, top_k=0, top_p=1.0, pad_token_id=tokenizer.eos_token_id)
+    means = []
+    for step in range(40):
+        queries = grouped_queries(config.batch_size // size, size, seed=step)
+        responses = trainer.generate(queries, return_prompt=False, batch_size=len(queries), **kwargs)
+        scores = [torch.isin(r, torch.tensor(POSITIVE)).sum().float() for r in responses]
+        trainer.step(queries, responses, scores)
+        means.append(torch.stack(scores).mean().item())
+    assert means[0] < 1.5 and means[-1] > 3.0, f"{estimator}: mean score {means[0]:.2f} -> {means[-1]:.2f}"
 
 
 def test_a_grpo_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run_on_cpu(tmp_path):
@@ -196,7 +225,7 @@ def test_a_kl_with_coefficient_0_skips_the_reference_pass_and_changes_nothing_el
     assert calls == []  # the reference model never ran
     for key in ("objective/kl", "objective/kl_dist", "objective/ref_logprobs"):
         assert np.isnan(stats[key]).all() and np.isfinite(forced_stats[key]).all(), key
-    assert skipping.kl_ctl.value == options.get("init_kl_coef", 0.2)  # not updated from a KL never measured
+    assert skipping.kl_ctl.value == skipping.config.init_kl_coef  # not updated from a KL never measured
     for (name, a), b in zip(skipping.model.named_parameters(), forced.model.parameters()):
         assert torch.equal(a, b), name
     assert stats["ppo/loss/total"] == forced_stats["ppo/loss/total"]
@@ -209,7 +238,7 @@ def test_the_reference_pass_runs_wherever_its_kl_counts():
         assert trainer._reference_in_use() == (options.get("init_kl_coef") != 0.0), (estimator, options)
 
 
-@pytest.mark.parametrize("estimator, kl_in, coef", [("grpo", "loss", 0.04), ("rloo", "reward", 0.2),
+@pytest.mark.parametrize("estimator, kl_in, coef", [("grpo", "loss", 0.04), ("rloo", "reward", 0.05),
                                                     ("reinforce_plus_plus_baseline", "loss", 0.001)])
 def test_the_kl_coefficients_reported_are_those_applied(estimator, kl_in, coef):
     """`objective/kl_coef` is the coefficient the rewards were shaped with (0 where the KL is in the loss; it used to
@@ -224,7 +253,7 @@ def test_the_kl_coefficients_reported_are_those_applied(estimator, kl_in, coef):
         assert [s["objective/kl_coef"] for s in stats] == [0.0, 0.0]
         assert [s["objective/kl_loss_coef"] for s in stats] == pytest.approx([coef, coef])
         assert [s["ppo/mean_non_score_reward"] for s in stats] == [0.0, 0.0]  # nothing in the rewards
-        assert values == [0.2, 0.2]  # the legacy controller, unused: left at init_kl_coef
+        assert values == [0.0, 0.0]  # the legacy controller, unused: left at its 0 (no KL in the rewards)
     else:
         assert "objective/kl_loss_coef" not in stats[0]
         assert stats[0]["objective/kl_coef"] == pytest.approx(coef) and values[0] != coef  # adaptive: it moved
