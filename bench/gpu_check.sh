@@ -2,7 +2,8 @@
 # The GPU check, for a machine with a CUDA GPU (run from the repository root, venv active or not):
 #   1. the whole tiny pipeline (tests/fixtures/params.tiny.yaml) on the GPU, stage by stage, timed;
 #   2. the ppo stage on that pipeline's outputs in every precision and engine a GPU run can take: float32 (TF32 where
-#      the GPU has it), bf16, fp16, LoRA + bf16, DeepSpeed ZeRO-2 and ZeRO-3 (bf16) on one GPU; one table: pass or
+#      the GPU has it), bf16, fp16, LoRA + bf16, DeepSpeed ZeRO-2 and ZeRO-3 (bf16) on one GPU, and the critic-free
+#      losses whose math differs from PPO's (grpo, dapo, gspo; cispo in bf16), G=4; one table: pass or
 #      the error, s/step, tokens/s, peak GPU memory, MFU of the update, and the first step's KL and approximate KL
 #      (0 on a CPU; on a GPU, how far rounding takes them from 0);
 #   3. the PPO benchmark (bench/ppo_step.py, ppo_core) on the 32k and base shapes in fp32 and bf16, plus LoRA;
@@ -47,6 +48,10 @@ variants=(
   "lora+bf16|plain|$lora;$bf16"
   "zero2|zero2|"
   "zero3|zero3|"
+  "grpo|plain|ppo.advantage_estimator=grpo;ppo.num_generations=4"
+  "dapo|plain|ppo.advantage_estimator=dapo;ppo.num_generations=4"
+  "gspo|plain|ppo.advantage_estimator=gspo;ppo.num_generations=4"
+  "cispo+bf16|plain|ppo.advantage_estimator=cispo;ppo.num_generations=4;$bf16"
 )
 ds_precision=bf16
 if [ -n "${DRY_RUN:-}" ]; then ds_precision=no; fi  # DeepSpeed's CPU accelerator: float32 over gloo

@@ -9,8 +9,9 @@ pass (the stage finished and every statistic is finite) or the error, seconds pe
 generate, score, step, checkpoint), response tokens generated per second, peak GPU memory (MiB, torch's allocator),
 MFU of the PPO update (model FLOPs of the epochs' forward and backward passes over the optimize time, against the
 GPU's dense peak for the compute dtype; None where the GPU is not in PEAK_TFLOPS), and the first step's KL (0 where
-the policy's and the reference's log-probs come out of the same kernels; how far rounding takes them otherwise) and
-approximate KL (the policy's own movement over that step's epochs, averaged over its mini-batches).
+the policy's and the reference's log-probs come out of the same kernels, how far rounding takes them otherwise; NaN
+where the KL's coefficient is 0 and the reference pass is skipped) and approximate KL (the policy's own movement over
+that step's epochs, averaged over its mini-batches).
 
 A variant with ``model.lora`` first reruns the reward stage with it (untimed), as `dvc repro` would: ``model`` is one
 of that stage's params, and a LoRA policy scores with the reward stage's adapter on its own base weights.
@@ -85,13 +86,27 @@ def measure(root: Path, params, seconds: float) -> dict:
                                                      else "fp32")
     peak = peak_flops(dtype)
     optimize_s = float(timings["time/ppo/optimize_step"].median())
-    finite = all(np.isfinite(np.asarray(v, dtype=float)).all() for column in stats.columns for v in stats[column])
+    finite = all_finite(stats)
     return {"pass": bool(finite), "error": None if finite else "non-finite statistics", "dtype": dtype,
             "s_per_step": seconds / len(stats), "tokens_per_s": response_tokens / seconds,
             "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
             "mfu_update": (flops_per_token * update_tokens / optimize_s / peak) if peak else None,
             "first_kl": float(stats["objective/kl"].iloc[0]),
             "first_approxkl": float(stats["ppo/policy/approxkl"].iloc[0])}
+
+
+def all_finite(stats: pd.DataFrame) -> bool:
+    """Every statistic of every step finite, but for the reference's (``REFERENCE_STATS``) where they are NaN in every
+    step: a run whose KL has coefficient 0 skips the reference pass and leaves them unmeasured (dapo, gspo, cispo)."""
+    from ppo_core.stats import REFERENCE_STATS
+
+    def finite(column: str) -> bool:
+        return all(np.isfinite(np.asarray(v, dtype=float)).all() for v in stats[column])
+
+    def unmeasured(column: str) -> bool:
+        return column in REFERENCE_STATS and all(np.isnan(np.asarray(v, dtype=float)).all() for v in stats[column])
+
+    return all(finite(column) or unmeasured(column) for column in stats.columns)
 
 
 def _launch_precision() -> str | None:

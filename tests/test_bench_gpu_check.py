@@ -68,3 +68,23 @@ def test_a_lora_variant_trains_its_reward_adapter_first(tiny_run, tmp_path):
     row = json.loads(out.read_text())
     assert row["pass"] and row["error"] is None, row
     assert (root / "data" / "models" / "reward" / "adapter").is_dir()
+
+
+def test_unmeasured_reference_stats_pass_and_other_nans_fail(tiny_run):
+    """dapo, gspo and cispo skip the reference pass (their KL's coefficient is 0), so their KL stats are NaN in every
+    step: not measured, not a failure (the first GPU run of them failed on that). Any other NaN fails."""
+    import numpy as np
+    import pandas as pd
+
+    stats = pd.read_parquet(tiny_run / "data" / "ppo" / "stats.parquet")
+    assert gpu_stage.all_finite(stats)
+    unmeasured = stats.copy()
+    unmeasured["objective/kl"] = np.nan
+    unmeasured["objective/kl_dist"] = [np.full(np.shape(v), np.nan) for v in stats["objective/kl_dist"]]
+    assert gpu_stage.all_finite(unmeasured)
+    partly = stats.copy()
+    partly.loc[partly.index[-1], "objective/kl"] = np.nan  # measured in one step, NaN in another: a failure
+    assert not gpu_stage.all_finite(partly)
+    bad = stats.copy()
+    bad["ppo/loss/policy"] = np.nan
+    assert not gpu_stage.all_finite(bad)
