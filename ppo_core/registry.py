@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
 from .choices import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS, LOSS_TYPES, POLICY_LOSSES
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: checking a config loads neither torch nor the math
+    import torch
+
     from .ppo_math import Advantages, ShapedRewards
 
 

@@ -314,3 +314,15 @@ def test_mask_truncated_completions_leaves_responses_without_eos_out():
     responses[1] = torch.tensor([10, trainer.tokenizer.eos_token_id])  # the only one that ended
     stats = trainer.step(queries, responses, scores)
     assert stats["ppo/frac_responses_left_out"] == 0.75
+
+
+def test_checking_a_config_loads_neither_torch_nor_the_math():
+    """Every stage checks params.yaml's ppo section by building a PPOConfig, which reads the registry: the registry
+    names the built-ins' functions by path, so that check stays light and the math is no code dep of other stages."""
+    import subprocess
+
+    code = ("import sys; from ppo_core import PPOConfig; "
+            "PPOConfig(advantage_estimator='dapo', num_generations=4, batch_size=8, mini_batch_size=4); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('ppo_core.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['ppo_core.choices', 'ppo_core.config', 'ppo_core.fields', 'ppo_core.registry']"
