@@ -229,7 +229,8 @@ class Progress:
         self.done = done
         if not self.enabled:
             return
-        shown = {key: f"{value:.3g}" for key, value in latest.items()}
+        # NaN: not measured (the KL where no reference pass ran)
+        shown = {key: "not measured" if value != value else f"{value:.3g}" for key, value in latest.items()}
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(done - self.bar.n)
