@@ -119,7 +119,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
         if main:  # only the main process writes
             record(root, step, rollouts, tables)
         progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
-        warned_flat = warned_flat or warn_if_flat_groups(stats, step, main)
+        warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.dynamic_sampling)
         # 5. checkpoint
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
@@ -137,15 +137,20 @@ def run(params: Params, root: Path = Path(".")) -> str:
 FLAT = "ppo/frac_reward_zero_std"
 
 
-def warn_if_flat_groups(stats: dict, step: int, main: bool) -> bool:
+def warn_if_flat_groups(stats: dict, step: int, main: bool, dynamic_sampling: bool = False) -> bool:
     """Warn (once: returns True when it did) when most prompts' samples all got the same score: a group estimator
-    learns nothing from those (every advantage 0); the share is the step's ``ppo/frac_reward_zero_std``."""
+    learns nothing from those (every advantage 0); the share is the step's ``ppo/frac_reward_zero_std``. With
+    ``dynamic_sampling`` (DAPO's) they are out of the loss, and the warning says so."""
     if stats.get(FLAT, 0.0) <= 0.5:
         return False
     if main:
+        what = "their advantages are 0 and they teach nothing"
+        if dynamic_sampling:
+            what = "ppo.dynamic_sampling left them out of the loss, which trained on the others " \
+                   "(ppo/frac_responses_left_out)"
         warning(f"ppo: step {step + 1}: in {stats[FLAT]:.0%} of the prompts every sample got the same score, so "
-                f"their advantages are 0 and they teach nothing ({FLAT} in data/ppo/stats.parquet); a scorer with "
-                "finer grades, a higher generation.temperature or a larger ppo.num_generations gives them a signal")
+                f"{what} ({FLAT} in data/ppo/stats.parquet); a scorer with finer grades, a higher "
+                "generation.temperature or a larger ppo.num_generations gives them a signal")
     return True
 
 

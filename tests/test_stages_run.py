@@ -542,6 +542,26 @@ def test_groups_without_a_reward_spread_are_warned_about_once(tiny_run, tiny_par
                         "gives them a signal"]
 
 
+def test_dapo_trains_on_nothing_rather_than_on_groups_without_a_spread(tiny_run, tiny_params, tmp_path, monkeypatch,
+                                                                       capfd):
+    """DAPO's dynamic sampling leaves every group of one score out of the loss: with a scorer that gives every sample
+    the same score, every response is left out, each mini-batch's loss is 0 (not 0/0), and the log
+    says what was done."""
+    (tmp_path / "flat_scores.py").write_text("def score(texts):\n    return [1.0] * len(texts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = copy_for_ppo(tiny_run, tmp_path)
+    params = dataclasses.replace(
+        tiny_params, scorer=ScorerParams(source="callable", name="flat_scores:score", label="POSITIVE", batch_size=8),
+        ppo={**tiny_params.ppo, "advantage_estimator": "dapo", "num_generations": 4,
+             "overlong_buffer_len": 0})  # no length penalty: it would give long responses other scores
+    ppo.run(params, root)
+    stats = pd.read_parquet(root / PPO_STATS)
+    assert (stats["ppo/frac_responses_left_out"] == 1.0).all() and (stats["ppo/loss/policy"] == 0.0).all()
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "so ppo.dynamic_sampling left them out of the loss, which trained on the others " \
+        "(ppo/frac_responses_left_out)" in warnings[0]
+
+
 def test_steps_that_are_not_a_whole_number_of_batches_are_said(tiny_run, tiny_params, tmp_path, capfd):
     """Legacy rounds ppo.steps up to whole step() calls (total_ppo_epochs): kept, and said."""
     root = copy_for_ppo(tiny_run, tmp_path)
