@@ -273,13 +273,15 @@ class Rollout(NamedTuple):
     ref_logprobs: torch.Tensor  # (B, R) log-probabilities under the reference policy
     advantages: torch.Tensor  # (B, R) the estimator's advantages (GAE's whitened over the global batch)
     returns: torch.Tensor  # (B, R) the value target (GAE: advantages + values; critic-free: unused)
+    norm_length: torch.Tensor | None = None  # 0-d: Dr. GRPO's constant, the global batch's longest response
 
     def minibatch(self, idx: torch.Tensor, host_idx: torch.Tensor | None = None) -> Rollout:
         """The samples ``idx`` ``(b,)`` (``host_idx``: the same on the host), each ``(B, R)`` tensor trimmed to their
-        longest response: ``(b, R_b)``."""
+        longest response: ``(b, R_b)``; the step's sizes (``norm_length``) as they are."""
         inputs = self.inputs.index(idx, host_idx)
         width = inputs.sizes().width
-        return Rollout(inputs, *(t[idx, :width] for t in self[1:]))
+        per_sample = (self.mask, self.old_logprobs, self.old_values, self.ref_logprobs, self.advantages, self.returns)
+        return Rollout(inputs, *(t[idx, :width] for t in per_sample), norm_length=self.norm_length)
 
 
 def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.Tensor,

@@ -47,6 +47,7 @@ DeepSpeed's own checkpoint of the engine (every process's shards) in place of th
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
@@ -187,8 +188,6 @@ class PPOTrainer(LegacyMethods):
         self.step_count = 0  # completed step() calls
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
         self._warned_negative_kl = self._warned_start_token = False
-        self._norm_length = None  # Dr. GRPO's loss normaliser, set by each step
-        self._minibatches_done = 0  # of the current step, for error messages
         # the backward, clipping and optimizer step of each mini-batch; under DDP and DeepSpeed the last backward of
         # a window all-reduces or applies its gradients
         self._updates = Updates(self.accelerator, self.model, self.optimizer, config.max_grad_norm,
@@ -282,12 +281,14 @@ class PPOTrainer(LegacyMethods):
             # 5. KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator), over the global batch
             with timed(timing, "time/ppo/compute_advantages"):
                 shaped, adv = step_advantages(cfg, scores_in, kls, old.values, mask, reward_kl_coef, self._group)
-        if cfg.loss_aggregation == "seq-mean-token-sum-norm":  # its constant: the global batch's longest response
-            self._norm_length = self._group.gather(mask.sum(dim=1)).max()  # the same on every process
+        norm_length = None  # Dr. GRPO's constant: the global batch's longest response, the same on every process
+        if cfg.loss_aggregation == "seq-mean-token-sum-norm":
+            norm_length = self._group.gather(mask.sum(dim=1)).max()
         trained = mask  # the tokens the loss trains on: all, or fewer (truncated responses, groups of one score)
         if cfg.mask_truncated_completions or cfg.dynamic_sampling:
             trained = loss_mask(cfg, mask, scores_in, self._truncated(responses))
-        rollout = Rollout(inputs, trained, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns)
+        rollout = Rollout(inputs, trained, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns,
+                          norm_length)
         # 6. PPO epochs over shuffled mini-batches
         with timed(timing, "time/ppo/optimize_step"):
             train_stats = self._optimize(rollout)
@@ -376,57 +377,59 @@ class PPOTrainer(LegacyMethods):
             order = host_order.to(rollout.inputs.input_ids.device, non_blocking=True)
             for start in range(0, batch_size, cfg.mini_batch_size):
                 mb = rollout.minibatch(*(o[start:start + cfg.mini_batch_size] for o in (order, host_order)))  # (b, R_b)
-                self._minibatches_done = len(all_stats)  # for error messages
                 with self.accelerator.accumulate(self.model):
                     self.model.train()
                     with self._forward_precision():
                         out = policy_outputs(self.model, mb.inputs, with_entropy=True)
                     stats = self.train_minibatch(mb.old_logprobs, mb.old_values, out.logprobs, None, out.values,
                                                  mb.mask, mb.advantages, mb.returns, entropy=out.entropy,
-                                                 ref_logprobs=mb.ref_logprobs)
+                                                 ref_logprobs=mb.ref_logprobs, norm_length=mb.norm_length,
+                                                 minibatch_index=len(all_stats))
                 all_stats.append(stats)
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
-        self._minibatches_done = 0
         return all_stats
 
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns,
-                        entropy=None, ref_logprobs=None) -> dict[str, torch.Tensor]:
-        """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``)."""
+                        entropy=None, ref_logprobs=None, norm_length=None,
+                        minibatch_index: int = 0) -> dict[str, torch.Tensor]:
+        """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``): the
+        ``minibatch_index``-th of its step (for the error a failure raises)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
-                                          entropy=entropy, ref_logprobs=ref_logprobs)
+                                          entropy=entropy, ref_logprobs=ref_logprobs, norm_length=norm_length)
+        failed = functools.partial(self._failed, minibatch_index)
         # one host read: the mean ratio and whether any stat is non-finite, over the global mini-batch (every process
         # skips, backpropagates or raises together)
         decision = minibatch_decision(stats, self.config.ratio_threshold, self._group)
         if decision.non_finite:  # every process raises the failing process's error
             bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None on a process whose stats are finite
-            raise_if_any(None if bad is None else self._failed(f"non-finite {bad}"), self._group)
+            raise_if_any(None if bad is None else failed(f"non-finite {bad}"), self._group)
         stats["policy/skipped"] = decision.skipped_flag
         if decision.skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
             warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({decision.ratio_mean:.2f}) exceeds "
                           f"ratio_threshold ({self.config.ratio_threshold}); skipping its update.")
         self._updates.backward(loss_p + loss_v, decision.skipped)
-        overflowed = self.accelerator.sync_gradients and self._updates.step(self._failed)
+        overflowed = self.accelerator.sync_gradients and self._updates.step(failed)
         if self._updates.loss_scaled:  # fp16: the loss scaler skipped this update (counted in the stats)
             stats["policy/overflowed"] = torch.full((), float(overflowed), device=self.current_device)
         return stats
 
-    def _failed(self, what: str, advice: str = "") -> FloatingPointError:
-        """The error of this step's current mini-batch failing before its update: where, what, and what the weights
-        hold (the updates of the step's earlier mini-batches)."""
-        done = self._minibatches_done
+    def _failed(self, done: int, what: str, advice: str = "") -> FloatingPointError:
+        """The error of this step's mini-batch ``done`` (0-based) failing before its update: where, what, and what the
+        weights hold (the updates of the step's earlier mini-batches)."""
         held = "the weights were not updated" if done == 0 else \
             f"the weights hold this step's first {done} mini-batch update{'s' if done > 1 else ''}, not this one"
         return FloatingPointError(f"PPO step {self.step_count + 1}, mini-batch {done + 1}: {what} before the update; "
                                   f"{held}.{advice}")
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
-             ref_logprobs=None):
+             ref_logprobs=None, norm_length=None):
         """Clipped policy loss (plus the KL loss term with ``kl_in="loss"``) and ``vf_coef`` times the clipped value
         loss (critic-free estimators: none, and no ``val/*`` stats), with legacy stats.
 
         ``logits`` (``(b, R, V)``) is accepted for API compatibility; the trainer passes the per-token
-        ``entropy`` instead, computed without materialising the logits.
+        ``entropy`` instead, computed without materialising the logits. ``norm_length``: Dr. GRPO's constant (the
+        step's ``Rollout.norm_length``; None: the mini-batch's width).
 
         Under N processes each token mean divides this process's sum by the global mini-batch's token count over N
         (:func:`~ppo_core.distributed.tokens_per_process`, which says why); the stats are per-process shares
@@ -437,7 +440,7 @@ class PPOTrainer(LegacyMethods):
         if cfg.mask_truncated_completions or cfg.dynamic_sampling:  # a mini-batch may have no token left: loss 0
             n_tokens = mask.sum() if n_tokens is None else n_tokens
             n_tokens = torch.where(n_tokens > 0, n_tokens, torch.ones_like(n_tokens))
-        norm_length = self._norm_length if self._norm_length is not None else mask.shape[1]
+        norm_length = mask.shape[1] if norm_length is None else norm_length
         pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens,
                          loss_reduction(cfg, mask, n_tokens, norm_length), cliprange_high=cfg.epsilon_high,
                          level=cfg.importance_sampling_level, kind=self._policy_loss)

@@ -326,3 +326,14 @@ def test_checking_a_config_loads_neither_torch_nor_the_math():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('ppo_core.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['ppo_core.choices', 'ppo_core.config', 'ppo_core.fields', 'ppo_core.registry']"
+
+
+def test_a_direct_loss_call_uses_its_own_sizes_never_the_last_step_s():
+    """Dr. GRPO's constant travels in the step's Rollout, not on the trainer: a loss() call after a step whose longest
+    response was 8 divides by what it is given (or its mini-batch's width), as the step's own mini-batches did."""
+    trainer = make("dr_grpo", 2, 8, 4)
+    trainer.step(*crafted([1, 2, 3, 4, 1, 2, 3, 8], [0, 1, 1, 0, 0, 1, 1, 0], 2))
+    zeros, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    args = (zeros, zeros, None, zeros, zeros, mask, torch.ones(2, 3), zeros)  # ratio 1, advantage 1 at 6 tokens
+    assert trainer.loss(*args)[0].item() == pytest.approx(-6 / (2 * 3))  # the mini-batch's width, 3
+    assert trainer.loss(*args, norm_length=6)[0].item() == pytest.approx(-6 / (2 * 6))
