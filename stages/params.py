@@ -192,7 +192,9 @@ class CheckpointParams:
     """Resumable state of the training stages (sft, reward, ppo), kept in data/checkpoints/<stage>.
 
     A rerun after a crash or a kill resumes from the last complete checkpoint and ends with the same
-    artifacts as an uninterrupted run. No stage tracks this section in dvc.yaml: it changes no output.
+    artifacts as an uninterrupted run. sft, reward and ppo track in dvc.yaml the keys of it they read (a stage reads
+    only params it tracks), and report the whole section (its page lists the params): a change reruns them, and
+    their outputs stay the same.
     """
 
     ppo_every: int
