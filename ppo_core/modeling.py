@@ -105,7 +105,7 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         self.v_head = ValueHead(_hidden_size(lm.config), summary_dropout_prob)
         self.v_head.to(lm.device)
         self._init_weights(v_head_initializer_range=v_head_initializer_range, v_head_init_strategy=v_head_init_strategy)
-        self.is_sequential_parallel = False
+        self.is_sequential_parallel = False  # legacy TRL's (set for device_map models there): user code may read it
         # legacy attributes that user code reads: quantisation flags, and the adapters `compute_reward_score` switches
         self.is_loaded_in_8bit = bool(getattr(lm, "is_loaded_in_8bit", False))
         self.is_loaded_in_4bit = bool(getattr(lm, "is_loaded_in_4bit", False))

@@ -52,8 +52,9 @@ class ModelInputs(NamedTuple):
     def index(self, idx: torch.Tensor, host_idx: torch.Tensor | None = None) -> ModelInputs:
         """The samples ``idx``; ``host_idx`` the same indices on the host (default: ``idx`` read back)."""
         host_idx = host_idx if host_idx is not None or self.host_lens is None else idx.cpu()
-        return ModelInputs(*(t[idx] if t is not None else None for t in self[:-1]),
-                           self.host_lens[host_idx] if self.host_lens is not None else None)
+        device_fields = {name: getattr(self, name) for name in self._fields if name != "host_lens"}
+        return ModelInputs(**{name: t[idx] if t is not None else None for name, t in device_fields.items()},
+                           host_lens=self.host_lens[host_idx] if self.host_lens is not None else None)
 
     def rows(self, start: int, stop: int) -> ModelInputs:
         """The samples ``start:stop`` (views)."""
@@ -242,13 +243,18 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
 
 
 def concat_outputs(parts: list[PolicyOutputs], inputs: ModelInputs) -> PolicyOutputs:
-    """Concatenate chunked ``PolicyOutputs`` along the batch, re-padding to the batch's response length."""
+    """Concatenate chunked ``PolicyOutputs`` along the batch, re-padding each ``(b, R_b)`` field to the batch's
+    response length (the entropy too, where the parts have it; the hidden states are per token already)."""
     width = inputs.sizes().width
-    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
-    logprobs = torch.cat([pad(p.logprobs) for p in parts])
-    values = torch.cat([pad(p.values) for p in parts])
+
+    def cat(field: str) -> torch.Tensor | None:
+        tensors = [getattr(p, field) for p in parts]
+        if tensors[0] is None:
+            return None
+        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
+
     hidden = torch.cat([p.hidden for p in parts]) if parts[0].hidden is not None else None
-    return PolicyOutputs(logprobs, values, None, hidden)
+    return PolicyOutputs(cat("logprobs"), cat("values"), cat("entropy"), hidden)
 
 
 def chunked_outputs(model, inputs: ModelInputs, chunk_size: int, keep_hidden: bool = False) -> PolicyOutputs:
