@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.artifacts import LOCKS, STATE, fresh_dir, hash_file, write_json
+from stages.artifacts import LOCKS, STATE, fresh_dir, hash_file, remove_stale_temporaries, write_json
 from stages.params import Params
 from stages.pipeline import CODE_ROOT, StageSpec, stage
 from stages.runtime import StageError, lock_if_free, note, process_state
@@ -238,6 +238,18 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     """The `checkpoint-N` directories transformers finished writing, oldest first."""
     found = sorted(Path(directory).glob("checkpoint-*"), key=lambda p: int(p.name.rpartition("-")[2]))
     return [p for p in found if (p / COMPLETE).exists()]
+
+
+def trainer_resume_point(name: str, params: Params, root: Path, checkpoints: Path,
+                         outputs: Iterable[Path]) -> str | None:
+    """Before a transformers training stage (sft, reward) trains: the leftovers of an interrupted publish in its
+    ``outputs``' directories removed (by the main process), and the checkpoint in ``checkpoints`` to resume from, if
+    one was written with the same params, inputs and code as dvc.yaml says the stage tracks (None: a fresh run)."""
+    if process_state().is_main_process:
+        remove_stale_temporaries(*outputs)
+    spec = stage(name)
+    expected = fingerprint(params, spec.params, spec.data, root, spec.code)
+    return open_trainer_checkpoints(checkpoints, expected, params, name)
 
 
 def open_trainer_checkpoints(directory: Path, expected: dict[str, Any], params: Params, stage: str) -> str | None:

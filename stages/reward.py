@@ -25,16 +25,14 @@ from stages.artifacts import (
     atomic_path,
     publishing,
     read_table,
-    remove_stale_temporaries,
     require_dir,
     write_json,
     writing,
 )
 from stages.models import autocast_args, load_float32, merged, reward_inputs, reward_scores, with_lora
 from stages.params import Params
-from stages.pipeline import stage
-from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
-from stages.runtime import device, process_state, quiet_trainer, trainer_progress
+from stages.resume import discard, trainer_callback, trainer_resume_point
+from stages.runtime import device, quiet_trainer, trainer_progress
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -55,11 +53,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     rejected_ids = reward_inputs(model, tokenizer, [rejected[i] for i in train_idx])
     train = [{"chosen": c, "rejected": r} for c, r in zip(chosen_ids, rejected_ids)]
     checkpoints = root / REWARD_CHECKPOINTS
-    if process_state().is_main_process:
-        remove_stale_temporaries(root / REWARD_MODEL.parent, root / REWARD_METRICS.parent)
-    spec = stage("reward")  # what dvc.yaml says the stage tracks: a checkpoint is reused only for the same
-    expected = fingerprint(params, spec.params, spec.data, root, spec.code)
-    resume_from = open_trainer_checkpoints(checkpoints, expected, params, "reward")
+    resume_from = trainer_resume_point("reward", params, root, checkpoints,
+                                       (root / REWARD_MODEL.parent, root / REWARD_METRICS.parent))
     trainer = quiet_trainer(PairwiseTrainer(
         model=model, args=training_args(params, checkpoints), train_dataset=train,
         data_collator=PairCollator(tokenizer), processing_class=tokenizer,

@@ -36,7 +36,6 @@ from stages.artifacts import (
     SFT_MODEL,
     publishing,
     read_table,
-    remove_stale_temporaries,
     save_pretrained,
     write_csv,
     write_json,
@@ -44,9 +43,8 @@ from stages.artifacts import (
 )
 from stages.models import autocast_args, check_model_source, load_float32, merged, with_lora
 from stages.params import ModelParams, Params
-from stages.pipeline import stage
-from stages.resume import discard, fingerprint, open_trainer_checkpoints, trainer_callback
-from stages.runtime import StageError, device, note, process_state, quiet_trainer, reason, trainer_progress
+from stages.resume import discard, trainer_callback, trainer_resume_point
+from stages.runtime import StageError, device, note, quiet_trainer, reason, trainer_progress
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 
@@ -66,11 +64,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
         collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
     checkpoints = root / SFT_CHECKPOINTS
-    if process_state().is_main_process:
-        remove_stale_temporaries(root / SFT_MODEL.parent, root / SFT_METRICS.parent)
-    spec = stage("sft")  # what dvc.yaml says the stage tracks: a checkpoint is reused only for the same
-    expected = fingerprint(params, spec.params, spec.data, root, spec.code)
-    resume_from = open_trainer_checkpoints(checkpoints, expected, params, "sft")
+    resume_from = trainer_resume_point("sft", params, root, checkpoints,
+                                       (root / SFT_MODEL.parent, root / SFT_METRICS.parent))
     trainer = quiet_trainer(Trainer(
         model=model,
         args=training_args(params, checkpoints),
