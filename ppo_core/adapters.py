@@ -99,3 +99,27 @@ def merged_copy(model) -> nn.Module:
     if len({p.dtype for p in merged.parameters() if p.is_floating_point()}) > 1:
         merged.float()
     return merged.merge_and_unload()
+
+
+SET_VALUED = ("target_modules", "exclude_modules", "modules_to_save")  # sets in peft's configs, lists in its JSON
+
+
+def canonical_adapter_configs(directory: str) -> None:
+    """Rewrite every ``adapter_config.json`` under ``directory`` with its set-valued fields sorted.
+
+    peft keeps ``target_modules`` as a Python set and writes it in the set's iteration order, which for strings
+    depends on the process's hash seed (``PYTHONHASHSEED``, random per process): the same adapter saved by two runs
+    gave two files, so a LoRA run's outputs never reproduced byte for byte. Written back as peft writes it
+    (``json.dumps(indent=2, sort_keys=True)``).
+    """
+    for root, _, files in os.walk(directory):
+        if "adapter_config.json" not in files:
+            continue
+        path = os.path.join(root, "adapter_config.json")
+        with open(path) as fh:
+            config = json.load(fh)
+        for key in SET_VALUED:
+            if isinstance(config.get(key), list) and all(isinstance(v, str) for v in config[key]):
+                config[key] = sorted(config[key])
+        with open(path, "w") as fh:
+            fh.write(json.dumps(config, indent=2, sort_keys=True))

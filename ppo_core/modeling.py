@@ -191,6 +191,7 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
             raise ValueError("save_pretrained: merge_adapter=True needs a PEFT policy; this model has no adapter.")
         lm = adapters.merged_copy(self.pretrained_model) if merge_adapter else self.pretrained_model
         lm.save_pretrained(save_directory, **kwargs)
+        adapters.canonical_adapter_configs(save_directory)  # the same adapter, the same bytes, in every process
         state = {f"v_head.{k}": v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
         save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
+from ppo_core.adapters import canonical_adapter_configs
 from ppo_core.utils import set_seed, tf32_supported
 from stages.artifacts import (
     RAW_PAIRS,
@@ -92,6 +93,7 @@ def save_reward_model(path: Path, model, tokenizer) -> None:
     with atomic_path(path) as tmp:
         if hasattr(model, "merge_and_unload"):  # before merging, which folds the adapter into the base weights
             model.save_pretrained(tmp / REWARD_ADAPTER.name)
+            canonical_adapter_configs(str(tmp / REWARD_ADAPTER.name))  # peft writes target_modules in hash order
         merged(model).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 

@@ -218,3 +218,29 @@ def test_peft_errors_are_actionable(run, tmp_path, monkeypatch):
         AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm("gpt2"), peft_config=config)
     with pytest.raises(ValueError, match=r"pip install peft"):
         AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "adapter"))
+
+
+def test_a_saved_adapter_is_the_same_bytes_whatever_the_hash_seed(tmp_path):
+    """peft writes target_modules, a set, in the process's string-hash order: two runs of the same LoRA pipeline wrote
+    two adapter_config.json files. Saved through ppo_core, the set-valued fields are sorted."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import torch; torch.manual_seed(0)\n"
+            "from peft import LoraConfig\n"
+            "from ppo_core import AutoModelForCausalLMWithValueHead\n"
+            "from tests.tiny import tiny_causal_lm\n"
+            "config = LoraConfig(r=4, target_modules=['c_attn', 'c_proj', 'c_fc'], task_type='CAUSAL_LM')\n"
+            "model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm('gpt2'), peft_config=config)\n"
+            "model.save_pretrained(sys.argv[1])\n")
+    files = []
+    for seed in ("1", "2", "3"):
+        out = tmp_path / seed
+        subprocess.run([sys.executable, "-c", code, str(out)], check=True, capture_output=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed})
+        files.append((out / "adapter_config.json").read_text())
+    assert files[0] == files[1] == files[2]
+    assert '"target_modules": [\n    "c_attn",\n    "c_fc",\n    "c_proj"\n  ]' in files[0]
