@@ -26,6 +26,7 @@ processes took more than --max-others of the CPU is redone (up to --retries time
     .venv/bin/python bench/compare.py --impls ppo_core ppo_core_lora --shapes base --steps 5 --warmup 1
     .venv/bin/python bench/compare.py --impls floor ppo_core grpo dr_grpo rloo reinforce_plus_plus \
         reinforce_plus_plus_baseline --shapes 32k                # the critic-free estimators against GAE
+    .venv/bin/python bench/compare.py --impls ppo_core grpo dapo gspo cispo --shapes 32k   # the 2025 losses
 
 Logs go to bench/results/ (git-ignored), with the whole result as JSON; the table also goes to
 bench/results/latest.md.
