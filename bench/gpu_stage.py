@@ -67,7 +67,7 @@ def peak_flops(dtype: str) -> float | None:
 
 def measure(root: Path, params, seconds: float) -> dict:
     """Per-step numbers of a finished run in ``root`` (its stats and timings)."""
-    from ppo_core.utils import tf32_supported
+    from ppo_core.runtime.utils import tf32_supported
     from stages.artifacts import PPO_STATS, PPO_TIMINGS, SFT_MODEL
 
     stats, timings = pd.read_parquet(root / PPO_STATS), pd.read_csv(root / PPO_TIMINGS)
@@ -98,7 +98,7 @@ def measure(root: Path, params, seconds: float) -> dict:
 def all_finite(stats: pd.DataFrame) -> bool:
     """Every statistic of every step finite, but for the reference's (``REFERENCE_STATS``) where they are NaN in every
     step: a run whose KL has coefficient 0 skips the reference pass and leaves them unmeasured (dapo, gspo, cispo)."""
-    from ppo_core.stats import REFERENCE_STATS
+    from ppo_core.step.stats import REFERENCE_STATS
 
     def finite(column: str) -> bool:
         return all(np.isfinite(np.asarray(v, dtype=float)).all() for v in stats[column])

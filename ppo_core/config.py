@@ -20,9 +20,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .choices import LOSS_TYPES
+from .algo.choices import LOSS_TYPES
+from .algo.registry import get_estimator
 from .fields import ConfigError, _literal, check_keys, check_range, checked
-from .registry import get_estimator
 
 # Fields derived from the others (on construction) or from the run (by the trainer), and what from: kept for the
 # legacy API, which lets a caller pass them (and overwrites them); a params file must not set them.
@@ -75,7 +75,7 @@ class PPOConfig:
     """adaptive KL controller (Ziegler et al.) instead of a fixed coefficient"""
     init_kl_coef: float | None = None
     """initial KL penalty coefficient (beta) in the rewards; None: the estimator's (0.2 for PPO, legacy TRL's; see
-    ppo_core.registry), 0 when the KL goes to the loss"""
+    ppo_core.algo.registry), 0 when the KL goes to the loss"""
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "k3", "full"] = "kl"  # choices.KL_PENALTIES
     """per-token KL estimate in the rewards: 'kl' = 'k1' (logp - ref), 'abs', 'mse' = 'k2' (0.5 * diff^2), 'k3'
     (low variance, >= 0) or 'full' (whole distribution)"""
@@ -151,7 +151,7 @@ class PPOConfig:
     """(ppo_core) let float32 matmuls use TF32 on CUDA GPUs that have it (Ampere and newer) while the trainer's
     generate and step run; false leaves torch's setting as it is (no effect on CPUs)"""
     advantage_estimator: str = "gae"
-    """(ppo_core) a registered estimator (``ppo_core.registry``): 'gae' (PPO with a critic, the value head), or
+    """(ppo_core) a registered estimator (``ppo_core.algo.registry``): 'gae' (PPO with a critic, the value head), or
     critic-free 'grpo', 'dr_grpo', 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'dapo', 'gspo',
     'cispo', or one of your own; without the critic the value head is neither used nor trained and the ppo/val/*
     stats are absent"""

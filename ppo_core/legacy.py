@@ -21,19 +21,19 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 from transformers import PreTrainedTokenizerBase
 
+from .algo.ppo_math import Advantages, ShapedRewards, full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
+from .algo.registry import LEGACY_ESTIMATOR
 from .config import PPOConfig
-from .distributed import quiet_deepspeed_collectives
-from .generation import generate_batched
-from .modeling import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
-from .ppo_math import Advantages, ShapedRewards, full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
-from .precision import floating_dtype, with_tf32
-from .reference import placed_reference
-from .registry import LEGACY_ESTIMATOR
-from .rollout import build_response_masks, checked_step_inputs, policy_outputs
-from .stats import mean_over_processes, reward_stats, step_stats
-from .utils import timed
-from .weights import push_saved
-from .zero import gathered, gathered_for_generation
+from .models.generation import generate_batched
+from .models.modeling import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
+from .models.reference import placed_reference
+from .models.weights import push_saved
+from .runtime.distributed import quiet_deepspeed_collectives
+from .runtime.precision import floating_dtype, with_tf32
+from .runtime.utils import timed
+from .runtime.zero import gathered, gathered_for_generation
+from .step.rollout import build_response_masks, checked_step_inputs, policy_outputs
+from .step.stats import mean_over_processes, reward_stats, step_stats
 
 
 def check_arguments(config, model, ref_model, tokenizer, training_data_collator=None) -> None:
@@ -283,7 +283,7 @@ class LegacyMethods:
         return values * mask.to(values.dtype), out.advantages, out.returns
 
     def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
-        """The legacy stats dict of one step (see :func:`ppo_core.stats.step_stats`), from ``step``'s tensors:
+        """The legacy stats dict of one step (see :func:`ppo_core.step.stats.step_stats`), from ``step``'s tensors:
         ``scores``, ``logprobs``, ``ref_logprobs``, ``non_score_reward``, ``kls``, ``masks``, ``advantages``,
         ``queries``, ``responses`` and ``train_stats``."""
         stats = step_stats(
@@ -300,7 +300,7 @@ class LegacyMethods:
         return stats
 
     def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """The 0-d tensor stats averaged over processes (:func:`ppo_core.stats.mean_over_processes`)."""
+        """The 0-d tensor stats averaged over processes (:func:`ppo_core.step.stats.mean_over_processes`)."""
         return mean_over_processes(stats, self._group)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Iterable[str] = ("query", "response")):
@@ -371,8 +371,8 @@ class LegacyMethods:
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Legacy (``PyTorchModelHubMixin``): upload what :meth:`_save_pretrained` writes to the hub repository
-        ``repo_id`` (``ppo_core.weights.push_saved`` says where each kwarg goes). Every process calls it; the main
-        process uploads."""
+        ``repo_id`` (``ppo_core.models.weights.push_saved`` says where each kwarg goes). Every process calls it;
+        the main process uploads."""
         return push_saved(self._save_pretrained, repo_id, upload=self.accelerator.is_main_process, **kwargs)
 
     def _prepare_deepspeed(self, model: torch.nn.Module) -> torch.nn.Module:

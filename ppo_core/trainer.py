@@ -2,7 +2,7 @@
 
 This module is the loop: building the trainer, ``generate``, and ``step`` in numbered steps with its PPO epochs
 over mini-batches (``train_minibatch``, ``loss``). The rest lives beside it: the math in ``ppo_math`` (pure
-functions), the batching, input checks, log-probabilities and the :class:`~ppo_core.rollout.Rollout` the epochs
+functions), the batching, input checks, log-probabilities and the :class:`~ppo_core.step.rollout.Rollout` the epochs
 consume in ``rollout``/``logprobs``, a mini-batch's backward and optimizer step in ``update``, mixed precision in
 ``precision``, the statistics in ``stats``, the other processes and the Accelerator in ``distributed``, the
 checkpoint format in ``checkpoint``, the models and their surgery in ``modeling``, the reference policy in
@@ -39,9 +39,9 @@ same offset), and a bad input or a non-finite loss on any process raises on all 
 Under DeepSpeed (accelerate's DeepSpeed plugin, ZeRO-2 or ZeRO-3) the same holds, and the engine accumulates,
 clips (``max_grad_norm``) and steps inside ``accelerator.backward``, with the settings of ``PPOConfig``. Under
 ZeRO-3 the LM head is gathered for the scoring forward, generation gathers the policy once per call and the
-reference is sharded too: see ``ppo_core.zero``. A checkpoint (``save_checkpoint``) has the same layout then, with
+reference is sharded too: see ``runtime.zero``. A checkpoint (``save_checkpoint``) has the same layout then, with
 DeepSpeed's own checkpoint of the engine (every process's shards) in place of the state dicts: see
-``ppo_core.checkpoint``.
+``ppo_core.runtime.checkpoint``.
 """
 
 from __future__ import annotations
@@ -58,12 +58,20 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from . import checkpoint
-from .advantages import kl_loss, loss_mask, loss_reduction, overlong_penalties, step_advantages
+from .algo.advantages import kl_loss, loss_mask, loss_reduction, overlong_penalties, step_advantages
+from .algo.estimators import check_prompt_groups, zero_std_groups
+from .algo.functional import convert_to_scalar, entropy_from_logits, flatten_dict, stats_to_np
+from .algo.kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
+from .algo.ppo_math import kl_penalty, policy_loss, value_loss
+from .algo.registry import get_estimator, policy_loss_kind
 from .config import PPOConfig
-from .core import convert_to_scalar, entropy_from_logits, flatten_dict, stats_to_np
-from .cpu_attention import float32_attention_on_cpu
-from .distributed import (
+from .legacy import LegacyMethods, check_arguments, default_optimizer, overridden_step_hooks
+from .models.cpu_attention import float32_attention_on_cpu
+from .models.generation import check_group_sampling
+from .models.modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
+from .models.reference import frozen_reference, placed_reference, reference_policy
+from .runtime import checkpoint
+from .runtime.distributed import (
     accelerator_for,
     deprecated_collectives_ignored,
     mean_across,
@@ -73,16 +81,10 @@ from .distributed import (
     raise_if_any,
     tokens_per_process,
 )
-from .estimators import check_prompt_groups, zero_std_groups
-from .generation import check_group_sampling
-from .kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
-from .legacy import LegacyMethods, check_arguments, default_optimizer, overridden_step_hooks
-from .modeling import PreTrainedModelWrapper, decoder_start_token_id, disable_dropout
-from .ppo_math import kl_penalty, policy_loss, value_loss
-from .precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
-from .reference import frozen_reference, placed_reference, reference_policy
-from .registry import get_estimator, policy_loss_kind
-from .rollout import (
+from .runtime.precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
+from .runtime.utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
+from .runtime.zero import configure_engine, gathered, is_zero3
+from .step.rollout import (
     ModelInputs,
     PolicyOutputs,
     Rollout,
@@ -94,10 +96,8 @@ from .rollout import (
     policy_outputs,
     warn_if_start_token_included,
 )
-from .stats import REFERENCE_STATS, minibatch_stats, non_finite_stat
-from .update import Updates, minibatch_decision
-from .utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
-from .zero import configure_engine, gathered, is_zero3
+from .step.stats import REFERENCE_STATS, minibatch_stats, non_finite_stat
+from .step.update import Updates, minibatch_decision
 
 
 class PPOTrainer(LegacyMethods):
@@ -111,8 +111,8 @@ class PPOTrainer(LegacyMethods):
 
     Process-wide effects of building one: it seeds the global RNGs (legacy behaviour; ``seed + process_index``
     under N processes); alone, it resets accelerate's process-wide state left by an earlier ``Accelerator``
-    (:func:`~ppo_core.distributed.reset_single_process_accelerate_state` says why); on the CPU it lets glibc's
-    malloc keep large freed blocks for reuse (:func:`~ppo_core.utils.keep_freed_memory_for_reuse`: a faster
+    (:func:`~ppo_core.runtime.distributed.reset_single_process_accelerate_state` says why); on the CPU it lets glibc's
+    malloc keep large freed blocks for reuse (:func:`~ppo_core.runtime.utils.keep_freed_memory_for_reuse`: a faster
     mini-batch, and the process keeps its peak heap), which ``PPO_CORE_TUNE_MALLOC=0`` in the environment turns
     off. The warnings filters are left as they are: under DeepSpeed, torch's deprecation warning on DeepSpeed's
     collectives is ignored only while a trainer method runs.
@@ -137,7 +137,7 @@ class PPOTrainer(LegacyMethods):
         self.is_distributed = self.accelerator.num_processes > 1
         # DeepSpeed accumulates, clips and steps the optimizer inside accelerator.backward (see ``train_minibatch``)
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None
-        self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``ppo_core.zero``)
+        self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``ppo_core.runtime.zero``)
         self._group = process_group(self.accelerator)  # the one path to the other processes (alone: to itself)
         if self.is_distributed:  # independent sampling noise per process (the weights are synced by DDP)
             set_seed(config.seed + self.accelerator.process_index)
@@ -157,7 +157,7 @@ class PPOTrainer(LegacyMethods):
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
         ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
         prepare_dtypes(self.accelerator, model, ref_model)  # frozen weights in the autocast dtype; half weights warned
-        self.estimator = get_estimator(config.advantage_estimator)  # what the step computes (ppo_core.registry)
+        self.estimator = get_estimator(config.advantage_estimator)  # what the step computes (ppo_core.algo.registry)
         self._policy_loss = policy_loss_kind(config)  # "clip" or "cispo"
         if not self.estimator.uses_critic:  # critic-free: the value head is neither used nor trained, and is
             model.v_head.requires_grad_(False)  # frozen so that DDP does not wait for its gradient
@@ -236,7 +236,7 @@ class PPOTrainer(LegacyMethods):
             yield
 
     def _reference(self):
-        """The reference policy, for a block (see ``ppo_core.reference``)."""
+        """The reference policy, for a block (see ``ppo_core.models.reference``)."""
         return reference_policy(self.model, self.ref_model, self.accelerator.unwrap_model)
 
     def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:
@@ -432,7 +432,7 @@ class PPOTrainer(LegacyMethods):
         step's ``Rollout.norm_length``; None: the mini-batch's width).
 
         Under N processes each token mean divides this process's sum by the global mini-batch's token count over N
-        (:func:`~ppo_core.distributed.tokens_per_process`, which says why); the stats are per-process shares
+        (:func:`~ppo_core.runtime.distributed.tokens_per_process`, which says why); the stats are per-process shares
         (the variances excepted) that ``gather_stats`` averages into the global values.
         """
         cfg = self.config
@@ -467,7 +467,7 @@ class PPOTrainer(LegacyMethods):
     @quiet_deepspeed_collectives
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Write the whole training state to the directory ``path`` atomically (what it holds and its layout:
-        ``ppo_core.checkpoint``), with ``extra`` as given (plain Python values or tensors, e.g. the caller's data
+        ``runtime.checkpoint``), with ``extra`` as given (plain Python values or tensors, e.g. the caller's data
         position); see ``load_checkpoint``. Every process calls it, and returns once the directory is in place."""
         self.accelerator.wait_for_everyone()
         processes = self._group.gather_object({"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()})

@@ -26,9 +26,9 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
-from ppo_core.generation import generate_batched
-from ppo_core.rollout import model_inputs, policy_outputs
-from ppo_core.utils import moved, set_seed, tf32_matmuls
+from ppo_core.models.generation import generate_batched
+from ppo_core.runtime.utils import moved, set_seed, tf32_matmuls
+from ppo_core.step.rollout import model_inputs, policy_outputs
 from stages.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,

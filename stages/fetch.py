@@ -32,7 +32,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from ppo_core.utils import swapped
+from ppo_core.runtime.utils import swapped
 from stages.artifacts import atomic_path, publishing, save_pretrained, write_json, write_parquet
 from stages.params import Params
 from stages.runtime import StageError, note, reason

@@ -21,8 +21,8 @@ from typing import Any, Literal
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
+from ppo_core.algo.registry import get_estimator
 from ppo_core.fields import ConfigError, check_keys, check_range, checked
-from ppo_core.registry import get_estimator
 from stages.runtime import ParamsError
 
 SYNTHETIC = "synthetic"

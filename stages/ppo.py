@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
-from ppo_core.utils import moved, set_seed
+from ppo_core.runtime.utils import moved, set_seed
 from stages.artifacts import (
     PPO_CHECKPOINTS,
     PPO_MODEL,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from ppo_core.utils import set_seed
+from ppo_core.runtime.utils import set_seed
 from stages import synthetic
 from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
 from stages.params import SYNTHETIC, DatasetSpec, Params

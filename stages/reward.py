@@ -14,8 +14,8 @@ from pathlib import Path
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
-from ppo_core.adapters import canonical_adapter_configs
-from ppo_core.utils import set_seed, tf32_supported
+from ppo_core.models.adapters import canonical_adapter_configs
+from ppo_core.runtime.utils import set_seed, tf32_supported
 from stages.artifacts import (
     RAW_PAIRS,
     REWARD_ADAPTER,

@@ -188,7 +188,7 @@ def process_state():
     import torch
     from accelerate import PartialState
 
-    from ppo_core.distributed import cpu_backend, deepspeed_launched
+    from ppo_core.runtime.distributed import cpu_backend, deepspeed_launched
 
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
     if deepspeed_launched() and not use_cpu:

@@ -27,7 +27,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from ppo_core.utils import set_seed, tf32_supported
+from ppo_core.runtime.utils import set_seed, tf32_supported
 from stages.artifacts import (
     RAW_SFT,
     SFT_CHECKPOINTS,

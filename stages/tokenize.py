@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from ppo_core.utils import set_seed
+from ppo_core.runtime.utils import set_seed
 from stages.artifacts import (
     RAW_PROMPTS_EVAL,
     RAW_PROMPTS_TRAIN,

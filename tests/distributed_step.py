@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ppo_core import PPOConfig, PPOTrainer
-from ppo_core.zero import gathered
+from ppo_core.runtime.zero import gathered
 from tests.tiny import PAD, VOCAB, random_queries, tiny_tokenizer, tiny_value_model
 
 GLOBAL_BATCH, STEPS = 8, 3

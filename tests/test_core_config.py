@@ -32,7 +32,7 @@ def field_default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-BY_ESTIMATOR = {"init_kl_coef", "cliprange"}  # the estimator's (ppo_core.registry): RLOO's KL 0.05, GSPO's clip
+BY_ESTIMATOR = {"init_kl_coef", "cliprange"}  # the estimator's (ppo_core.algo.registry): RLOO's KL 0.05, GSPO's clip
 
 
 def test_every_seed_field_exists_with_the_seed_default():
@@ -174,7 +174,7 @@ def test_kl_penalty_choices_are_the_math_layer_s():
     """config.py does not import the math layer (validating params must not execute it); the two lists agree."""
     import typing
 
-    from ppo_core.ppo_math import KL_PENALTIES
+    from ppo_core.algo.ppo_math import KL_PENALTIES
 
     assert typing.get_args(typing.get_type_hints(PPOConfig)["kl_penalty"]) == KL_PENALTIES
 

@@ -9,9 +9,9 @@ gradients over the processes in float32, in another order than one process sums 
 ``generate`` (policy and reference) and ``step`` with the whole-vocabulary KL, and a step with an infinite
 gradient. Gradient accumulation, which DeepSpeed does itself, is checked in one process against no DeepSpeed.
 
-A launch takes about 15-25 s on 2 cores. DeepSpeed compiles nothing: on CPUs ``ppo_core.distributed.cpu_backend``
-keeps it from building its shared-memory all-reduce op (about a minute on a fresh machine), which ZeRO training never
-uses.
+A launch takes about 15-25 s on 2 cores. DeepSpeed compiles nothing: on CPUs
+``ppo_core.runtime.distributed.cpu_backend`` keeps it from building its shared-memory all-reduce op (about a minute
+on a fresh machine), which ZeRO training never uses.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from ppo_core.algo.ppo_math import gae_advantages, policy_loss, token_mean, value_loss
 from ppo_core.core import masked_mean, masked_var, masked_whiten
-from ppo_core.distributed import (
+from ppo_core.runtime.distributed import (
     ProcessGroup,
     SingleProcess,
     gather_ragged,
@@ -27,7 +28,6 @@ from ppo_core.distributed import (
     raise_if_any,
     tokens_per_process,
 )
-from ppo_core.ppo_math import gae_advantages, policy_loss, token_mean, value_loss
 from tests import distributed_step, launching
 
 torch.set_num_threads(1)
@@ -356,7 +356,7 @@ def test_ddp_processes_stay_equal_when_a_window_ends_in_a_skipped_minibatch(tmp_
 def test_the_collectives_warning_is_ignored_within_the_block_only():
     """Under DeepSpeed the trainer's methods run in ``deprecated_collectives_ignored``: the filter it adds is gone
     once the block ends, so a trainer changes no process-wide warnings setting."""
-    from ppo_core.distributed import deprecated_collectives_ignored
+    from ppo_core.runtime.distributed import deprecated_collectives_ignored
 
     message = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use all_gather_single instead."
     before = list(warnings.filters)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ppo_core.estimators import (
+from ppo_core.algo.estimators import (
     check_groups,
     group_centred,
     group_normalized,
@@ -16,7 +16,7 @@ from ppo_core.estimators import (
     reinforce_plus_plus_advantages,
     soft_overlong_penalty,
 )
-from ppo_core.ppo_math import aggregate, kl_penalty, shape_rewards
+from ppo_core.algo.ppo_math import aggregate, kl_penalty, shape_rewards
 
 F64 = torch.float64
 
@@ -67,7 +67,7 @@ def test_group_estimators_equal_a_naive_loop(estimator, scale, group_size):
 
 
 def group_advantages(scores, group_size, estimator, scale="group", eps=1e-4):
-    """The group function each built-in group estimator uses (ppo_core.registry)."""
+    """The group function each built-in group estimator uses (ppo_core.algo.registry)."""
     if estimator == "rloo":
         return leave_one_out(scores, group_size)
     if estimator == "dr_grpo":
@@ -198,7 +198,7 @@ def test_the_config_s_choices_are_the_math_layer_s():
     import typing
 
     from ppo_core import PPOConfig
-    from ppo_core.ppo_math import IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_AGGREGATIONS
+    from ppo_core.algo.ppo_math import IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_AGGREGATIONS
 
     hints = typing.get_type_hints(PPOConfig)
     assert typing.get_args(hints["kl_penalty"]) == KL_PENALTIES

@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-import ppo_core.logprobs as logprobs_module
+import ppo_core.models.logprobs as logprobs_module
+from ppo_core.algo.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
+from ppo_core.algo.ppo_math import discount_matrix, gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
 from ppo_core.core import entropy_from_logits, logprobs_from_logits, masked_mean, masked_var, masked_whiten, whiten
-from ppo_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
-from ppo_core.logprobs import LMHead, full_kl, selected_entropy, selected_logprobs, selected_logprobs_and_entropy
-from ppo_core.ppo_math import discount_matrix, gae_advantages, kl_penalty, policy_loss, shape_rewards, value_loss
+from ppo_core.models.logprobs import LMHead, full_kl, selected_entropy, selected_logprobs, selected_logprobs_and_entropy
 
 torch.set_num_threads(1)  # tiny tensors: extra threads only add spin-up cost
 HYPO = settings(max_examples=40, deadline=None)

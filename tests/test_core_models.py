@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ppo_core import AutoModelForCausalLMWithValueHead, create_reference_model
-from ppo_core.logprobs import selected_logprobs_and_entropy
-from ppo_core.modeling import VALUE_HEAD_FILE
-from ppo_core.rollout import build_model_inputs, policy_outputs
+from ppo_core.models.logprobs import selected_logprobs_and_entropy
+from ppo_core.models.modeling import VALUE_HEAD_FILE
+from ppo_core.step.rollout import build_model_inputs, policy_outputs
 from tests.tiny import ARCHS, EOS, VOCAB, random_queries, tiny_causal_lm, tiny_value_model
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost

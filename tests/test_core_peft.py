@@ -14,8 +14,8 @@ import peft
 from transformers import AutoModelForCausalLM
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
-from ppo_core.modeling import VALUE_HEAD_FILE
-from ppo_core.rollout import build_model_inputs, policy_outputs
+from ppo_core.models.modeling import VALUE_HEAD_FILE
+from ppo_core.step.rollout import build_model_inputs, policy_outputs
 from tests.test_core_models import legacy_logprobs_and_values, mixed_batch
 from tests.test_core_trainer import LEGACY_KEYS, assert_all_finite
 from tests.tiny import (

@@ -1,5 +1,5 @@
-"""The estimator registry and the glue between a config and the math (ppo_core.registry, ppo_core.advantages): each
-built-in's settings, a user's own estimator by name, hand-computed advantages and losses for every estimator, and
+"""The estimator registry and the glue between a config and the math (ppo_core.algo.registry and .advantages):
+each built-in's settings, a user's own estimator by name, hand-computed advantages and losses for every estimator, and
 the places where a small slip in the glue would change training without failing anything else."""
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from ppo_core import PPOConfig, PPOTrainer
-from ppo_core.advantages import loss_mask, sequence_advantages, shaped_group_scores, step_advantages
-from ppo_core.distributed import SingleProcess
-from ppo_core.ppo_math import policy_loss
-from ppo_core.registry import ESTIMATORS, get_estimator, policy_loss_kind, register_estimator
+from ppo_core.algo.advantages import loss_mask, sequence_advantages, shaped_group_scores, step_advantages
+from ppo_core.algo.ppo_math import policy_loss
+from ppo_core.algo.registry import ESTIMATORS, get_estimator, policy_loss_kind, register_estimator
+from ppo_core.runtime.distributed import SingleProcess
 from tests.tiny import tiny_tokenizer, tiny_value_model
 
 torch.set_num_threads(1)
 F64 = torch.float64
 
 # name: (uses_critic, needs_groups, kl_in, kl_coef, loss_aggregation, policy_loss, cliprange, epsilon_high, level,
-#        dynamic_sampling), each from its reference implementation (ppo_core.registry's docstring cites them)
+#        dynamic_sampling), each from its reference implementation (ppo_core.algo.registry's docstring cites them)
 REFERENCE = {
     "gae": (True, False, "reward", 0.2, "token-mean", "clip", 0.2, None, "token", False),
     "grpo": (False, True, "loss", 0.04, "seq-mean-token-mean", "clip", 0.2, None, "token", False),
@@ -116,8 +116,8 @@ def test_a_user_estimator_in_a_params_file_is_named_module_colon_name(tmp_path, 
     from tests.conftest import write_params
 
     (tmp_path / "my_estimators.py").write_text(
-        "from ppo_core.advantages import sequence_advantages, shaped_group_scores\n"
-        "from ppo_core.registry import register_estimator\n\n"
+        "from ppo_core.algo.advantages import sequence_advantages, shaped_group_scores\n"
+        "from ppo_core.algo.registry import register_estimator\n\n"
         "@register_estimator('worst_of_group', needs_groups=True)\n"
         "def worst_of_group(batch, config, group):\n"
         "    shaped, scores = shaped_group_scores(batch)\n"
@@ -325,7 +325,8 @@ def test_checking_a_config_loads_neither_torch_nor_the_math():
             "PPOConfig(advantage_estimator='dapo', num_generations=4, batch_size=8, mini_batch_size=4); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('ppo_core.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['ppo_core.choices', 'ppo_core.config', 'ppo_core.fields', 'ppo_core.registry']"
+    assert out.strip() == ("['ppo_core.algo', 'ppo_core.algo.choices', 'ppo_core.algo.registry', 'ppo_core.config', "
+                           "'ppo_core.fields']")
 
 
 def test_a_direct_loss_call_uses_its_own_sizes_never_the_last_step_s():

@@ -1,10 +1,10 @@
-"""ppo_core.rollout: the step's batch of (query, response) sequences, its chunked passes and its mini-batches."""
+"""ppo_core.step.rollout: the step's batch of (query, response) sequences, its chunked passes and its mini-batches."""
 
 from __future__ import annotations
 
 import torch
 
-from ppo_core.rollout import PolicyOutputs, Rollout, concat_outputs, model_inputs
+from ppo_core.step.rollout import PolicyOutputs, Rollout, concat_outputs, model_inputs
 
 
 def inputs_of(lengths: list[int]):

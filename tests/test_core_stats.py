@@ -1,4 +1,4 @@
-"""The step's statistics (``ppo_core.stats``): over N processes (threads standing in for them) the sample and token
+"""The step's statistics (``ppo_core.step.stats``): over N processes (threads standing in for them) the sample and token
 statistics are those of one process over the global batch; alone, every helper returns the plain numbers."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from ppo_core.distributed import SingleProcess
-from ppo_core.stats import gather_samples, gather_tokens, mean_over_processes, reward_stats, step_stats
+from ppo_core.runtime.distributed import SingleProcess
+from ppo_core.step.stats import gather_samples, gather_tokens, mean_over_processes, reward_stats, step_stats
 from tests.test_core_distributed import in_threads
 
 ALONE = SingleProcess(torch.device("cpu"))

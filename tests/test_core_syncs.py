@@ -92,7 +92,7 @@ def test_generate_reads_the_tokens_back_once_per_batch(n_queries, batch_size):
 def test_a_list_of_tensors_is_moved_in_one_copy():
     """``moved``: one copy of the concatenated tensors, split into views of it (here to the meta device, the one
     other device a CPU has); already there, the tensors themselves."""
-    from ppo_core.utils import moved
+    from ppo_core.runtime.utils import moved
 
     tensors = [torch.arange(n) for n in (3, 1, 4)]
     assert all(a is b for a, b in zip(moved(tensors, "cpu"), tensors))

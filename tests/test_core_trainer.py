@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from ppo_core import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, cpu_attention, generation
-from ppo_core.cpu_attention import float32_attention_on_cpu
-from ppo_core.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
-from ppo_core.rollout import build_model_inputs, policy_outputs
-from ppo_core.utils import swapped
+from ppo_core.models.cpu_attention import float32_attention_on_cpu
+from ppo_core.models.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
+from ppo_core.runtime.utils import swapped
+from ppo_core.step.rollout import build_model_inputs, policy_outputs
 from tests.tiny import ARCHS, EOS, PAD, VOCAB, random_queries, tiny_causal_lm, tiny_tokenizer, tiny_value_model
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
@@ -740,7 +740,7 @@ def test_large_negative_kl_is_warned_about_once():
 def test_deepspeed_config_takes_accumulation_and_clipping_from_ppo_config():
     """DeepSpeed accumulates and clips itself: its "auto" (or absent) settings are filled from PPOConfig, and a
     different number raises naming both (no deepspeed needed: the config is a dict)."""
-    from ppo_core.zero import fill_config
+    from ppo_core.runtime.zero import fill_config
 
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}
@@ -759,7 +759,7 @@ def test_deepspeed_config_takes_accumulation_and_clipping_from_ppo_config():
 
 def test_zero3_refuses_a_reference_copy_it_cannot_make():
     """Under ZeRO-3 the reference is copied from the whole policy and sharded in its own engine."""
-    from ppo_core.zero import check_reference_copy
+    from ppo_core.runtime.zero import check_reference_copy
 
     model = tiny_value_model()
     check_reference_copy(model, None)  # whole weights, no shared layers: fine
@@ -786,7 +786,7 @@ def test_a_trainer_does_not_inherit_an_earlier_accelerators_settings():
     in bf16 too (and one asking for another precision would be refused). Alone, each starts from its own settings."""
     from accelerate import Accelerator
 
-    from ppo_core.distributed import SingleProcess
+    from ppo_core.runtime.distributed import SingleProcess
 
     bf16 = make_trainer(accelerator_kwargs={"mixed_precision": "bf16"})
     assert bf16.accelerator.mixed_precision == "bf16"
@@ -801,7 +801,7 @@ def test_malloc_tuning_is_a_default_the_environment_turns_off(monkeypatch):
     import platform
 
     from ppo_core import trainer as trainer_module
-    from ppo_core.utils import keep_freed_memory_for_reuse
+    from ppo_core.runtime.utils import keep_freed_memory_for_reuse
 
     applied = []
     monkeypatch.setattr(trainer_module, "keep_freed_memory_for_reuse",
@@ -815,7 +815,7 @@ def test_malloc_tuning_is_a_default_the_environment_turns_off(monkeypatch):
 def test_a_rollout_mini_batch_is_every_tensor_sliced_by_hand():
     """``Rollout.minibatch(idx)``: the rows ``idx`` of every field, the response-aligned ones cut to the longest
     response among those rows (the optimiser's one indexing call)."""
-    from ppo_core.rollout import Rollout
+    from ppo_core.step.rollout import Rollout
 
     queries, responses, _ = make_batch(n=6, seed=3)
     inputs = build_model_inputs(queries, responses, PAD)

@@ -114,7 +114,7 @@ def test_the_stages_read_the_dvc_yaml_of_the_directory_they_run_in(monkeypatch, 
     monkeypatch.chdir(EXAMPLE)
     here = stages()
     assert list(here) == ["fetch", *SHARED]
-    assert "stages/ppo.py" in here["ppo"].code and "ppo_core" in here["ppo"].code
+    assert "stages/ppo.py" in here["ppo"].code and "ppo_core/trainer.py" in here["ppo"].code
     for name in SHARED:
         assert here[name].code == tuple(code_deps(ROOT_STAGES[name])), name
     assert here["sft"].data == (fetch.BASE_MODEL, Path("data/raw/sft.parquet"))

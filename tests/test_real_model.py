@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from ppo_core.rollout import build_model_inputs, policy_outputs
+from ppo_core.step.rollout import build_model_inputs, policy_outputs
 from stages import fetch
 from stages.artifacts import save_pretrained
 from stages.models import load_float32

@@ -293,13 +293,13 @@ def test_a_code_change_starts_fresh_instead_of_resuming(tiny_run, tiny_params, t
     assert "resuming from" in capfd.readouterr().err  # the same code: the checkpoint is reused
 
     remove_outputs_as_dvc_does(root, "ppo")
-    with open(code / "ppo_core" / "ppo_math.py", "a") as fh:
+    with open(code / "ppo_core" / "algo" / "ppo_math.py", "a") as fh:
         fh.write("\n# an edit\n")
     (code / "ppo_core" / "__pycache__").mkdir(exist_ok=True)
     ppo.run(tiny_params, root)
     err = capfd.readouterr().err
     # the dep that covers it, as dvc.yaml lists it: the package, or the file itself
-    assert re.search(r"data/checkpoints/ppo was written with other code \(ppo_core(/ppo_math\.py)? changed\); "
+    assert re.search(r"data/checkpoints/ppo was written with other code \(ppo_core/algo/ppo_math\.py changed\); "
                      r"starting fresh", err), err
     assert "resuming" not in err
     (code / "ppo_core" / "__pycache__" / "x.cpython.pyc").write_bytes(b"compiled")  # not code: no change

@@ -393,8 +393,8 @@ def test_sft_and_reward_train_float32_weights_from_a_bf16_checkpoint(tiny_run, t
 
 
 def test_sft_and_reward_ask_transformers_for_tf32_only_on_gpus_that_have_it(tiny_params, tmp_path, monkeypatch):
-    """TrainingArguments(tf32=True) where the GPU has TF32 (ppo_core.utils.tf32_supported, which NVIDIA_TF32_OVERRIDE=0
-    turns off), else None: torch's own setting (tf32=True raises on a GPU without it)."""
+    """TrainingArguments(tf32=True) where the GPU has TF32 (ppo_core.runtime.utils.tf32_supported,
+    which NVIDIA_TF32_OVERRIDE=0 turns off), else None: torch's own setting (tf32=True raises on a GPU without it)."""
     from stages import reward
 
     for stage in (sft, reward):

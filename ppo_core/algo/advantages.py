@@ -1,5 +1,5 @@
 """A step's advantages, its policy-loss reduction and its KL loss term, from the config and the estimator's registry
-entry (``ppo_core.registry``); and the built-in estimators' advantage functions, which that registry names. The
+entry (``ppo_core.algo.registry``); and the built-in estimators' advantage functions, which that registry names. The
 trainer calls these; the math is in ``ppo_math`` and ``estimators``.
 """
 

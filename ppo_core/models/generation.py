@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .registry import get_estimator
-from .utils import moved, swapped
+from ..algo.registry import get_estimator
+from ..runtime.utils import moved, swapped
 
 _torch_multinomial = torch.multinomial  # the original, restored after every sampling call
 

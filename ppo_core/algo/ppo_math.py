@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from .choices import IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES
-from .core import SumAcross, clip_by_value, masked_mean, masked_whiten
+from .functional import SumAcross, clip_by_value, masked_mean, masked_whiten
 
 K3_MAX = 10.0  # the cap on the k3 estimate of one token's KL
 
@@ -30,7 +30,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str) ->
 
     k3 grows as exp(-d) where the policy has moved far below the reference (d << 0): it is capped at ``K3_MAX`` (10,
     as veRL's ``low_var_kl``), so that one such token cannot make the loss infinite; a capped token gives no gradient.
-    ``full`` needs the whole distributions: see :func:`ppo_core.logprobs.full_kl`.
+    ``full`` needs the whole distributions: see :func:`ppo_core.models.logprobs.full_kl`.
     """
     diff = logprobs - ref_logprobs
     if mode in ("kl", "k1"):
@@ -42,7 +42,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str) ->
     if mode == "k3":  # exp(-d) - 1 + d, accurate near d = 0; d clamped first so that exp cannot overflow
         return (torch.expm1(-diff.clamp(min=-K3_MAX)) + diff).clamp(max=K3_MAX)
     raise ValueError(f"kl_penalty: mode must be one of {KL_PENALTIES[:-1]} here (got {mode!r}); "
-                     "'full' is computed from the distributions by ppo_core.logprobs.full_kl.")
+                     "'full' is computed from the distributions by ppo_core.models.logprobs.full_kl.")
 
 
 def full_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ def full_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch
 
     # full: KL(p || q) = sum_v p_v (log p_v - log q_v)
     (legacy's ``F.kl_div(ref_logprobs, logprobs, log_target=True, reduction="none").sum(-1)``). The trainer computes
-    the same from hidden states without the ``(B, R, V)`` tensors: :func:`ppo_core.logprobs.full_kl`.
+    the same from hidden states without the ``(B, R, V)`` tensors: :func:`ppo_core.models.logprobs.full_kl`.
     """
     return (logprobs.exp() * (logprobs - ref_logprobs)).sum(-1)
 
@@ -137,7 +137,7 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, n_tokens: torch.Tensor 
     """``E_mask[x]`` of a loss or a statistic: the sum over the valid tokens divided by ``n_tokens``.
 
     ``n_tokens=None`` divides by the mask's own count (:func:`masked_mean`). Under N data-parallel processes
-    the trainer passes ``n / N`` (:func:`ppo_core.distributed.tokens_per_process`): the mean over processes
+    the trainer passes ``n / N`` (:func:`ppo_core.runtime.distributed.tokens_per_process`): the mean over processes
     of the results, which is what DDP takes of the gradients, is then the token mean over the global
     mini-batch, even when the processes hold different numbers of tokens.
     """

@@ -69,7 +69,7 @@ def _add_inner(rest: str, own: tuple[str, ...]) -> str:
 
 def heads(model) -> tuple[str, ...]:
     """The key prefixes of a value-head model's own modules beside the wrapped model: ``v_head.``, and ``score.``
-    with a reward adapter (``ppo_core.reward_adapter``)."""
+    with a reward adapter (``ppo_core.models.reward_adapter``)."""
     return tuple(f"{name}." for name, _ in model.named_children() if name != INNER[:-1])
 
 

@@ -1,7 +1,8 @@
 """The statistics of a PPO step (TRL's legacy names), over the global batch when PPO runs in N processes.
 
-Pure functions of tensors and a process group (``ppo_core.distributed``: a :class:`~ppo_core.distributed.
-ProcessGroup`, or :class:`~ppo_core.distributed.SingleProcess` alone, where every gather returns its input).
+Pure functions of tensors and a process group (``ppo_core.runtime.distributed``: a
+:class:`~ppo_core.runtime.distributed.ProcessGroup`, or :class:`~ppo_core.runtime.distributed.SingleProcess` alone,
+where every gather returns its input).
 Sample and token statistics and histograms are computed over every process's samples (process 0's first); the
 training statistics of the mini-batches are per-process shares (see ``PPOTrainer.loss``) that
 :func:`mean_over_processes` averages into the global values.
@@ -19,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .core import masked_mean, masked_variances
-from .distributed import gather_ragged, mean_across
-from .ppo_math import PolicyLoss, ValueLoss, token_mean
+from ..algo.functional import masked_mean, masked_variances
+from ..algo.ppo_math import PolicyLoss, ValueLoss, token_mean
+from ..runtime.distributed import gather_ragged, mean_across
 
 
 def _common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
@@ -125,7 +126,7 @@ def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref
             ``policy/skipped`` (1.0 for a mini-batch the ratio threshold skipped) and, under fp16 loss scaling,
             ``policy/overflowed`` (1.0 where the loss scaler skipped the optimizer update).
         mini_batch_size: samples per mini-batch, for the number of epochs run.
-        group: the run's processes (``ppo_core.distributed``).
+        group: the run's processes (``ppo_core.runtime.distributed``).
     """
     batch_size, valid = len(scores), masks.bool().nonzero(as_tuple=True)  # the tokens that count: one device read
     kl_per_sample, entropy, scores, query_lens, response_lens = gather_samples(

@@ -20,7 +20,7 @@ it registered as an *external* parameter. Hence, under ZeRO-3:
 Under DeepSpeed the engine, not the trainer, accumulates gradients, clips them and steps the optimizer (inside
 ``accelerator.backward``); :func:`fill_config` (through :func:`configure_engine`, before ``accelerator.prepare``)
 takes those settings from ``PPOConfig`` so that there is one source for them. deepspeed is imported only where one
-of these runs under DeepSpeed. Launching and connecting the processes is ``ppo_core.distributed``'s.
+of these runs under DeepSpeed. Launching and connecting the processes is ``ppo_core.runtime.distributed``'s.
 """
 
 from __future__ import annotations

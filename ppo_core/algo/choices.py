@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # The one KL vocabulary of the reward side (PPOConfig.kl_penalty) and the loss side (PPOConfig.kl_estimator): legacy
 # TRL's names and Schulman's (2020, "Approximating KL divergence"); "kl" is k1, "mse" is k2. "full" needs the whole
-# distributions (reward side only: see ppo_core.logprobs.full_kl).
+# distributions (reward side only: see ppo_core.models.logprobs.full_kl).
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "k3", "full")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # PPOConfig.loss_aggregation's
 POLICY_LOSSES = ("clip", "cispo")  # PPO's clipped surrogate (DAPO's decoupled clip too), CISPO's

@@ -25,9 +25,9 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .logprobs import full_kl
-from .utils import moved
-from .zero import gathered
+from ..models.logprobs import full_kl
+from ..runtime.utils import moved
+from ..runtime.zero import gathered
 
 
 class Sizes(NamedTuple):

@@ -7,7 +7,7 @@ samples per prompt, consecutive (``scores[k*G:(k+1)*G]`` answer one prompt), so 
 Notation: ``B`` samples (``B = P * G``: ``P`` prompts of ``G`` samples), ``R`` response length, ``mask`` ``(B, R)``
 1 = a token that counts. Sequence-level advantages ``(B,)`` are broadcast to every token of their response.
 
-Which estimator uses which, with its KL and loss: ``ppo_core.registry``. References: GRPO (Shao et al. 2024,
+Which estimator uses which, with its KL and loss: ``ppo_core.algo.registry``. References: GRPO (Shao et al. 2024,
 DeepSeekMath), Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"), RLOO (Ahmadian et al. 2024, after
 Kool et al. 2019), REINFORCE++ (Hu 2025, OpenRLHF).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import SumAcross, masked_whiten
+from .functional import SumAcross, masked_whiten
 from .ppo_math import discount_matrix
 
 

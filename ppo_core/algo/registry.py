@@ -11,8 +11,8 @@ A user's own estimator is one decorated function, selectable by name once its mo
 (``ppo.advantage_estimator: rewards.estimators:best_of_group`` in params.yaml; ``rewards/`` is a dep of the ppo
 stage)::
 
-    from ppo_core.advantages import sequence_advantages, shaped_group_scores
-    from ppo_core.registry import register_estimator
+    from ppo_core.algo.advantages import sequence_advantages, shaped_group_scores
+    from ppo_core.algo.registry import register_estimator
 
     @register_estimator("best_of_group", needs_groups=True)
     def best_of_group(batch, config, group):
@@ -56,7 +56,7 @@ class StepBatch(NamedTuple):
 
 AdvantageFn = Callable[[StepBatch, object, object], "tuple[ShapedRewards, Advantages]"]
 """``(batch, config, group) -> (shaped rewards, advantages)``; ``group`` is the run's processes
-(``ppo_core.distributed.ProcessGroup``: ``sum_across``, ``gather``) for statistics over the global batch."""
+(``ppo_core.runtime.distributed.ProcessGroup``: ``sum_across``, ``gather``) for statistics over the global batch."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def get_estimator(name: str) -> Estimator:
         return ESTIMATORS[name]
     except (KeyError, TypeError):
         raise ValueError(f"advantage_estimator: {name!r} is not a registered estimator; one of "
-                         f"{', '.join(ESTIMATORS)}, or one of your own (ppo_core.registry.register_estimator; "
+                         f"{', '.join(ESTIMATORS)}, or one of your own (ppo_core.algo.registry.register_estimator; "
                          "'module:name' imports its module).") from None
 
 
@@ -142,12 +142,12 @@ def policy_loss_kind(config) -> str:
     return get_estimator(config.advantage_estimator).policy_loss
 
 
-# ---- the built-in estimators: their functions are in ppo_core.advantages, named here by path so that checking a
+# ---- the built-in estimators: their functions are in ppo_core.algo.advantages, named here by path so that checking a
 # config (every stage builds one from params.yaml) does not load the math --------------------------------------------
 
 
 def _builtin(name: str, function: str, **settings) -> None:
-    ESTIMATORS[name] = Estimator(name=name, advantages=f"ppo_core.advantages:{function}", **settings)
+    ESTIMATORS[name] = Estimator(name=name, advantages=f"ppo_core.algo.advantages:{function}", **settings)
 
 
 _builtin(LEGACY_ESTIMATOR, "gae", uses_critic=True, kl_coef=0.2)

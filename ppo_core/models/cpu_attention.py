@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .utils import swapped
+from ..runtime.utils import swapped
 
 _torch_sdpa = F.scaled_dot_product_attention  # the original, restored after every block
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .precision import OverflowGuard, loss_scaled
+from ..runtime.precision import OverflowGuard, loss_scaled
 from .stats import non_finite_count
 
 

@@ -2,13 +2,13 @@
 
 ``AutoModelForCausalLMWithValueHead`` wraps any ``transformers.AutoModelForCausalLM`` (GPT-2, Llama,
 Qwen2, GPT-NeoX, OPT, ...), ``AutoModelForSeq2SeqLMWithValueHead`` any encoder-decoder
-``AutoModelForSeq2SeqLM`` (T5, BART, ...); either may hold a PEFT adapter (``ppo_core.adapters``).
+``AutoModelForSeq2SeqLM`` (T5, BART, ...); either may hold a PEFT adapter (``ppo_core.models.adapters``).
 Besides the legacy ``forward`` (full logits), their ``forward(..., score_positions=, score_targets=)`` returns
 the trainer's per-token outputs (:class:`TokenScores`: log-probabilities, entropies, values) computed at the
-response positions only, from the last hidden states and the LM head (``lm_head()``, see ``ppo_core.logprobs``).
+response positions only, from the last hidden states and the LM head (``lm_head()``, see ``ppo_core.models.logprobs``).
 That path runs inside ``forward`` so that a wrapper sees the LM head used there: DDP, and DeepSpeed ZeRO-3,
 which gathers a sharded weight only for the forward and backward of a module that owns it or has it
-registered (``lm_head_parameters()``, see ``ppo_core.zero``).
+registered (``lm_head_parameters()``, see ``ppo_core.runtime.zero``).
 """
 
 from __future__ import annotations
@@ -136,13 +136,13 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
                 False, which left PPO training the value head alone); ignored when no adapter is loaded.
             reward_adapter, reward_adapter_name: a PEFT reward model's directory (``task_type="SEQ_CLS"``, trained on
                 the same base), loaded frozen beside the policy's adapter as ``reward_adapter_name`` (default
-                ``"reward_adapter"``) for ``compute_reward_score`` (``ppo_core.reward_adapter``; needs a PEFT policy).
+                ``"reward_adapter"``) for ``compute_reward_score`` (``models.reward_adapter``; needs a PEFT policy).
             **kwargs: ``summary_dropout_prob``, ``v_head_initializer_range``, ``v_head_init_strategy``
                 go to the value head; the rest to the transformers ``from_pretrained``. Without a ``dtype`` (or
                 ``torch_dtype``) the weights load in float32: transformers 5 would load them in their saved dtype,
                 and a bf16 checkpoint would then train bf16 weights without a float32 master copy.
                 ``load_in_8bit``, ``load_in_4bit`` and ``quantization_config`` raise a ValueError saying what to do
-                instead (``ppo_core.weights.loading_kwargs``).
+                instead (``ppo_core.models.weights.loading_kwargs``).
         """
         head_kwargs = {k: kwargs.pop(k) for k in _VALUE_HEAD_KWARGS if k in kwargs}
         peft_config = kwargs.pop("peft_config", None)
@@ -166,7 +166,7 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         if peft_config is not None:
             model = adapters.add_adapter(model, peft_config)
         wrapped = cls(model, **head_kwargs)
-        if reward[0] is not None:  # a frozen reward model on the same base weights (ppo_core.reward_adapter)
+        if reward[0] is not None:  # a frozen reward model on the same base weights (ppo_core.models.reward_adapter)
             reward_adapter.attach(wrapped, *reward)
         head_state = weights.load_value_head_state(path) if path is not None else None
         if head_state is not None:
@@ -266,7 +266,7 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         """``hidden (B, T, H)`` -> :class:`TokenScores` at ``positions`` ``(N, 2)`` (row, position) for ``targets``
         ``(N,)``, on the device of ``positions`` (the inputs').
 
-        The LM head runs on the ``N`` selected hidden states only, chunk by chunk (``ppo_core.logprobs``), on its own
+        The LM head runs on the ``N`` selected hidden states only, chunk by chunk (``models.logprobs``), on its own
         device: across GPUs (``device_map``) the hidden states, the value head and the LM head may each have another.
         On one device every move is a no-op.
         """

@@ -4,13 +4,13 @@
   purpose: the scaled gradients of an update become infinite, the scaler skips that update and lowers its scale.
   That is ordinary, not divergence: :func:`loss_scaled` says whether a run scales its loss, and
   :class:`OverflowGuard` counts the overflows in a row and says when so many came in a row that the run has
-  diverged (``PPOConfig.max_consecutive_overflows``). The scaler's state is checkpointed (``ppo_core.checkpoint``).
+  diverged (``PPOConfig.max_consecutive_overflows``). The scaler's state is checkpointed (``runtime.checkpoint``).
 * **Frozen weights in the compute dtype**: autocast casts a matmul's float32 weight to bf16/fp16 at every use and
   caches the cast only for weights that require grad, so a frozen float32 base (LoRA, the reference) would be cast
   again at every matmul of every generated token; :func:`cast_frozen_matmul_weights` casts those weights once.
 * **The reference in the policy's dtype**: DeepSpeed's bf16/fp16 engines hold the policy's weights in that dtype; a
   float32 reference beside it would cost twice the memory, run float32 matmuls and show a false KL at step 0
-  (:func:`floating_dtype`, used by ``ppo_core.reference.placed_reference``).
+  (:func:`floating_dtype`, used by ``ppo_core.models.reference.placed_reference``).
 * **TF32**: the trainer's ``generate`` and ``step`` let float32 matmuls use TF32 on GPUs that have it
   (:func:`with_tf32`; ``PPOConfig.tf32``).
 * **A half-precision policy outside DeepSpeed** trains without float32 master weights: Adam's updates below the
@@ -133,7 +133,7 @@ def warn_if_half_trainable(model: nn.Module) -> None:
 
 
 def with_tf32(method: Callable) -> Callable:
-    """Decorate a ``PPOTrainer`` method: it runs within :func:`~ppo_core.utils.tf32_matmuls` (``self.config.tf32`` on
+    """Decorate a ``PPOTrainer`` method: it runs within :func:`~ppo_core.runtime.utils.tf32_matmuls` (``config.tf32`` on
     ``self.current_device``), so torch's matmul precision is as it was once the method returns."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):

@@ -64,7 +64,7 @@ def load_adapter(parent_class, path: str, is_trainable: bool, *model_args, **kwa
 def check_supported(model) -> nn.Module:
     """The transformers model inside a ``PeftModel``, after checking that ppo_core can train its adapter.
 
-    ppo_core calls the transformer body and applies the LM head itself (``ppo_core.logprobs``), so the
+    ppo_core calls the transformer body and applies the LM head itself (``ppo_core.models.logprobs``), so the
     adapter must live in the body's layers: prompt-learning methods (which act in ``PeftModel.forward``)
     and adapters on the LM head itself are rejected.
     """

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..runtime.zero import check_reference_copy, prepare_reference
 from .modeling import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     PreTrainedModelWrapper,
 )
-from .zero import check_reference_copy, prepare_reference
 
 # Where the i-th transformer block lives, per architecture family (legacy LAYER_PATTERNS).
 LAYER_PATTERNS = ("transformer.h.{layer}", "model.decoder.layers.{layer}", "gpt_neox.layers.{layer}",

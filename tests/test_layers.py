@@ -1,0 +1,132 @@
+"""ppo_core's layers import only downwards (README, "ppo_core's layout"), and the module paths from before the layers
+still import.
+
+    algo      the math                          imports nothing of ppo_core
+    runtime   processes, ZeRO, precision, ...   imports nothing of ppo_core
+    models    value-head models, sampling, ...  algo, runtime
+    config    PPOConfig and its field checks    algo
+    step      rollout passes, update, stats     algo, runtime, models, config
+    top       trainer, legacy, core, __init__   anything
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ppo_core
+
+PACKAGE = Path(ppo_core.__file__).parent
+ALLOWED = {
+    "algo": set(),
+    "runtime": set(),
+    "models": {"algo", "runtime"},
+    "config": {"algo"},
+    "step": {"algo", "runtime", "models", "config"},
+    "top": {"algo", "runtime", "models", "config", "step", "top"},
+}
+CONFIG = {"config", "fields"}  # the top-level modules of the config layer
+
+
+def layer(module: str) -> str:
+    """``ppo_core.algo.ppo_math`` -> ``algo``; ``ppo_core.config`` -> ``config``; ``ppo_core.trainer`` -> ``top``."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "top"
+    if parts[0] in ALLOWED and (PACKAGE / parts[0]).is_dir():
+        return parts[0]
+    return "config" if parts[0] in CONFIG else "top"
+
+
+def module_name(file: Path) -> str:
+    parts = file.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(file: Path) -> set[str]:
+    """The ppo_core modules ``file`` imports, in functions too (not under ``if TYPE_CHECKING:``), absolute."""
+    package = module_name(file).split(".")
+    return imports_in(file.read_text(), package if file.name == "__init__.py" else package[:-1])
+
+
+def imports_in(text: str, package: list[str]) -> set[str]:
+    """``imports`` of the source ``text`` of a module of ``package`` (``["ppo_core", "algo"]``)."""
+    tree = ast.parse(text)
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and getattr(node.test, "id", "") ==
+               "TYPE_CHECKING" for part in node.body for n in ast.walk(part)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            if not node.module:  # ``from . import a, b``: the modules a and b
+                found |= {f"{module}.{alias.name}" for alias in node.names}
+    return {m for m in found if m.split(".")[0] == "ppo_core"}
+
+
+def upward(module: str, imported: set[str]) -> list[str]:
+    """The modules of ``imported`` that ``module``'s layer may not import."""
+    own = layer(module)
+    return sorted(m for m in imported if m != "ppo_core" and layer(m) not in ALLOWED[own] | {own})
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("file", MODULES, ids=lambda f: str(f.relative_to(PACKAGE)))
+def test_each_module_imports_only_the_layers_below_it(file):
+    own = layer(module_name(file))
+    bad = upward(module_name(file), imports(file))
+    assert not bad, f"{file.relative_to(PACKAGE)} ({own}) imports {bad}: {own} may import {sorted(ALLOWED[own])}"
+
+
+def test_the_check_catches_an_upward_import_even_inside_a_function():
+    source = (PACKAGE / "algo" / "ppo_math.py").read_text()
+    assert upward("ppo_core.algo.ppo_math", imports_in(source, ["ppo_core", "algo"])) == []
+    edited = source + "\n\ndef f():\n    from ..models.modeling import LMHead\n"
+    assert upward("ppo_core.algo.ppo_math", imports_in(edited, ["ppo_core", "algo"])) == ["ppo_core.models.modeling"]
+    assert upward("ppo_core.step.rollout", {"ppo_core.models.logprobs", "ppo_core.trainer"}) == ["ppo_core.trainer"]
+
+
+def test_the_engine_does_not_import_the_legacy_surface():
+    """``core`` and ``legacy`` are the legacy names over the engine: no module below the top imports them."""
+    for file in MODULES:
+        if layer(module_name(file)) != "top":
+            legacy = {m for m in imports(file) if m in ("ppo_core.core", "ppo_core.legacy", "ppo_core.trainer")}
+            assert not legacy, f"{file.relative_to(PACKAGE)} imports {sorted(legacy)}"
+
+
+def test_the_sublayers_packages_run_no_code():
+    """A layer's ``__init__`` is its docstring: importing ``ppo_core.algo`` for the registry loads nothing else."""
+    for init in PACKAGE.glob("*/__init__.py"):
+        body = ast.parse(init.read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr), init
+
+
+@pytest.mark.parametrize("old", sorted(ppo_core._MOVED))
+def test_the_paths_from_before_the_layers_import_the_same_module(old):
+    new = importlib.import_module(f"ppo_core.{ppo_core._MOVED[old]}")
+    assert importlib.import_module(f"ppo_core.{old}") is new
+    assert getattr(ppo_core, old) is new
+    assert new.__spec__.name == new.__name__  # its own spec, not the alias's: its relative imports resolve
+
+
+def test_the_old_paths_work_in_a_fresh_process_without_importing_the_others():
+    """``from ppo_core.ppo_math import ...`` in a new process, as user code written before the layers does, warning-free
+    (-W error), and importing ``ppo_core`` loads none of the moved modules until asked."""
+    code = ("import sys, ppo_core; assert not [m for m in sys.modules if m.startswith('ppo_core.')], sys.modules; "
+            "from ppo_core.ppo_math import policy_loss; from ppo_core.rollout import Rollout; "
+            "from ppo_core.core import whiten, LengthSampler, PPODecorators, set_seed; "
+            "from ppo_core.registry import get_estimator; print(get_estimator('grpo').name)")
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "grpo"
