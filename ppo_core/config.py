@@ -10,6 +10,7 @@ strings (and nothing else).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -224,6 +225,51 @@ class PPOConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunSizes:
+    """A run's batch sizes across its processes, worked out once from its config and its number of processes: by the
+    trainer (``PPOTrainer.sizes``), and by a loop that needs them before it builds one."""
+
+    num_processes: int
+    batch_size: int
+    """samples per ``step()`` on each process"""
+    mini_batch_size: int
+    backward_batch_size: int
+    """samples per optimizer update on each process: ``mini_batch_size * gradient_accumulation_steps``"""
+    num_generations: int
+
+    @classmethod
+    def of(cls, config: PPOConfig, num_processes: int) -> RunSizes:
+        return cls(num_processes, config.batch_size, config.mini_batch_size, config.backward_batch_size,
+                   config.num_generations)
+
+    @property
+    def global_batch_size(self) -> int:
+        """samples per ``step()`` over every process"""
+        return self.batch_size * self.num_processes
+
+    @property
+    def global_backward_batch_size(self) -> int:
+        return self.backward_batch_size * self.num_processes
+
+    @property
+    def prompts_per_step(self) -> int:
+        """distinct prompts in a step's global batch (each sampled ``num_generations`` times)"""
+        return self.global_batch_size // self.num_generations
+
+
+def run_config(config: PPOConfig, sizes: RunSizes, is_encoder_decoder: bool, is_peft_model: bool) -> PPOConfig:
+    """A copy of ``config`` with the legacy fields of the run filled (``world_size``, ``global_batch_size``,
+    ``global_backward_batch_size``, ``is_encoder_decoder``, ``is_peft_model``): what ``trainer.config`` holds, as legacy
+    user code reads them there. The caller's ``config`` is left as it was built."""
+    run = copy.copy(config)
+    run.world_size = sizes.num_processes
+    run.global_batch_size = sizes.global_batch_size
+    run.global_backward_batch_size = sizes.global_backward_batch_size
+    run.is_encoder_decoder, run.is_peft_model = is_encoder_decoder, is_peft_model
+    return run
 
 
 def _resolve_estimator(config: PPOConfig) -> None:
