@@ -1,11 +1,29 @@
-"""TRL 0.11's ``PPOTrainer`` API beyond the loop, kept thin: the methods its users call that ``step`` does not need
-(each over the functions ``step`` uses), and the legacy-named entry points to the statistics (``record_step_stats``,
-``gather_stats``, ``log_stats``).
+"""TRL 0.11's ``PPOTrainer`` API beyond the loop, kept thin: the legacy-named methods its users call or override,
+each over the functions ``PPOTrainer.step`` calls itself (``step`` calls none of these methods, but the hooks a
+subclass overrides: ``compute_rewards``, ``_kl_penalty``, ``compute_advantages``, through :func:`hooked_advantages`),
+and what the legacy constructor starts from: the checks of its arguments and of a subclass's hooks.
 
-:class:`LegacyMethods` is mixed into :class:`~ppo_core.trainer.PPOTrainer` and reads its attributes (``config``,
-``accelerator``, ``model``, ``kl_ctl``, ...). Beside it, what the legacy constructor starts from: the checks of its
-arguments, the data collator of ``prepare_dataloader`` and the default Adam optimizer. The legacy methods ppo_core
-does not keep, and why, are listed in the README ("What differs from TRL 0.11").
+:class:`LegacyMethods` is mixed into :class:`~ppo_core.trainer.PPOTrainer`; the attributes it reads are declared on
+it (set by ``PPOTrainer.__init__``). The legacy methods ppo_core does not keep, and why, are listed in the README
+("What differs from TRL 0.11"). Differences in behaviour from legacy TRL, all deliberate fixes:
+
+* the loss forward runs in train mode (legacy called ``model.eval()`` before it, so dropout was never
+  active there); dropout itself is disabled by default (``PPOConfig.disable_dropout``) so that the
+  first ratio of every step is 1, as the N+ implementation study recommends (exactly on CPUs; on GPUs within
+  rounding, cuBLAS choosing kernels by shape);
+* ``num_shared_layers`` shares the layers' memory with the reference model (legacy duplicated it);
+* padding never enters a statistic: "entropy", KL, rewards and whitening are all masked;
+* a mini-batch over ``ratio_threshold`` is skipped (no backward, no optimizer step) and counted in
+  ``ppo/policy/skipped_minibatches`` (legacy zeroed its loss and still stepped Adam);
+* no full-vocabulary logits are materialised: log-probabilities and entropies are computed at the
+  response positions only, chunk by chunk;
+* encoder-decoder responses are the generated tokens *without* the decoder start token (``step``
+  prepends it) and every one of them is scored (legacy returned the start token as the response's first
+  token and left the first generated token out of the loss);
+* under fp16 a loss-scale overflow is a skipped update, counted in the stats (legacy's scaler skipped it unseen),
+  and ``max_consecutive_overflows`` in a row stop the run as diverged;
+* a mini-batch waits for the GPU once (its checks), plus once per optimizer update (see ``update``);
+* no reference pass where the KL's coefficient is 0: the KL stats are then NaN, not measured.
 """
 
 from __future__ import annotations
@@ -14,26 +32,31 @@ import contextlib
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from .algo.kl_control import AdaptiveKLController, FixedKLController
 from .algo.ppo_math import Advantages, ShapedRewards, full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
 from .algo.registry import LEGACY_ESTIMATOR
 from .config import PPOConfig
-from .models.generation import generate_batched
-from .models.modeling import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
+from .models.modeling import PreTrainedModelWrapper
 from .models.reference import placed_reference
 from .models.weights import push_saved
 from .runtime.distributed import quiet_deepspeed_collectives
-from .runtime.precision import floating_dtype, with_tf32
+from .runtime.precision import floating_dtype
 from .runtime.utils import timed
-from .runtime.zero import gathered, gathered_for_generation
-from .step.rollout import build_response_masks, checked_step_inputs, policy_outputs
-from .step.stats import mean_over_processes, reward_stats, step_stats
+from .runtime.zero import gathered
+from .step import data
+from .step.inputs import build_response_masks, checked_step_inputs
+from .step.rollout import policy_outputs
+from .step.stats import lengths, mean_over_processes, reward_stats, step_stats, warn_if_negative_kl
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 def check_arguments(config, model, ref_model, tokenizer, training_data_collator=None) -> None:
@@ -55,118 +78,91 @@ def check_arguments(config, model, ref_model, tokenizer, training_data_collator=
                       "of each step itself (each sequence right-padded with the tokenizer's pad token).", stacklevel=3)
 
 
-def repeated(collate: Callable, times: int) -> Callable:
-    """``collate`` of each row ``times`` times in a row (``num_generations`` samples of every prompt)."""
-    if times == 1:
-        return collate
-    return lambda rows: collate([row for row in rows for _ in range(times)])
-
-
-def default_collator(rows: list[Any]) -> Any:
-    """The collation without a ``data_collator`` (legacy: ``collate_fn=None``, torch's default collation).
-
-    Rows of tuples of tensors, tensors, numbers...: as torch's default collation batches them, e.g. a dataset of
-    ``(query, response)`` tensor pairs gives ``(queries (B, Lq), responses (B, Lr))``. Dict rows (a ``datasets``
-    dataset): ``{k: v} -> {k: [v, ...]}``, each column a list of the rows' values, so that variable-length queries stay
-    a list of 1-D tensors (torch's collation raises on them), in every batch whatever lengths it happens to hold; a
-    column of token-id lists (``datasets`` without ``set_format("torch")``) gives 1-D LongTensors.
-    """
-    if isinstance(rows[0], Mapping):
-        return {key: [_token_ids(row[key]) for row in rows] for key in rows[0]}
-    return default_collate(rows)
-
-
-def _token_ids(value: Any) -> Any:
-    """A list of ints as a 1-D LongTensor; anything else as it is."""
-    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return torch.tensor(value, dtype=torch.long)
-    return value
-
-
-def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """Adam over the trainable parameters, as legacy TRL, with torch's fused kernel where it has one.
-
-    The fused kernel updates each tensor in one pass, where the default (foreach) Adam makes about ten
-    elementwise passes: on a 2-core CPU and 10M parameters that is 3x faster per optimizer step.
-    """
-    params = [p for p in params if p.requires_grad]
-    try:
-        return torch.optim.Adam(params, lr=lr, fused=True)
-    except RuntimeError:  # a device or dtype without a fused kernel
-        return torch.optim.Adam(params, lr=lr)
-
-
 # Legacy ``step`` called these on ``self``: a subclass that overrides one (token-level rewards, a custom advantage)
-# has ``step`` call it too, in legacy's order, on response-aligned ``(B, R)`` tensors (``_hooked_advantages``).
+# has ``step`` call it too, in legacy's order, on response-aligned ``(B, R)`` tensors (:func:`hooked_advantages`).
 STEP_HOOKS = ("compute_rewards", "_kl_penalty", "compute_advantages")
 # Legacy ``step`` called these too, but ppo_core's contract for them differs (``batched_forward_pass`` is a no-grad
 # response-aligned pass; the inputs are checked and padded once, in ``rollout.py``): an override is warned about.
-NOT_STEP_HOOKS = ("batched_forward_pass", "prepare_model_inputs", "_step_safety_checker")
+NOT_STEP_HOOKS = ("batched_forward_pass", "prepare_model_inputs", "_step_safety_checker", "record_step_stats",
+                  "gather_stats", "prepare_dataloader", "_generate_batched")
 
 
-def overridden_step_hooks(trainer) -> tuple[str, ...]:
-    """The legacy hooks of ``step`` that ``trainer``'s class overrides; raises where ``step`` cannot call them
-    (settings with no legacy counterpart), and warns about overrides ``step`` does not call."""
+def overridden_step_hooks(cls: type, cfg: PPOConfig) -> tuple[str, ...]:
+    """The legacy hooks of ``step`` that the trainer class ``cls`` overrides; raises where ``step`` cannot call them
+    (settings with no legacy counterpart), and warns about overrides that neither ``step`` nor the constructor call."""
     def changed(name: str) -> bool:
-        return getattr(type(trainer), name) is not getattr(LegacyMethods, name)
+        return getattr(cls, name) is not getattr(LegacyMethods, name)
 
     ignored = [name for name in NOT_STEP_HOOKS if changed(name)]
     if ignored:
-        warnings.warn(f"{type(trainer).__name__} overrides {', '.join(ignored)}, which ppo_core's step() does not call "
-                      "(it runs its own fused passes); override compute_rewards, _kl_penalty, compute_advantages, "
-                      "loss or train_minibatch instead.", stacklevel=3)
+        warnings.warn(f"{cls.__name__} overrides {', '.join(ignored)}, which ppo_core's step() does not call (nor "
+                      "generate() or the constructor: they run their own passes); override compute_rewards, "
+                      "_kl_penalty, compute_advantages, loss or train_minibatch instead.", stacklevel=3)
     hooks = tuple(name for name in STEP_HOOKS if changed(name))
-    cfg = trainer.config
     if hooks and (cfg.advantage_estimator != LEGACY_ESTIMATOR or cfg.kl_in != "reward" or cfg.kl_penalty == "full"):
-        raise ValueError(f"{type(trainer).__name__} overrides {', '.join(hooks)}, which step() calls as legacy did "
+        raise ValueError(f"{cls.__name__} overrides {', '.join(hooks)}, which step() calls as legacy did "
                          "only with advantage_estimator='gae', kl_in='reward' and kl_penalty other than 'full' (got "
                          f"{cfg.advantage_estimator!r}, {cfg.kl_in!r}, {cfg.kl_penalty!r}).")
     return hooks
 
 
+def hooked_advantages(trainer: LegacyMethods, scores: torch.Tensor, logprobs: torch.Tensor,
+                      ref_logprobs: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      timing: dict[str, float]) -> tuple[ShapedRewards, Advantages]:
+    """``step``'s shaped rewards and advantages through ``trainer.compute_rewards`` and ``trainer.compute_advantages``
+    (a subclass's overrides), in legacy's order: ``scores`` ``(B,)``, the rest ``(B, R)``."""
+    with timed(timing, "time/ppo/compute_rewards"):
+        rewards, non_score_rewards, kls = trainer.compute_rewards(scores, logprobs, ref_logprobs, mask)
+    with timed(timing, "time/ppo/compute_advantages"):
+        _, advantages, returns = trainer.compute_advantages(values, rewards, mask)
+    return ShapedRewards(rewards, non_score_rewards, kls), Advantages(advantages.detach(), returns.detach())
+
+
+def push_to_hub_if_best(trainer: LegacyMethods, scores: torch.Tensor) -> None:
+    """``push_to_hub_if_best_kwargs``: every ``compare_steps`` logged steps, ``push_to_hub(**kwargs)`` when the mean
+    score (``(B,)`` per process, all processes) is the best so far."""
+    kwargs = trainer.config.push_to_hub_if_best_kwargs
+    if not kwargs or trainer.current_step % trainer.config.compare_steps:
+        return
+    mean = trainer._group.gather(scores).mean().item()
+    if mean > trainer._best_score:
+        trainer._best_score = mean
+        trainer.push_to_hub(**kwargs)
+
+
 class LegacyMethods:
     """``PPOTrainer``'s legacy TRL 0.11 methods beyond the loop (see the module docstring)."""
 
-    def _hooked_advantages(self, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                           values: torch.Tensor, mask: torch.Tensor, timing: dict[str, float]):
-        """``step``'s shaped rewards and advantages through ``self.compute_rewards`` and ``self.compute_advantages``
-        (a subclass's overrides), in legacy's order: ``scores`` ``(B,)``, the rest ``(B, R)``."""
-        with timed(timing, "time/ppo/compute_rewards"):
-            rewards, non_score_rewards, kls = self.compute_rewards(scores, logprobs, ref_logprobs, mask)
-        with timed(timing, "time/ppo/compute_advantages"):
-            _, advantages, returns = self.compute_advantages(values, rewards, mask)
-        return ShapedRewards(rewards, non_score_rewards, kls), Advantages(advantages.detach(), returns.detach())
+    # what the methods read, set by ``PPOTrainer.__init__``
+    config: PPOConfig
+    accelerator: Accelerator
+    model: torch.nn.Module
+    ref_model: torch.nn.Module | None
+    tokenizer: PreTrainedTokenizerBase
+    kl_ctl: AdaptiveKLController | FixedKLController
+    current_device: torch.device
+    current_step: int
+    is_deepspeed: bool
+    _zero3: bool
+    _group: Any  # ``runtime.distributed.ProcessGroup`` or ``SingleProcess``
+    _best_score: float
+    _warned_negative_kl: bool
+    _forward_precision: Callable[[], contextlib.AbstractContextManager]
+    _model_inputs: Callable
+    _sample: Callable
+    whole_policy: Callable[[], contextlib.AbstractContextManager]
 
     def prepare_dataloader(self, dataset, data_collator=None) -> DataLoader:
-        """Shuffled ``DataLoader`` of ``batch_size`` rows per process (last ragged batch dropped)."""
-        if hasattr(dataset, "remove_columns") and self.config.remove_unused_columns:
-            dataset = self._remove_unused_columns(dataset)
-        generator = torch.Generator().manual_seed(self.config.seed)
-        size = self.config.num_generations  # batch_size / G prompts, each G times in a row: step's groups
-        return DataLoader(dataset, batch_size=self.config.batch_size // size,
-                          collate_fn=repeated(data_collator or default_collator, size), shuffle=True, drop_last=True,
-                          generator=generator)
-
-    def _initial_dataloader(self, dataset, data_collator) -> DataLoader | None:
-        """The constructor's ``dataloader``: over ``dataset``, or None, with legacy's warning that ``batch_size`` must
-        then be what the loop passes to ``step``."""
-        if dataset is not None:
-            return self.prepare_dataloader(dataset, data_collator)
-        message = ("PPOTrainer: no dataset is provided, so trainer.dataloader is None. Make sure to set "
-                   f"config.batch_size (now {self.config.batch_size}) to the correct value before training: step() "
-                   "takes that many queries, responses and scores per call")
-        if self.accelerator.num_processes > 1:
-            message += (f" on each of the {self.accelerator.num_processes} processes (give each its own share of the "
-                        "data, e.g. with trainer.accelerator.prepare(your_dataloader))")
-        warnings.warn(message + ".", UserWarning, stacklevel=3)
-        return None
+        """Shuffled ``DataLoader`` of ``batch_size`` rows per process (last ragged batch dropped): see
+        ``step.data.dataloader``."""
+        columns = None if getattr(self, "_signature_columns", None) is None else self._signature_columns
+        return data.dataloader(dataset, self.config, data_collator, columns)
 
     def _set_signature_columns_if_needed(self) -> None:
         """``_signature_columns``: the dataset columns ``prepare_dataloader`` keeps (the value-head model's forward
         arguments, plus ``label``, ``query`` and ``response`` for logging)."""
         if getattr(self, "_signature_columns", None) is None:
-            keep = list(inspect.signature(AutoModelForCausalLMWithValueHead.forward).parameters)  # before prepare
-            self._signature_columns = keep + ["label", "query", "response", "input_ids", "attention_mask"]
+            self._signature_columns = data.signature_columns()
 
     def _remove_unused_columns(self, dataset):
         self._set_signature_columns_if_needed()
@@ -194,8 +190,6 @@ class LegacyMethods:
             return contextlib.nullcontext
         return self.accelerator.unwrap_model(self.model).pretrained_model.disable_adapter
 
-    @quiet_deepspeed_collectives
-    @with_tf32
     def _generate_batched(self, model, query_tensors, length_sampler: Callable[[], int] | None = None,
                           batch_size: int = 4, return_prompt: bool = True, pad_to_multiple_of: int | None = None,
                           remove_padding: bool = True, **generation_kwargs):
@@ -208,12 +202,7 @@ class LegacyMethods:
         if not remove_padding:
             raise ValueError("_generate_batched: remove_padding=False is not supported: each response is cut after "
                              "its first EOS (the EOS kept) and holds no padding; leave remove_padding=True.")
-        model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
-        # under ZeRO-3: the weights gathered once for the whole call, not per layer and token
-        with gathered_for_generation(model), self.accelerator.autocast():
-            return generate_batched(self.accelerator.unwrap_model(model).pretrained_model, self.tokenizer,
-                                    query_tensors, self.current_device, length_sampler, batch_size, return_prompt,
-                                    generation_kwargs, self.config.is_encoder_decoder)
+        return self._sample(model, query_tensors, length_sampler, batch_size, return_prompt, **generation_kwargs)
 
     def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
         """Validate lengths, types and shapes; return device tensors (scores as one ``(B,)`` tensor)."""
@@ -288,15 +277,9 @@ class LegacyMethods:
         ``queries``, ``responses`` and ``train_stats``."""
         stats = step_stats(
             kl_coef, data["scores"], data["logprobs"], data["ref_logprobs"], data["non_score_reward"], data["kls"],
-            data["masks"], torch.tensor([len(q) for q in data["queries"]], dtype=torch.float),
-            torch.tensor([len(r) for r in data["responses"]], dtype=torch.float), data["advantages"],
+            data["masks"], lengths(data["queries"]), lengths(data["responses"]), data["advantages"],
             data["train_stats"], self.config.mini_batch_size, self._group)
-        mean_kl = stats["objective/kl"].item()
-        if mean_kl < -1.0 and not self._warned_negative_kl:
-            self._warned_negative_kl = True
-            warnings.warn(f"KL divergence is negative ({mean_kl:.2f}): usually generation kwargs that change "
-                          "the sampling distribution (top_k, top_p, min_length, temperature...). Sample with "
-                          "top_k=0, top_p=1.0, do_sample=True and no min_length/repetition penalty.")
+        self._warned_negative_kl = warn_if_negative_kl(stats, self._warned_negative_kl)
         return stats
 
     def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -337,17 +320,6 @@ class LegacyMethods:
     def _group_rows(self, values) -> list:
         """A batch column, every process's rows in process order (a list here; tensors as they are)."""
         return [row for part in self._group.gather_object(list(values)) for row in part]
-
-    def _push_to_hub_if_best(self, scores: torch.Tensor) -> None:
-        """``push_to_hub_if_best_kwargs``: every ``compare_steps`` logged steps, ``push_to_hub(**kwargs)`` when the mean
-        score (``(B,)`` per process, all processes) is the best so far."""
-        kwargs = self.config.push_to_hub_if_best_kwargs
-        if not kwargs or self.current_step % self.config.compare_steps:
-            return
-        mean = self._group.gather(scores).mean().item()
-        if mean > self._best_score:
-            self._best_score = mean
-            self.push_to_hub(**kwargs)
 
     def _save_pretrained(self, save_directory: str) -> None:
         """Legacy: the policy (``save_pretrained``: the model and its value head), the tokenizer and a model card in

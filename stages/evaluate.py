@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
 from ppo_core.models.generation import generate_batched
 from ppo_core.runtime.utils import moved, set_seed, tf32_matmuls
-from ppo_core.step.rollout import model_inputs, policy_outputs
+from ppo_core.step.inputs import model_inputs
+from ppo_core.step.rollout import policy_outputs
 from stages.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,

@@ -78,7 +78,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
-    batches = query_batches(len(prompts), config.global_batch_size, params.seed, config.num_generations)
+    batches = query_batches(len(prompts), trainer.sizes.global_batch_size, params.seed, config.num_generations)
     start, tables = resume(trainer, params, root)
     for _ in range(start):  # the data position: the batches the checkpointed steps consumed
         next(batches)

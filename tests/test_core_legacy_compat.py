@@ -570,6 +570,14 @@ def test_step_hooks_that_step_cannot_call_are_said():
         OwnForward(PPOConfig(batch_size=4, mini_batch_size=2), tiny_value_model(), tokenizer=tiny_tokenizer(),
                    dataset=PairDataset())
 
+    class OwnStats(PPOTrainer):  # legacy step() called these; ppo_core's computes its stats itself
+        def record_step_stats(self, kl_coef, **data):
+            return super().record_step_stats(kl_coef, **data)
+
+    with pytest.warns(UserWarning, match="OwnStats overrides record_step_stats, which ppo_core's step"):
+        OwnStats(PPOConfig(batch_size=4, mini_batch_size=2), tiny_value_model(), tokenizer=tiny_tokenizer(),
+                 dataset=PairDataset())
+
 
 def test_a_patched_zero_grad_keeps_the_gradients_as_in_trl_s_own_tests():
     """TRL's legacy tests patch ``optimizer.zero_grad`` with ``set_to_none=False`` to see, after ``step``, which weights

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from ppo_core import AutoModelForCausalLMWithValueHead, create_reference_model
 from ppo_core.models.logprobs import selected_logprobs_and_entropy
 from ppo_core.models.modeling import VALUE_HEAD_FILE
-from ppo_core.step.rollout import build_model_inputs, policy_outputs
+from ppo_core.step.inputs import build_model_inputs
+from ppo_core.step.rollout import policy_outputs
 from tests.tiny import ARCHS, EOS, VOCAB, random_queries, tiny_causal_lm, tiny_value_model
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
@@ -256,7 +257,8 @@ def test_the_scoring_forward_is_the_hidden_states_through_the_lm_head_bit_for_bi
     out.logprobs.sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    hidden, values = model(input_ids=input_ids, hidden_only=True)
+    hidden = model.last_hidden_states(input_ids)
+    values = model.v_head(hidden).squeeze(-1)
     selected = hidden[positions[:, 0], positions[:, 1]]
     logprobs, entropy = selected_logprobs_and_entropy(selected, model.lm_head(), targets, chunk_size=3)
     logprobs.sum().backward()

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
 from ppo_core.models.modeling import VALUE_HEAD_FILE
-from ppo_core.step.rollout import build_model_inputs, policy_outputs
+from ppo_core.step.inputs import build_model_inputs
+from ppo_core.step.rollout import policy_outputs, rollout_passes
 from tests.test_core_models import legacy_logprobs_and_values, mixed_batch
 from tests.test_core_trainer import LEGACY_KEYS, assert_all_finite
 from tests.tiny import (
@@ -100,7 +101,7 @@ def test_the_reference_is_the_adapter_disabled_policy_without_a_copy(run):
 
     queries, responses = mixed_batch()
     inputs = build_model_inputs(queries, responses, PAD)
-    old, ref = trainer._rollout_passes(inputs)  # what step() computes
+    old, ref = rollout_passes(trainer.model, trainer._reference, inputs, 4, trainer._forward_precision)  # as step()
     with torch.no_grad():
         expected = policy_outputs(run.base, inputs).logprobs  # the untouched base model
     torch.testing.assert_close(ref.logprobs, expected, atol=1e-6, rtol=0)

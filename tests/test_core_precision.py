@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from ppo_core import AutoModelForCausalLMWithValueHead, precision
 from ppo_core import trainer as trainer_module
 from ppo_core.runtime.utils import tf32_matmuls, tf32_supported
-from ppo_core.step.rollout import build_model_inputs, policy_outputs
+from ppo_core.step.inputs import build_model_inputs
+from ppo_core.step.rollout import policy_outputs
 from tests.conftest import cpu_only
 from tests.test_core_trainer import make_batch, make_trainer, params_snapshot
 from tests.tiny import PAD, random_queries, randomize_lora, tiny_causal_lm, tiny_lora_config

@@ -15,7 +15,7 @@ import peft
 from transformers import AutoModelForSequenceClassification
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
-from ppo_core.models.modeling import disable_dropout
+from ppo_core.models.training import disable_dropout
 from tests.tiny import PAD, VOCAB, random_queries, tiny_causal_lm, tiny_lora_config, tiny_seq2seq_lm, tiny_tokenizer
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.step.rollout import PolicyOutputs, Rollout, concat_outputs, model_inputs
+from ppo_core.step.inputs import model_inputs
+from ppo_core.step.rollout import PolicyOutputs, Rollout, concat_outputs
 
 
 def inputs_of(lengths: list[int]):

@@ -15,7 +15,8 @@ from ppo_core import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig
 from ppo_core.models.cpu_attention import float32_attention_on_cpu
 from ppo_core.models.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
 from ppo_core.runtime.utils import swapped
-from ppo_core.step.rollout import build_model_inputs, policy_outputs
+from ppo_core.step.inputs import build_model_inputs
+from ppo_core.step.rollout import policy_outputs
 from tests.tiny import ARCHS, EOS, PAD, VOCAB, random_queries, tiny_causal_lm, tiny_tokenizer, tiny_value_model
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost

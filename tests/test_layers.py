@@ -126,6 +126,7 @@ def test_the_old_paths_work_in_a_fresh_process_without_importing_the_others():
     (-W error), and importing ``ppo_core`` loads none of the moved modules until asked."""
     code = ("import sys, ppo_core; assert not [m for m in sys.modules if m.startswith('ppo_core.')], sys.modules; "
             "from ppo_core.ppo_math import policy_loss; from ppo_core.rollout import Rollout; "
+            "from ppo_core.step.inputs import ModelInputs; "
             "from ppo_core.core import whiten, LengthSampler, PPODecorators, set_seed; "
             "from ppo_core.registry import get_estimator; print(get_estimator('grpo').name)")
     out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True)

@@ -19,7 +19,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from ppo_core.step.rollout import build_model_inputs, policy_outputs
+from ppo_core import trainer as trainer_module
+from ppo_core.step.inputs import build_model_inputs
+from ppo_core.step.rollout import policy_outputs
 from stages import fetch
 from stages.artifacts import save_pretrained
 from stages.models import load_float32
@@ -287,13 +289,13 @@ def test_a_response_ending_with_eos_is_scored_although_eos_is_the_pad_token_on_c
         expected = float(torch.log_softmax(logits.double(), -1)[EOS])
         logprobs, _, _, masks = trainer.batched_forward_pass(trainer.model, queries, responses)
     seen = {}
-    record = trainer.record_step_stats
+    record = trainer_module.step_stats  # what step() computes its stats from: its (B, R) tensors
 
-    def recording(kl_coef, **data):
-        seen.update(data)
-        return record(kl_coef, **data)
+    def recording(kl_coef, scores, logprobs, ref_logprobs, *rest):
+        seen.update(logprobs=logprobs, ref_logprobs=ref_logprobs, masks=rest[2])
+        return record(kl_coef, scores, logprobs, ref_logprobs, *rest)
 
-    monkeypatch.setattr(trainer, "record_step_stats", recording)
+    monkeypatch.setattr(trainer_module, "step_stats", recording)
     trainer.step(queries, responses, [torch.tensor(s) for s in (1.0, -1.0, 0.5, 0.0)])
     for where, (lp, mask) in {"step": (seen["logprobs"], seen["masks"]),
                               "batched_forward_pass": (logprobs, masks)}.items():

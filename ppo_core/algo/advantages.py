@@ -41,10 +41,17 @@ def overlong_penalties(config, mask: torch.Tensor) -> torch.Tensor | None:
                                  config.overlong_penalty_factor)
 
 
-def loss_mask(config, mask: torch.Tensor, scores: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+def truncated(responses: list[torch.Tensor], eos_token_id: int) -> torch.Tensor:
+    """``(B,)`` bool: the responses that do not end with the EOS token (cut at the length limit)."""
+    return torch.stack([r[-1] for r in responses]) != eos_token_id
+
+
+def loss_mask(config, mask: torch.Tensor, scores: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
     """``(B, R)`` the tokens the loss trains on: ``mask`` less the responses cut at the length limit
-    (``mask_truncated_completions``; ``truncated`` ``(B,)`` bool) and the groups whose samples all scored the same
-    (``dynamic_sampling``: no learning signal in them)."""
+    (``mask_truncated_completions``; ``truncated`` ``(B,)`` bool, needed only then) and the groups whose samples all
+    scored the same (``dynamic_sampling``: no learning signal in them). ``mask`` itself where neither is set."""
+    if not (config.mask_truncated_completions or config.dynamic_sampling):
+        return mask
     keep = torch.ones_like(scores, dtype=mask.dtype)
     if config.mask_truncated_completions:
         keep = keep * (~truncated).to(mask.dtype)
@@ -52,6 +59,13 @@ def loss_mask(config, mask: torch.Tensor, scores: torch.Tensor, truncated: torch
         informative = 1 - zero_std_groups(scores, config.num_generations)  # (P,)
         keep = keep * informative.repeat_interleave(config.num_generations).to(mask.dtype)
     return mask * keep[:, None]
+
+
+def norm_length(config, mask: torch.Tensor, group) -> torch.Tensor | None:
+    """Dr. GRPO's constant: the global batch's longest response, the same on every process (None: not used)."""
+    if config.loss_aggregation != "seq-mean-token-sum-norm":
+        return None
+    return group.gather(mask.sum(dim=1)).max()
 
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a (b, R) per-token loss -> its scalar

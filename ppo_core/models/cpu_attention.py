@@ -11,6 +11,8 @@ using it; GPU tensors and other dtypes go to torch's kernel unchanged.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -33,3 +35,11 @@ def _sdpa_float32_on_cpu(query, key, value, attn_mask=None, *args, **kwargs):
 def float32_attention_on_cpu(enabled: bool = True):
     """Within the block, attention on bf16 CPU tensors runs in float32 (see the module docstring)."""
     return swapped(F, "scaled_dot_product_attention", _torch_sdpa, _sdpa_float32_on_cpu, enabled)
+
+
+@contextlib.contextmanager
+def scoring_precision(autocast: contextlib.AbstractContextManager, device: torch.device):
+    """The scoring passes' precision: ``autocast`` (accelerate's), and on the CPU float32 attention for bf16 (faster
+    there); sampling keeps plain autocast (forward only, where bf16 attention is faster)."""
+    with autocast, float32_attention_on_cpu(device.type == "cpu"):
+        yield

@@ -1,14 +1,12 @@
-"""Language models with a scalar value head, and their surgery (dropout, the decoder start token).
+"""Language models with a scalar value head (TRL's legacy classes), and the decoder start token of an encoder-decoder.
 
-``AutoModelForCausalLMWithValueHead`` wraps any ``transformers.AutoModelForCausalLM`` (GPT-2, Llama,
-Qwen2, GPT-NeoX, OPT, ...), ``AutoModelForSeq2SeqLMWithValueHead`` any encoder-decoder
-``AutoModelForSeq2SeqLM`` (T5, BART, ...); either may hold a PEFT adapter (``ppo_core.models.adapters``).
-Besides the legacy ``forward`` (full logits), their ``forward(..., score_positions=, score_targets=)`` returns
-the trainer's per-token outputs (:class:`TokenScores`: log-probabilities, entropies, values) computed at the
-response positions only, from the last hidden states and the LM head (``lm_head()``, see ``ppo_core.models.logprobs``).
-That path runs inside ``forward`` so that a wrapper sees the LM head used there: DDP, and DeepSpeed ZeRO-3,
-which gathers a sharded weight only for the forward and backward of a module that owns it or has it
-registered (``lm_head_parameters()``, see ``ppo_core.runtime.zero``).
+``AutoModelForCausalLMWithValueHead`` wraps any ``transformers.AutoModelForCausalLM`` (GPT-2, Llama, Qwen2, GPT-NeoX,
+OPT, ...), ``AutoModelForSeq2SeqLMWithValueHead`` any ``AutoModelForSeq2SeqLM`` (T5, BART, ...); either may hold a
+PEFT adapter (``models.adapters``). Besides the legacy ``forward`` (full logits), their ``forward(...,
+score_positions=, score_targets=)`` returns the trainer's per-token outputs (:class:`TokenScores`) computed at the
+response positions only, from the last hidden states and the LM head (``lm_head()``, see ``models.logprobs``), inside
+``forward`` so that a wrapper sees the LM head used there: DDP, and DeepSpeed ZeRO-3, which gathers a sharded weight
+only for a module that owns it or has it registered (``lm_head_parameters()``, see ``runtime.zero``).
 """
 
 from __future__ import annotations
@@ -261,6 +259,37 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         from the last shard and the value head sits on the first (where legacy TRL put it): each has its device."""
         return self.v_head(hidden.to(self.v_head.summary.weight.device)).squeeze(-1).to(device)
 
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False, *,
+                score_positions=None, score_targets=None, score_entropy=False, score_hidden=False,
+                score_chunk_size=None, **kwargs):
+        """Legacy forward: ``(lm_logits float32 (B, T, V), loss or None, values (B, T))`` (plus the past key values
+        with ``return_past_key_values``); for an encoder-decoder ``T`` is the decoder's length.
+
+        The trainer's path, through the same call so that DDP's and DeepSpeed's wrappers see it: with
+        ``score_positions`` (``(N, 2)``: row and position of each scored token) and ``score_targets`` (``(N,)``: the
+        token whose log-probability is wanted there, the next one in the sequence) it skips the full logits and
+        returns :class:`TokenScores` instead; ``score_entropy`` adds the entropies, ``score_hidden`` the hidden
+        states, ``score_chunk_size`` bounds the rows per LM-head chunk.
+        """
+        if score_positions is not None:
+            hidden = self.last_hidden_states(input_ids, attention_mask, **kwargs)
+            return self._token_scores(hidden, score_positions, score_targets, score_entropy, score_hidden,
+                                      score_chunk_size)
+        kwargs["output_hidden_states"] = True
+        if past_key_values is not None:  # passed only when given: transformers 5 deprecates the name, even as None
+            kwargs["past_key_values"] = past_key_values
+        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = out.decoder_hidden_states if self.is_encoder_decoder else out.hidden_states
+        values = self._values(hidden[-1], out.logits.device)
+        lm_logits = out.logits.float()
+        if return_past_key_values:
+            return lm_logits, out.loss, values, out.past_key_values
+        return lm_logits, out.loss, values
+
+    def last_hidden_states(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        """The last hidden states ``(B, T, H)`` (the decoder's for an encoder-decoder), without the LM head."""
+        raise NotImplementedError
+
     def _token_scores(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                       with_entropy: bool, keep_hidden: bool, chunk_size: int | None) -> TokenScores:
         """``hidden (B, T, H)`` -> :class:`TokenScores` at ``positions`` ``(N, 2)`` (row, position) for ``targets``
@@ -284,41 +313,14 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
 
 
 class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
-    """A causal LM plus a value head on its last hidden state (TRL's legacy class, same API).
-
-    ``forward(input_ids, past_key_values=None, attention_mask=None, return_past_key_values=False, **kw)``
-    returns ``(lm_logits, loss, values)`` with ``lm_logits`` ``(B, T, V)`` float32 and ``values`` ``(B, T)``.
-    """
+    """A causal LM plus a value head on its last hidden state (TRL's legacy class, same API; ``forward``: see
+    :meth:`PreTrainedModelWrapper.forward`)."""
 
     transformers_parent_class = AutoModelForCausalLM
 
-    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False, *,
-                score_positions=None, score_targets=None, score_entropy=False, score_hidden=False,
-                score_chunk_size=None, **kwargs):
-        """Legacy forward: ``(lm_logits float32 (B, T, V), loss or None, values (B, T))``.
-
-        With ``score_positions`` (``(N, 2)``: row and position of each scored token) and ``score_targets``
-        (``(N,)``: the token whose log-probability is wanted there, the next one in ``input_ids``), it skips
-        the full logits and returns :class:`TokenScores` (the trainer's path); ``score_entropy`` adds the
-        entropies, ``score_hidden`` the hidden states, ``score_chunk_size`` bounds the rows per LM-head chunk.
-        With ``hidden_only=True`` it returns ``(last_hidden_states (B, T, H), values (B, T))``.
-        """
-        if score_positions is not None:
-            hidden = self.backbone_hidden_states(input_ids, attention_mask, kwargs.get("position_ids"))
-            return self._token_scores(hidden, score_positions, score_targets, score_entropy, score_hidden,
-                                      score_chunk_size)
-        if kwargs.pop("hidden_only", False):
-            hidden = self.backbone_hidden_states(input_ids, attention_mask, kwargs.get("position_ids"))
-            return hidden, self._values(hidden, hidden.device)
-        kwargs["output_hidden_states"] = True
-        if past_key_values is not None:  # passed only when given: transformers 5 deprecates the name, even as None
-            kwargs["past_key_values"] = past_key_values
-        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        values = self._values(out.hidden_states[-1], out.logits.device)
-        lm_logits = out.logits.float()
-        if return_past_key_values:
-            return lm_logits, out.loss, values, out.past_key_values
-        return lm_logits, out.loss, values
+    def last_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                           **kwargs) -> torch.Tensor:
+        return self.backbone_hidden_states(input_ids, attention_mask, kwargs.get("position_ids"))
 
     def backbone_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -343,37 +345,17 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
     Queries go to the encoder (``input_ids``), responses to the decoder (``decoder_input_ids``, starting
     with the model's ``decoder_start_token_id``). ``forward(input_ids, past_key_values=None,
     attention_mask=None, return_past_key_values=False, decoder_input_ids=..., **kw)`` returns
-    ``(lm_logits (B, T_dec, V) float32, loss or None, values (B, T_dec))``.
+    ``(lm_logits (B, T_dec, V) float32, loss or None, values (B, T_dec))`` (see :meth:`PreTrainedModelWrapper.forward`).
     """
 
     transformers_parent_class = AutoModelForSeq2SeqLM
     lm_head_namings = ["lm_head", "embed_out", "output_projection"]
     is_encoder_decoder = True
 
-    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False, *,
-                score_positions=None, score_targets=None, score_entropy=False, score_hidden=False,
-                score_chunk_size=None, **kwargs):
-        """Legacy forward; with ``score_positions``/``score_targets`` (over ``decoder_input_ids``), the
-        :class:`TokenScores` of the decoder (see the causal class); with ``hidden_only=True``, ``(decoder
-        hidden states (B, T_dec, H), values (B, T_dec))``."""
-        if score_positions is not None:
-            hidden = self.decoder_hidden_states(input_ids, attention_mask, kwargs["decoder_input_ids"],
-                                                kwargs.get("decoder_attention_mask"))
-            return self._token_scores(hidden, score_positions, score_targets, score_entropy, score_hidden,
-                                      score_chunk_size)
-        if kwargs.pop("hidden_only", False):
-            hidden = self.decoder_hidden_states(input_ids, attention_mask, kwargs["decoder_input_ids"],
-                                                kwargs.get("decoder_attention_mask"))
-            return hidden, self._values(hidden, hidden.device)
-        kwargs["output_hidden_states"] = True
-        if past_key_values is not None:  # passed only when given: transformers 5 deprecates the name, even as None
-            kwargs["past_key_values"] = past_key_values
-        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        values = self._values(out.decoder_hidden_states[-1], out.logits.device)
-        lm_logits = out.logits.float()
-        if return_past_key_values:
-            return lm_logits, out.loss, values, out.past_key_values
-        return lm_logits, out.loss, values
+    def last_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                           **kwargs) -> torch.Tensor:
+        return self.decoder_hidden_states(input_ids, attention_mask, kwargs["decoder_input_ids"],
+                                          kwargs.get("decoder_attention_mask"))
 
     def decoder_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                               decoder_input_ids: torch.Tensor,
@@ -403,17 +385,6 @@ def _decoder_output_scale(config) -> float:
     if flag is None and config.model_type in ("umt5", "switch_transformers"):
         flag = config.tie_word_embeddings
     return float(config.d_model) ** -0.5 if flag else 1.0
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Zero every dropout: ``nn.Dropout`` modules and the float rates that attention implementations
-    read at call time (e.g. Llama's and GPT-NeoX's ``attention_dropout``)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
 
 
 def decoder_start_token_id(model: PreTrainedModelWrapper) -> int:

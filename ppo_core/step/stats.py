@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..algo.functional import masked_mean, masked_variances
+from ..algo.estimators import zero_std_groups
+from ..algo.functional import masked_mean, masked_variances, stats_to_np
 from ..algo.ppo_math import PolicyLoss, ValueLoss, token_mean
 from ..runtime.distributed import gather_ragged, mean_across
 
@@ -196,3 +199,42 @@ def reward_stats(rewards, group) -> dict[str, Any]:
     return {"env/reward_mean": rewards.mean().item(),
             "env/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
             "env/reward_dist": rewards.numpy()}
+
+
+def lengths(sequences: list[torch.Tensor]) -> torch.Tensor:
+    """``(B,)`` float: each sequence's length."""
+    return torch.tensor([len(s) for s in sequences], dtype=torch.float)
+
+
+def warn_if_negative_kl(stats: dict[str, Any], warned: bool) -> bool:
+    """Warn once (returns whether it has now) when a step's mean KL is below -1: the sampling changed the distribution
+    the policy scores."""
+    mean_kl = stats["objective/kl"].item()
+    if mean_kl < -1.0 and not warned:
+        warnings.warn(f"KL divergence is negative ({mean_kl:.2f}): usually generation kwargs that change "
+                      "the sampling distribution (top_k, top_p, min_length, temperature...). Sample with "
+                      "top_k=0, top_p=1.0, do_sample=True and no min_length/repetition penalty.")
+        return True
+    return warned
+
+
+def step_summary(stats: dict[str, Any], config, group, with_reference: bool, needs_groups: bool, mask: torch.Tensor,
+                 trained: torch.Tensor, scores: torch.Tensor, penalties: torch.Tensor | None) -> dict[str, Any]:
+    """A step's :func:`step_stats`, averaged over processes and on the host, with what the critic-free family adds:
+    the KL loss's coefficient, the reference stats NaN where no reference pass ran (not measured, not 0), the share of
+    groups with one score for all, the mean overlong penalty, the share of responses the loss left out. ``mask`` and
+    ``trained`` ``(B, R)``: the responses' tokens and those the loss trained on; ``scores`` ``(B,)`` as shaped."""
+    stats = stats_to_np(mean_over_processes(stats, group))
+    if config.kl_in == "loss":  # the coefficient in effect there (objective/kl_coef is the rewards': 0)
+        stats["objective/kl_loss_coef"] = config.kl_loss_coef
+    if not with_reference:
+        stats |= {key: np.full_like(stats[key], np.nan, dtype=float) for key in REFERENCE_STATS}
+    if needs_groups:  # groups with one score for all: no learning signal
+        flat = group.gather(zero_std_groups(scores, config.num_generations))  # (global prompts,)
+        stats["ppo/frac_reward_zero_std"] = float(flat.mean())
+    if penalties is not None:
+        stats["ppo/overlong_penalty_mean"] = float(group.gather(penalties).mean())
+    if trained is not mask:  # the share of the (global) batch's responses the loss left out
+        left_out = (trained.sum(dim=1) == 0) & (mask.sum(dim=1) > 0)
+        stats["ppo/frac_responses_left_out"] = float(group.gather(left_out.float()).mean())
+    return stats
