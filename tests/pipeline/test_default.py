@@ -23,9 +23,9 @@ from ruamel.yaml import YAML
 
 from stages import numerics
 from tests.conftest import cpu_only
-from tests.test_pipeline_smoke import dvc, exp_show_header, run
+from tests.pipeline.test_smoke import dvc, exp_show_header, run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLOAT_FREE = ("prepare", "tokenize")  # outputs that no floating-point kernel computes
 
 

@@ -11,7 +11,7 @@ from ruamel.yaml import YAML
 from stages import artifacts, resume
 from stages.pipeline import stage, stages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DVC = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())
 STAGES = DVC["stages"]
 ORDER = ["sources", "prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report"]

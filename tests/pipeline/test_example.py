@@ -13,10 +13,10 @@ from ruamel.yaml import YAML
 from stages import fetch
 from stages.params import load_params, ppo_config
 from stages.pipeline import stages
-from tests.test_stages_cli import run_module
-from tests.test_stages_dvcyaml import executed_files, outs
+from tests.pipeline.test_dvcyaml import executed_files, outs
+from tests.stages.test_cli import run_module
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sentiment"
 UP = "../../"  # the example's dvc.yaml names the repository's code from its own directory
 LOAD = YAML(typ="safe", pure=True).load

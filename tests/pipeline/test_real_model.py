@@ -23,7 +23,7 @@ from ppo_core.step.rollout import build_model_inputs, policy_outputs
 from stages import fetch
 from stages.artifacts import save_pretrained
 from stages.models import load_float32
-from tests.test_core_trainer import LEGACY_KEYS, assert_all_finite
+from tests.ppo_core.test_trainer import LEGACY_KEYS, assert_all_finite
 
 CHECKPOINT = fetch.cache_dir() / "tests" / "smollm2-135m-instruct-bf16"
 EOS = 2  # <|im_end|>, also the pad token

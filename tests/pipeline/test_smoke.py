@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {
     **{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DVC_STAGE")},  # the copy's code, not ROOT's
     # `python3` in dvc.yaml's commands must be this venv's, as it is with the venv activated

@@ -1,7 +1,7 @@
 """Code written against trl==0.11.4's PPO API, unchanged but for the import (issue 15): the dataloader without a
 collator, the warning without a dataset, the value-head models (config dropout, state-dict keys, no LM head, dtypes,
 class attributes, quantised loading, adapters), and the trainer's legacy methods, each against the legacy formula by
-hand. The seed documentation's loop is ``test_core_seed_loop.py``."""
+hand. The seed documentation's loop is ``test_seed_loop.py``."""
 
 from __future__ import annotations
 

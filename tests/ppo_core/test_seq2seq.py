@@ -10,7 +10,7 @@ from transformers import AutoModelForSeq2SeqLM
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
 from ppo_core.models.modeling import VALUE_HEAD_FILE
 from ppo_core.step.rollout import build_seq2seq_inputs, policy_outputs
-from tests.test_core_trainer import LEGACY_KEYS, assert_all_finite
+from tests.ppo_core.test_trainer import LEGACY_KEYS, assert_all_finite
 from tests.tiny import EOS, PAD, SEQ2SEQ_ARCHS, VOCAB, random_queries, tiny_causal_lm, tiny_seq2seq_lm, tiny_tokenizer
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.ppo_core.test_trainer import make_batch, make_trainer
 from tests.syncs import HostSyncs
-from tests.test_core_trainer import make_batch, make_trainer
 from tests.tiny import PAD, random_queries
 
 torch.set_num_threads(1)

@@ -92,7 +92,7 @@ def test_the_kl_loss_term_is_k3_and_pulls_toward_the_reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", CRITIC_FREE)
 def test_the_seed_loop_learns_with_each_estimator(estimator):
-    """The tiny rule task of test_core_learning: how often token w7 appears, with 4 samples per prompt."""
+    """The tiny rule task of test_learning: how often token w7 appears, with 4 samples per prompt."""
     size = 1 if estimator == "reinforce_plus_plus" else 4
     trainer = make_trainer(estimator, size=size)
     means = []

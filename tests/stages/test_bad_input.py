@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from ppo_core import AutoModelForCausalLMWithValueHead
 from stages.cli import app
 from tests.conftest import write_params
-from tests.test_stages_by_hand import start_holder
+from tests.stages.test_by_hand import start_holder
 
 SCORERS = '''import math
 

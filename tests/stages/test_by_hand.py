@@ -23,7 +23,7 @@ from stages.cli import app
 from stages.ppo_run import WORK_ROLLOUTS, rollout_file
 from stages.runtime import StageError, stage_lock
 from tests.conftest import ROOT, write_params
-from tests.test_stages_resume import EXCLUDE, crash_at, digests, params_file, run_stage, upstream_of_ppo
+from tests.stages.test_resume import EXCLUDE, crash_at, digests, params_file, run_stage, upstream_of_ppo
 
 PPO_24_STEPS = dict(ppo__steps=192, checkpoint__ppo_every=4)  # 24 steps of 8 rollouts, a checkpoint every 4
 
@@ -135,7 +135,7 @@ def test_a_full_disk_leaves_the_previous_outputs_and_no_temporaries(case, tiny_r
     """The disk fills while ppo writes (each library failing as it does then) over a finished run's outputs: one line
     naming what could not be written, exit status 2, every previous output as it was (the same files, not rewritten),
     no temporary name left in data/; with space again, the rerun resumes from the last checkpoint and publishes."""
-    from tests.test_stages_bad_input import CASES
+    from tests.stages.test_bad_input import CASES
 
     _, stage, _, _, setup, fragment = next(c for c in CASES if c[0] == case)
     root = tmp_path / "project"

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from stages.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "params.tiny.yaml"
 STAGES = ["sources", "prepare", "sft", "reward", "tokenize", "ppo", "evaluate", "report"]
 

@@ -24,7 +24,7 @@ from stages.artifacts import PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, SFT_METRICS, SF
 from stages.ppo_run import STATE, WORK_ROLLOUTS, rollout_file
 from tests import launching
 from tests.conftest import ROOT
-from tests.test_stages_resume import digests, params_file, remove_outputs_as_dvc_does
+from tests.stages.test_resume import digests, params_file, remove_outputs_as_dvc_does
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ from stages.params import LoraParams
 from stages.ppo_run import STATE, rollout_file
 from stages.runtime import StageError
 from tests.conftest import cpu_only
-from tests.test_stages_resume import EXCLUDE, digests
+from tests.stages.test_resume import EXCLUDE, digests
 
 LORA = LoraParams(r=4, alpha=8.0, dropout=0.0, target_modules=["c_attn"])
 SCORE_TOL = 1e-5  # the reward adapter on the base vs the same adapter merged into it: float32 rounding only
@@ -174,7 +174,7 @@ def test_ppo_scores_with_the_reward_adapter_in_two_processes(config, lora_run, t
     """Under `accelerate launch` (DDP, or DeepSpeed ZeRO-3 with the weights sharded) each process scores its share
     with the reward adapter as the merged reward model does."""
     from tests.conftest import write_params
-    from tests.test_stages_distributed import PPO_CHANGES, launch_stage
+    from tests.stages.test_distributed import PPO_CHANGES, launch_stage
 
     if config is not None:
         pytest.importorskip("deepspeed")

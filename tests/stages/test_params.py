@@ -11,7 +11,7 @@ from ruamel.yaml import YAML
 from stages.params import SECTIONS, load_params, ppo_config
 from stages.runtime import ParamsError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_params(tmp_path: Path, edit) -> Path:

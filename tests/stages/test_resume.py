@@ -222,7 +222,7 @@ def test_checkpoint_from_other_params_restarts_or_stops(tiny_run, tiny_params, t
 def test_a_checkpoint_written_under_deepspeed_stops_a_run_without_it(tiny_run, tiny_params, tmp_path, monkeypatch):
     """Same params and code, another launch: its checkpoint (DeepSpeed's shards beside trainer.pt) cannot be read
     here, so the stage stops with ppo_core's message saying how to go on, and deletes nothing
-    (tests/test_stages_distributed.py resumes real ones)."""
+    (tests/stages/test_distributed.py resumes real ones)."""
     root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
     trainer_file = root / "data" / "checkpoints" / "ppo" / ppo_run.STATE / "trainer.pt"
     torch.save(torch.load(trainer_file, weights_only=True) | {"zero_stage": 3}, trainer_file)
@@ -353,7 +353,7 @@ def test_redundant_state_is_deleted_by_the_next_run_of_any_stage(tiny_run, tiny_
 
     from stages.artifacts import LOCKS
     from stages.cli import app
-    from tests.test_stages_by_hand import start_holder
+    from tests.stages.test_by_hand import start_holder
 
     root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
     for out in DVC_STAGES["ppo"]["outs"]:  # restored from the run-cache: the outputs of the same params and inputs

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
 from ppo_core.models.modeling import VALUE_HEAD_FILE
 from ppo_core.step.rollout import build_model_inputs, policy_outputs
-from tests.test_core_models import legacy_logprobs_and_values, mixed_batch
-from tests.test_core_trainer import LEGACY_KEYS, assert_all_finite
+from tests.ppo_core.models.test_modeling import legacy_logprobs_and_values, mixed_batch
+from tests.ppo_core.test_trainer import LEGACY_KEYS, assert_all_finite
 from tests.tiny import (
     PAD,
     VOCAB,

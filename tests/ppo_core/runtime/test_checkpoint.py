@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import random_queries, tiny_causal_lm, tiny_tokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+from tests.tiny import random_queries, tiny_causal_lm, tiny_tokenizer
 
 
 def make_trainer():
@@ -58,7 +58,7 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
 
 def test_a_deepspeed_checkpoint_is_refused_without_deepspeed(tmp_path):
     """Its weights and optimizer state are DeepSpeed's shards (a directory, ``trainer.pt`` beside them), which a
-    run without DeepSpeed cannot read: the message says how to resume it (tests/test_stages_distributed.py runs
+    run without DeepSpeed cannot read: the message says how to resume it (tests/stages/test_distributed.py runs
     the DeepSpeed ones)."""
     trainer = make_trainer()
     trainer.save_checkpoint(str(tmp_path / "ckpt"))

@@ -28,11 +28,11 @@ from tests import (
     distributed_step,
     launching,
 )
-from tests.test_core_distributed import assert_stats_equal, load_ranks
+from tests.ppo_core.runtime.test_distributed import assert_stats_equal, load_ranks
 
 torch.set_num_threads(1)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tests" / "distributed_step.py"
 RTOL = ATOL = 1e-5  # two DeepSpeed processes vs one plain process, float32 (see the module docstring)
 TIMEOUT = 300  # generous: other work may share the 2 cores

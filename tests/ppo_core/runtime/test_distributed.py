@@ -32,7 +32,7 @@ from tests import distributed_step, launching
 
 torch.set_num_threads(1)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tests" / "distributed_step.py"
 RTOL = ATOL = 1e-5  # two processes vs one, float32 (see the module docstring)
 

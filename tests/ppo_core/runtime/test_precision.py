@@ -15,7 +15,7 @@ from ppo_core import trainer as trainer_module
 from ppo_core.runtime.utils import tf32_matmuls, tf32_supported
 from ppo_core.step.rollout import build_model_inputs, policy_outputs
 from tests.conftest import cpu_only
-from tests.test_core_trainer import make_batch, make_trainer, params_snapshot
+from tests.ppo_core.test_trainer import make_batch, make_trainer, params_snapshot
 from tests.tiny import PAD, random_queries, randomize_lora, tiny_causal_lm, tiny_lora_config
 
 torch.set_num_threads(1)

@@ -9,7 +9,7 @@ import torch
 
 from ppo_core.runtime.distributed import SingleProcess
 from ppo_core.step.stats import gather_samples, gather_tokens, mean_over_processes, reward_stats, step_stats
-from tests.test_core_distributed import in_threads
+from tests.ppo_core.runtime.test_distributed import in_threads
 
 ALONE = SingleProcess(torch.device("cpu"))
 
