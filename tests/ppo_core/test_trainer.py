@@ -11,10 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ppo_core import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, cpu_attention, generation
-from ppo_core.models.cpu_attention import float32_attention_on_cpu
-from ppo_core.models.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
-from ppo_core.runtime.utils import swapped
+from ppo_core import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer
 from ppo_core.step.rollout import build_model_inputs, policy_outputs
 from tests.tiny import ARCHS, EOS, PAD, VOCAB, random_queries, tiny_causal_lm, tiny_tokenizer, tiny_value_model
 
@@ -91,105 +88,6 @@ def eos_queries(ks, seed=0):
     prefixes = torch.randint(0, 5, (len(ks),), generator=gen)
     return [torch.cat([torch.randint(11, VOCAB, (int(p),), generator=gen), torch.tensor([10 + k, MARK])])
             for k, p in zip(ks, prefixes)]
-
-
-def test_cut_after_eos():
-    x = torch.tensor([5, 6, EOS, 7, EOS])
-    assert cut_after_eos(x, {EOS}).tolist() == [5, 6, EOS]
-    assert cut_after_eos(torch.tensor([EOS, 4]), {EOS}).tolist() == [EOS]
-    assert cut_after_eos(torch.tensor([4, 5, 6]), {EOS}).tolist() == [4, 5, 6]
-    assert cut_after_eos(torch.tensor([4, 9, EOS]), {EOS, 9}).tolist() == [4, 9]
-    assert cut_after_eos(x, set()).tolist() == x.tolist()
-
-
-def test_sample_categorical_draws_from_the_given_distribution():
-    """200k draws from one unnormalised row: every frequency within 5 standard errors of its probability,
-    and the zero-probability entries (first, middle, last) never drawn."""
-    torch.manual_seed(0)
-    weights = torch.tensor([0.0, 1.0, 0.0, 5.0, 0.5, 0.0, 2.5, 1e-3, 0.0])
-    p = weights / weights.sum()
-    n = 200_000
-    draws = sample_categorical(weights.expand(n, -1))
-    assert draws.shape == (n, 1) and draws.dtype == torch.long
-    freq = torch.bincount(draws[:, 0], minlength=len(p)).double() / n
-    stderr = (p.double() * (1 - p.double()) / n).sqrt()
-    assert ((freq - p.double()).abs() <= 5 * stderr + 1e-12).all(), (freq, p)
-    assert (freq[p == 0] == 0).all()
-
-
-def test_sample_categorical_handles_a_single_entry_and_one_hot_rows():
-    torch.manual_seed(1)
-    one_hot = torch.zeros(50, 7)
-    one_hot[torch.arange(50), torch.arange(50) % 7] = 1.0
-    assert torch.equal(sample_categorical(one_hot)[:, 0], torch.arange(50) % 7)
-    assert sample_categorical(torch.ones(3, 1)).tolist() == [[0], [0], [0]]
-
-
-@pytest.mark.parametrize("block, owner, name, original", [
-    (fast_cpu_sampling, torch, "multinomial", generation._torch_multinomial),
-    (float32_attention_on_cpu, F, "scaled_dot_product_attention", cpu_attention._torch_sdpa),
-], ids=["fast_cpu_sampling", "float32_attention_on_cpu"])
-def test_cpu_fast_paths_swap_torch_only_inside_the_block(block, owner, name, original):
-    assert getattr(owner, name) is original
-    with pytest.raises(RuntimeError, match="boom"), block():
-        assert getattr(owner, name) is not original
-        with block():  # nested: still swapped, restored by the outer block only
-            pass
-        assert getattr(owner, name) is not original
-        raise RuntimeError("boom")
-    assert getattr(owner, name) is original
-
-
-def test_swapped_leaves_someone_elses_replacement_alone():
-    class Owner:
-        fn = staticmethod(abs)
-
-    theirs = Owner.fn
-    with swapped(Owner, "fn", len, round):  # Owner.fn is not the original it was told about
-        assert Owner.fn is theirs
-    assert Owner.fn is theirs
-    with swapped(Owner, "fn", theirs, round, enabled=False):
-        assert Owner.fn is theirs
-
-
-def test_fast_cpu_sampling_keeps_torch_errors_and_other_calls():
-    with fast_cpu_sampling():
-        with pytest.raises(RuntimeError, match="inf|nan"):  # an invalid row gets torch's own error
-            torch.multinomial(torch.tensor([[0.5, float("nan")]]), 1)
-        with pytest.raises(RuntimeError, match="sum of probabilities"):
-            torch.multinomial(torch.zeros(1, 3), 1)
-        assert torch.multinomial(torch.tensor([[0.0, 1.0, 0.0]]), 2, replacement=True).tolist() == [[1, 1]]  # torch's
-
-
-@pytest.mark.parametrize("mask", ["causal", "bool", "float"])
-def test_float32_attention_on_cpu_is_float32_attention_of_the_bf16_inputs(mask):
-    """Inside the block a bf16 CPU attention is torch's float32 attention of the same (upcast) inputs, values
-    and gradients, returned in bf16; float32 inputs get torch's kernel as they are."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen).bfloat16().requires_grad_() for _ in range(3))
-    causal = torch.ones(5, 5).tril().bool()
-    kwargs = {"causal": dict(is_causal=True), "bool": dict(attn_mask=causal),
-              "float": dict(attn_mask=torch.zeros(5, 5).masked_fill(~causal, -math.inf).bfloat16())}[mask]
-    with float32_attention_on_cpu():
-        got = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        plain = F.scaled_dot_product_attention(q.detach().float(), k.detach().float(), v.detach().float(),
-                                               is_causal=True)
-    float_kwargs = {key: (m.float() if m.is_floating_point() else m) if key == "attn_mask" else m
-                    for key, m in kwargs.items()}
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*leaves, **float_kwargs)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, want.bfloat16(), atol=0, rtol=0)
-    torch.testing.assert_close(plain, want.detach(), atol=0, rtol=0)  # float32 goes to torch untouched
-    got.float().sum().backward()
-    want.sum().backward()
-    for mine, ref in zip((q, k, v), leaves):
-        torch.testing.assert_close(mine.grad, ref.grad.bfloat16(), atol=0, rtol=0)
-
-
-def test_float32_attention_on_cpu_can_be_switched_off():
-    with float32_attention_on_cpu(enabled=False):
-        assert F.scaled_dot_product_attention is cpu_attention._torch_sdpa
 
 
 @pytest.mark.parametrize("pad_token_id", [PAD, EOS])  # a distinct pad token, and the seed's pad = eos
@@ -737,39 +635,6 @@ def test_large_negative_kl_is_warned_about_once():
     assert len(messages) == 1 and "top_k" in messages[0]
 
 
-def test_deepspeed_config_takes_accumulation_and_clipping_from_ppo_config():
-    """DeepSpeed accumulates and clips itself: its "auto" (or absent) settings are filled from PPOConfig, and a
-    different number raises naming both (no deepspeed needed: the config is a dict)."""
-    from ppo_core.runtime.zero import fill_config
-
-    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}
-    fill_config(ds, mini_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=None, num_processes=3)
-    assert ds == {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}  # 0: DeepSpeed does not clip
-    fill_config(ds, mini_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=None, num_processes=3)  # idempotent
-    absent = {}
-    fill_config(absent, mini_batch_size=2, gradient_accumulation_steps=1, max_grad_norm=0.5, num_processes=2)
-    assert absent["gradient_clipping"] == 0.5 and absent["train_batch_size"] == 4
-    with pytest.raises(ValueError, match=r"gradient_clipping=1.0, but PPOConfig gives 0.0 \(ppo.max_grad_norm"):
-        fill_config({"gradient_clipping": 1.0}, 4, 1, None, 2)
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=1, but PPOConfig gives 2"):
-        fill_config({"gradient_accumulation_steps": 1}, 4, 2, None, 2)
-
-
-def test_zero3_refuses_a_reference_copy_it_cannot_make():
-    """Under ZeRO-3 the reference is copied from the whole policy and sharded in its own engine."""
-    from ppo_core.runtime.zero import check_reference_copy
-
-    model = tiny_value_model()
-    check_reference_copy(model, None)  # whole weights, no shared layers: fine
-    with pytest.raises(ValueError, match="num_shared_layers is not supported under ZeRO-3"):
-        check_reference_copy(model, 1)
-    next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init tags its shards with
-    with pytest.raises(ValueError, match="already ZeRO-3 shards.*build the policy before the first PPOTrainer"):
-        check_reference_copy(model, None)
-
-
 def test_reference_model_holds_no_optimizer_state():
     """The frozen reference is never handed to the optimizer: no gradients, no Adam moments for it."""
     trainer = make_trainer()
@@ -810,26 +675,6 @@ def test_malloc_tuning_is_a_default_the_environment_turns_off(monkeypatch):
     monkeypatch.setenv("PPO_CORE_TUNE_MALLOC", "0")
     make_trainer()
     assert applied == [platform.libc_ver()[0] == "glibc", False]  # on glibc by default; never when turned off
-
-
-def test_a_rollout_mini_batch_is_every_tensor_sliced_by_hand():
-    """``Rollout.minibatch(idx)``: the rows ``idx`` of every field, the response-aligned ones cut to the longest
-    response among those rows (the optimiser's one indexing call)."""
-    from ppo_core.step.rollout import Rollout
-
-    queries, responses, _ = make_batch(n=6, seed=3)
-    inputs = build_model_inputs(queries, responses, PAD)
-    width = int(inputs.response_lens.max())
-    gen = torch.Generator().manual_seed(0)
-    rollout = Rollout(inputs, inputs.response_mask().float(), *(torch.randn(6, width, generator=gen) for _ in range(5)))
-    idx = torch.tensor([4, 0, 3])  # responses of 5, 4 and 3 tokens, the longest has 6
-    mb = rollout.minibatch(idx)
-    cut = max(len(responses[i]) for i in idx.tolist())
-    assert cut < width  # the trimming is exercised
-    for got, given in zip(mb.inputs, inputs):
-        assert got is given is None or torch.equal(got, given[idx])
-    for name in ("mask", "old_logprobs", "old_values", "ref_logprobs", "advantages", "returns"):
-        assert torch.equal(getattr(mb, name), getattr(rollout, name)[idx][:, :cut]), name
 
 
 def test_the_legacy_trainer_api_is_all_there(tmp_path):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.step.rollout import PolicyOutputs, Rollout, concat_outputs, model_inputs
+from ppo_core.step.rollout import PolicyOutputs, Rollout, build_model_inputs, concat_outputs, model_inputs
+from tests.ppo_core.test_trainer import make_batch
+from tests.tiny import PAD
 
 
 def inputs_of(lengths: list[int]):
@@ -36,3 +38,23 @@ def test_a_minibatch_takes_its_samples_trimmed_to_their_longest_response_and_kee
     assert mb.advantages.tolist() == [[11.0, 12.0], [3.0, 4.0]]  # the 4th per-sample field: + 3
     assert mb.norm_length.item() == 4  # the global batch's, not the mini-batch's
     assert mb.inputs.input_ids.shape[0] == 2 and mb.inputs.host_lens.tolist() == inputs.host_lens[[2, 0]].tolist()
+
+
+def test_a_rollout_mini_batch_is_every_tensor_sliced_by_hand():
+    """``Rollout.minibatch(idx)``: the rows ``idx`` of every field, the response-aligned ones cut to the longest
+    response among those rows (the optimiser's one indexing call)."""
+    from ppo_core.step.rollout import Rollout
+
+    queries, responses, _ = make_batch(n=6, seed=3)
+    inputs = build_model_inputs(queries, responses, PAD)
+    width = int(inputs.response_lens.max())
+    gen = torch.Generator().manual_seed(0)
+    rollout = Rollout(inputs, inputs.response_mask().float(), *(torch.randn(6, width, generator=gen) for _ in range(5)))
+    idx = torch.tensor([4, 0, 3])  # responses of 5, 4 and 3 tokens, the longest has 6
+    mb = rollout.minibatch(idx)
+    cut = max(len(responses[i]) for i in idx.tolist())
+    assert cut < width  # the trimming is exercised
+    for got, given in zip(mb.inputs, inputs):
+        assert got is given is None or torch.equal(got, given[idx])
+    for name in ("mask", "old_logprobs", "old_values", "ref_logprobs", "advantages", "returns"):
+        assert torch.equal(getattr(mb, name), getattr(rollout, name)[idx][:, :cut]), name
