@@ -1,4 +1,4 @@
-"""stages/common.py: atomic writes, deterministic Parquet, clear errors for missing inputs."""
+"""stages/artifacts.py: atomic writes, deterministic Parquet, clear errors for missing inputs."""
 
 from __future__ import annotations
 
@@ -59,14 +59,3 @@ def test_read_table_errors_name_file_and_column(tmp_path):
     write_parquet({"text": ["x"]}, tmp_path / "t.parquet")
     with pytest.raises(StageError, match=r"t.parquet: column 'query' not found"):
         read_table(tmp_path / "t.parquet", ["query"])
-
-
-def test_progress_says_a_value_was_not_measured_instead_of_nan(capsys, monkeypatch):
-    """dapo, gspo and cispo skip the reference pass: their KL is NaN, shown as not measured, not as 'nan'."""
-    from stages.runtime import Progress
-
-    monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    progress = Progress("ppo", total=2, every=0.0)
-    progress.update(1, reward=0.5, kl=float("nan"))
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("ppo: step 1/2, ") and line.endswith("reward 0.5, kl not measured")
