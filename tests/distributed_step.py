@@ -1,4 +1,4 @@
-"""PPO steps on a fixed global batch, run by ``tests/test_core_distributed.py`` in N processes or in one.
+"""PPO steps on a fixed global batch, run by ``tests/ppo_core/runtime/test_distributed.py`` in N processes or in one.
 
     accelerate launch --multi_gpu --num_processes 2 tests/distributed_step.py OUT_DIR SCENARIO
     python tests/distributed_step.py OUT_DIR global              # one process, the whole global batch

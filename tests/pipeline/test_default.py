@@ -1,0 +1,115 @@
+"""The default pipeline, run as a user runs it on a fresh clone (`make run`: `dvc repro` with params.yaml as committed).
+
+It learns: the reward model ranks held-out pairs well above chance, and the PPO policy beats the SFT policy on the
+reward model and on the gold score it never saw. And it reproduces: the committed dvc.lock is what the run
+produces, so `git status` stays clean, `dvc status` has nothing to do, and `dvc exp show` / `dvc exp diff` compare
+experiments with real baseline metrics. What is hashed must be the same on every machine the guarantee covers
+(README, "Same inputs, same bytes"): the code, params and commands everywhere; the data prepare and tokenize write
+(no floating point) everywhere; the trained models and everything after them where the floating-point kernels are
+those the lock was written with (`stages.numerics.LOCK_KERNELS`); elsewhere it warns which stages' outputs differ.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from stages import numerics
+from tests.conftest import cpu_only
+from tests.pipeline.test_smoke import dvc, exp_show_header, run
+
+ROOT = Path(__file__).resolve().parents[2]
+FLOAT_FREE = ("prepare", "tokenize")  # outputs that no floating-point kernel computes
+
+
+def fresh_clone(target: Path) -> Path:
+    """The tracked files of the repository (what `git clone` gives), committed in a new repo at `target`."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in filter(None, files.split("\0")):
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target / name)
+    run("git", "init", "-q", cwd=target)
+    run("git", "add", "-A", cwd=target)
+    run("git", "commit", "-qm", "clone", cwd=target)
+    return target
+
+
+def lock_entries(lock: dict, stage: str) -> dict:
+    """A stage's lock entry with its outputs set apart: (cmd, deps, params), outs."""
+    entry = dict(lock["stages"][stage])
+    return {"inputs": {k: v for k, v in entry.items() if k != "outs"}, "outs": entry.get("outs")}
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A fresh clone where `dvc repro` has run the default pipeline."""
+    repo = fresh_clone(tmp_path_factory.mktemp("default") / "clone")
+    with cpu_only():  # the committed lock is a CPU run's (stages.numerics.LOCK_KERNELS)
+        out = dvc("repro", cwd=repo).stdout
+    assert "Running stage 'ppo'" in out and "Running stage 'report'" in out
+    return repo
+
+
+@pytest.mark.slow
+def test_make_run_ends_with_the_report(clone):
+    page = (clone / "data" / "report" / "index.html").read_text()
+    assert page.count("<svg") >= 7 and "Win rate of PPO over SFT" in page  # the charts; the seconds per step:
+    assert len(list((clone / "data" / "logs" / "report").glob("step-seconds-*.svg"))) == 1  # linked, not inline
+
+
+@pytest.mark.slow
+def test_the_reward_model_ranks_held_out_pairs_well_above_chance(clone):
+    metrics = json.loads((clone / "data" / "reward" / "metrics.json").read_text())
+    assert metrics["pairs"]["eval"] == 200 and metrics["accuracy"] >= 0.7  # chance: 0.5; measured 0.79-0.88 (seeds)
+
+
+@pytest.mark.slow
+def test_ppo_beats_sft_on_the_reward_model_and_on_the_gold_score(clone):
+    metrics = json.loads((clone / "data" / "eval" / "metrics.json").read_text())
+    sft = metrics["sft"]  # the top level is the PPO policy's
+    assert metrics["reward"] - sft["reward"] >= 1.0  # measured +2.5
+    assert metrics["gold"] - sft["gold"] >= 1.0  # measured +4.6: not only the proxy went up
+    assert metrics["win_rate"] >= 0.8 and metrics["kl"] > 0
+
+
+@pytest.mark.slow
+def test_a_fresh_run_reproduces_the_committed_lock_on_cpu(clone):
+    committed = YAML(typ="safe", pure=True).load(subprocess.run(
+        ["git", "show", "HEAD:dvc.lock"], cwd=clone, capture_output=True, text=True, check=True).stdout)
+    produced = YAML(typ="safe", pure=True).load((clone / "dvc.lock").read_text())
+    assert set(produced["stages"]) == set(committed["stages"])
+    for stage in committed["stages"]:  # what each stage ran with: code, data deps, params and command
+        assert lock_entries(produced, stage)["inputs"] == lock_entries(committed, stage)["inputs"], stage
+    for stage in FLOAT_FREE:
+        assert lock_entries(produced, stage)["outs"] == lock_entries(committed, stage)["outs"], stage
+    probe = "import json; from stages import numerics; print(json.dumps(numerics.current()))"
+    kernels = json.loads(run(sys.executable, "-c", probe, cwd=clone).stdout)  # as in a stage process
+    same_kernels = numerics.covered(kernels)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    if same_kernels:  # the guarantee covers this machine: every byte, and git sees nothing to commit
+        assert run("git", "status", "--porcelain", cwd=clone).stdout == ""
+        warnings.warn(f"the committed dvc.lock was reproduced byte for byte on {cpu} ({kernels})")
+    else:  # not covered: say what differs, as evidence for the README's statement
+        different = [s for s in committed["stages"]
+                     if lock_entries(produced, s)["outs"] != lock_entries(committed, s)["outs"]]
+        warnings.warn(f"{cpu} ({kernels}) computes with other float kernels than the committed lock's "
+                      f"({numerics.LOCK_KERNELS}); stages whose outputs differ: {different}")
+
+
+@pytest.mark.slow
+def test_a_ppo_experiment_compares_in_100_columns(clone):
+    """`dvc exp show --only-changed` (the README's command) after a PPO experiment on the default pipeline, where every
+    evaluation metric moves: the param and each metric in a 100-column terminal, none cut off. Runs last: it leaves
+    the experiment applied to the workspace."""
+    dvc("exp", "run", "-S", "ppo.learning_rate=0.0001", cwd=clone)
+    header, table = exp_show_header(clone)
+    assert header == ["Experiment", "win_rate", "gold", "reward", "kl", "length", "ppo.learning_rate"], table
+    assert "…" not in table and max(map(len, table.splitlines())) <= 100, table

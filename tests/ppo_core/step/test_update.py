@@ -1,0 +1,159 @@
+"""ppo_core.step.update: a mini-batch's skip decision (one collective, one host read) and the optimizer updates of
+a gradient-accumulation window, with fake process groups and a fake accelerator standing in for a run's."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from ppo_core.runtime.distributed import SingleProcess
+from ppo_core.step.update import Updates, minibatch_decision
+
+ALONE = SingleProcess(torch.device("cpu"))
+
+
+def stats(ratio: float, **others: list[float]) -> dict[str, torch.Tensor]:
+    return {"policy/ratio_mean": torch.tensor(ratio), **{k: torch.tensor(v) for k, v in others.items()}}
+
+
+def test_a_ratio_above_the_threshold_skips_the_minibatch():
+    decision = minibatch_decision(stats(1.25, loss=[0.5, 1.0]), ratio_threshold=1.125, group=ALONE)
+    assert decision.ratio_mean == 1.25 and decision.skipped and not decision.non_finite
+    assert decision.skipped_flag.item() == 1.0 and decision.skipped_flag.dtype == torch.float32
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.125])  # below, and equal: only a ratio above the threshold skips
+def test_a_ratio_up_to_the_threshold_keeps_the_minibatch(ratio):
+    decision = minibatch_decision(stats(ratio, loss=[0.5, 1.0]), ratio_threshold=1.125, group=ALONE)
+    assert decision.ratio_mean == ratio and not decision.skipped and not decision.non_finite
+    assert decision.skipped_flag.item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_statistic_is_flagged_whichever_it_is(bad):
+    assert minibatch_decision(stats(1.0, loss=[0.5, bad]), 2.0, ALONE).non_finite
+    flagged = minibatch_decision(stats(bad), 2.0, ALONE)  # the ratio itself
+    assert flagged.non_finite and flagged.skipped == (bad == math.inf)  # a NaN is above no threshold
+
+
+class TwoProcesses:
+    """This process and another, whose share of the sums is ``other`` ((ratio, non-finite count))."""
+
+    num_processes = 2
+
+    def __init__(self, other: list[float]):
+        self.other = torch.tensor(other)
+
+    def sum_across(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.other
+
+
+def test_the_decision_is_the_global_minibatch_s():
+    """Each process holds a share of the ratio's mean: the skip compares their mean, and a non-finite statistic on
+    another process stops this one too."""
+    group = TwoProcesses([1.5, 0.0])
+    decision = minibatch_decision(stats(1.0), ratio_threshold=1.125, group=group)  # mean (1 + 1.5) / 2 = 1.25
+    assert decision.ratio_mean == 1.25 and decision.skipped and not decision.non_finite
+    kept = minibatch_decision(stats(0.5), ratio_threshold=1.125, group=group)  # (0.5 + 1.5) / 2 = 1: kept
+    assert kept.ratio_mean == 1.0 and not kept.skipped
+    assert minibatch_decision(stats(1.0), 1.125, TwoProcesses([1.0, 1.0])).non_finite  # the other's NaN
+
+
+class FakeAccelerator:
+    """What :class:`Updates` uses of accelerate's ``Accelerator``, recording the calls."""
+
+    def __init__(self, norm: float = 1.0, scaler=None):
+        self.norm, self.scaler, self.sync_gradients = norm, scaler, True
+        self.backwards: list[float] = []
+        self.clipped_at: list[float] = []
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.backwards.append(loss.item())
+
+    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
+        self.clipped_at.append(max_norm)
+        return torch.tensor(self.norm)
+
+
+class FakeOptimizer:
+    def __init__(self):
+        self.steps = self.zero_grads = 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def zero_grad(self) -> None:
+        self.zero_grads += 1
+
+
+def updates(norm: float = 1.0, scaler=None, max_grad_norm: float | None = 0.5, overflows: int = 3,
+            sync_in_backward: bool = False) -> Updates:
+    return Updates(FakeAccelerator(norm, scaler), torch.nn.Linear(1, 1), FakeOptimizer(), max_grad_norm, overflows,
+                   sync_in_backward)
+
+
+def failed(what: str, advice: str) -> Exception:
+    return RuntimeError(what + advice)
+
+
+def test_a_window_clips_steps_and_frees_the_gradients_once():
+    u = updates()
+    u.backward(torch.tensor(2.0), skipped=False)
+    u.backward(torch.tensor(3.0), skipped=True)  # without DDP or DeepSpeed a skipped one runs no backward
+    assert u.accelerator.backwards == [2.0]
+    assert u.step(failed) is False
+    assert u.accelerator.clipped_at == [0.5] and (u.optimizer.steps, u.optimizer.zero_grads) == (1, 1)
+    assert u.step(failed) is False  # the next window has no gradient yet: nothing is clipped or stepped
+    assert u.accelerator.clipped_at == [0.5] and u.optimizer.steps == 1
+    unclipped = updates(max_grad_norm=None)
+    unclipped.backward(torch.tensor(1.0), skipped=False)
+    unclipped.step(failed)
+    assert unclipped.accelerator.clipped_at == [math.inf]  # the norm measured, not clipped
+
+
+def test_a_window_whose_minibatches_are_all_skipped_steps_nothing():
+    u = updates(sync_in_backward=True)
+    u.backward(torch.tensor(2.0), skipped=True)
+    assert u.accelerator.backwards == []  # no gradient in the window: no zero-loss backward either
+    assert u.step(failed) is False
+    assert u.accelerator.clipped_at == [] and (u.optimizer.steps, u.optimizer.zero_grads) == (0, 0)
+
+
+def test_a_skipped_last_minibatch_under_ddp_still_runs_a_zero_loss_backward():
+    u = updates(sync_in_backward=True)
+    u.accelerator.sync_gradients = False  # inside the window: a skipped mini-batch runs nothing
+    u.backward(torch.tensor(2.0), skipped=False)
+    u.backward(torch.tensor(3.0), skipped=True)
+    u.accelerator.sync_gradients = True  # the window's last mini-batch: its backward all-reduces the window's
+    u.backward(torch.tensor(4.0), skipped=True)
+    assert u.accelerator.backwards == [2.0, 0.0]
+    assert u.step(failed) is False and u.optimizer.steps == 1
+
+
+@pytest.mark.parametrize("norm", [math.nan, math.inf])
+def test_a_non_finite_gradient_norm_without_loss_scaling_raises_before_the_optimizer_steps(norm):
+    u = updates(norm=norm)
+    u.backward(torch.tensor(1.0), skipped=False)
+    with pytest.raises(RuntimeError, match=r"non-finite gradient norm \((nan|inf)\) Lower learning_rate"):
+        u.step(failed)
+    assert (u.optimizer.steps, u.optimizer.zero_grads) == (0, 1)  # the gradients dropped, nothing written
+
+
+def test_under_loss_scaling_an_overflow_is_a_skipped_update_until_too_many_in_a_row():
+    u = updates(norm=math.inf, scaler=types.SimpleNamespace(), overflows=2)
+    u.backward(torch.tensor(1.0), skipped=False)
+    assert u.step(failed) is True  # an overflow: the scaler skips the update inside optimizer.step
+    assert u.optimizer.steps == 1
+    u.accelerator.norm = 1.0
+    u.backward(torch.tensor(1.0), skipped=False)
+    assert u.step(failed) is False  # a finite norm ends the run of overflows
+    u.accelerator.norm = math.inf
+    u.backward(torch.tensor(1.0), skipped=False)
+    assert u.step(failed) is True
+    u.backward(torch.tensor(1.0), skipped=False)
+    with pytest.raises(RuntimeError, match="2 loss-scale overflows in a row"):
+        u.step(failed)
+    assert u.optimizer.steps == 3  # the second overflow in a row is not stepped

@@ -1,0 +1,164 @@
+"""stages/params.py: params.yaml mirrors the dataclasses; bad keys and types fail naming the key and the file."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from stages.params import SECTIONS, load_params, ppo_config
+from stages.runtime import ParamsError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_params(tmp_path: Path, edit) -> Path:
+    """A copy of the tiny params with `edit(dict)` applied."""
+    yaml = YAML(typ="safe", pure=True)
+    raw = yaml.load((ROOT / "tests/fixtures/params.tiny.yaml").read_text())
+    edit(raw)
+    path = tmp_path / "params.yaml"
+    yaml.dump(raw, path)
+    return path
+
+
+@pytest.mark.parametrize("path", ["params.yaml", "tests/fixtures/params.tiny.yaml"])
+def test_committed_params_load(path):
+    params = load_params(ROOT / path)
+    assert params.data.is_synthetic
+    assert params.scorer.source == "reward_model"
+
+
+@pytest.mark.parametrize("path", ["params.yaml", "tests/fixtures/params.tiny.yaml"])
+def test_ppo_section_is_ppoconfig_field_for_field(path):
+    """Every field a user sets, in PPOConfig's order: not the derived ones (refused) nor the deprecated aliases."""
+    from ppo_core.config import DERIVED, PPOConfig
+
+    params = load_params(ROOT / path)
+    deprecated = {"forward_batch_size", "optimize_cuda_cache"}
+    assert list(params.ppo) == [f.name for f in dataclasses.fields(PPOConfig) if f.name not in {*DERIVED, *deprecated}]
+    assert ppo_config(params).seed == params.seed  # ppo.seed: null -> the top-level seed
+
+
+@pytest.mark.parametrize("key", ["world_size", "global_batch_size", "backward_batch_size", "global_backward_batch_size",
+                                 "is_encoder_decoder", "is_peft_model"])
+def test_derived_ppo_fields_are_refused_saying_they_are_derived(tmp_path, key):
+    path = write_params(tmp_path, lambda p: p["ppo"].update({key: None}))
+    with pytest.raises(ParamsError, match=rf"params.yaml: ppo\.{key} is derived \(.+\), not set; remove it$"):
+        load_params(path)
+
+
+def test_sections_are_exactly_the_loader_sections():
+    raw = YAML(typ="safe", pure=True).load((ROOT / "params.yaml").read_text())
+    assert list(raw) == list(SECTIONS)
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    path = write_params(tmp_path, lambda p: p["sft"].update(learning_rte=0.1))
+    with pytest.raises(ParamsError, match=r"params.yaml: unknown key 'sft.learning_rte'"):
+        load_params(path)
+
+
+def test_missing_key_names_key(tmp_path):
+    path = write_params(tmp_path, lambda p: p["reward"].pop("batch_size"))
+    with pytest.raises(ParamsError, match=r"missing key 'reward.batch_size'"):
+        load_params(path)
+
+
+@pytest.mark.parametrize(("section", "key", "value", "expected"), [
+    ("sft", "batch_size", 3.5, "sft.batch_size must be an integer"),
+    ("sft", "batch_size", True, "sft.batch_size must be an integer"),
+    ("sft", "learning_rate", "fast", "sft.learning_rate must be a number"),
+    ("generation", "do_sample", "yes", "generation.do_sample must be true or false"),
+    ("model", "name_or_path", 3, "model.name_or_path must be a string"),
+])
+def test_wrong_type_names_key(tmp_path, section, key, value, expected):
+    path = write_params(tmp_path, lambda p: p[section].update({key: value}))
+    with pytest.raises(ParamsError, match=expected):
+        load_params(path)
+
+
+def test_numeric_strings_are_floats(tmp_path):
+    """`dvc exp run -S` writes 2e-05; quoted or not, a float field takes it."""
+    path = write_params(tmp_path, lambda p: p["sft"].update(learning_rate="2e-05"))
+    assert "learning_rate: '2e-05'" in path.read_text()  # a string in the file
+    assert load_params(path).sft.learning_rate == 2e-05
+    path.write_text(path.read_text().replace("learning_rate: '2e-05'", "learning_rate: 3e-05"))
+    assert load_params(path).sft.learning_rate == 3e-05  # YAML 1.2: a float, not the string PyYAML would give
+
+
+def test_ranges_checked_at_load(tmp_path):
+    path = write_params(tmp_path, lambda p: p["generation"].update(max_new_tokens=100))
+    with pytest.raises(ParamsError, match="generation.max_new_tokens must be <= model.n_positions"):
+        load_params(path)
+    path = write_params(tmp_path, lambda p: p["model"].update(n_head=0))
+    with pytest.raises(ParamsError, match="model.n_head must be > 0, got 0"):
+        load_params(path)
+
+
+def test_bad_ppo_field_is_a_params_error(tmp_path):
+    path = write_params(tmp_path, lambda p: p["ppo"].update(learnig_rate=0.1))
+    with pytest.raises(ParamsError, match=r"params.yaml: unknown key 'ppo.learnig_rate'; did you mean "
+                                          r"'ppo.learning_rate'\?$"):
+        ppo_config(load_params(path))
+
+
+def test_explicit_ppo_seed_wins(tmp_path):
+    path = write_params(tmp_path, lambda p: p["ppo"].update(seed=7))
+    assert ppo_config(load_params(path)).seed == 7
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ParamsError, match="params file not found"):
+        load_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: [1,\n")
+    with pytest.raises(ParamsError, match="bad.yaml: not valid YAML"):
+        load_params(bad)
+
+
+@pytest.mark.parametrize(("judges", "expected"), [
+    ({"mine": "my_judges"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges'"),
+    ({"mine": "my_judges:"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges:'"),
+    ({"reward": "my_judges:vowels"}, "evaluate.judges.reward must be a name other than ['win_rate', 'reward', 'kl', "
+                                     "'length', 'sft'] (metric names of their own), got 'reward'"),
+    ({"sft": "my_judges:vowels"}, "evaluate.judges.sft must be a name other than ['win_rate', 'reward', 'kl', "
+                                  "'length', 'sft'] (metric names of their own), got 'sft'"),
+])
+def test_a_bad_judge_is_one_line_at_load(tmp_path, judges, expected):
+    """evaluate.judges names a function per metric: a value that is no 'module:function', or a name that is one of
+    data/eval/metrics.json's own keys (it would overwrite the scorer's reward or the SFT group), stops every stage at
+    load (the sources stage, which runs first, hashes the judges' code)."""
+    path = write_params(tmp_path, lambda p: p["evaluate"].update(judges=judges))
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value) == f"{path}: {expected}"
+
+
+def test_judges_load_by_name_gold_included(tmp_path):
+    judges = {"gold": "rewards.sentiment:vader", "minilm": "rewards.sentiment:minilm"}  # the example's
+    path = write_params(tmp_path, lambda p: p["evaluate"].update(judges=judges))
+    assert load_params(path).evaluate.judges == judges
+
+
+def test_mixed_precision_is_the_ppo_accelerator_s(tmp_path):
+    """model.mixed_precision reaches the ppo stage as accelerate's `mixed_precision` (PPOConfig.accelerator_kwargs, as
+    a legacy user would set it), beside the other accelerator kwargs; one set there too must agree, or the params
+    stop at load with one line."""
+    def precision(model, accelerator_kwargs):
+        path = write_params(tmp_path, lambda p: (p["model"].update(mixed_precision=model),
+                                                 p["ppo"].update(accelerator_kwargs=accelerator_kwargs)))
+        return ppo_config(load_params(path)).accelerator_kwargs
+
+    assert precision(None, {}) == {}
+    assert precision(None, {"mixed_precision": "fp16"}) == {"mixed_precision": "fp16"}  # accelerate's own, as legacy
+    assert precision("bf16", {}) == {"mixed_precision": "bf16"}
+    assert precision("bf16", {"mixed_precision": "bf16", "cpu": True}) == {"mixed_precision": "bf16", "cpu": True}
+    with pytest.raises(ParamsError) as err:
+        precision("bf16", {"mixed_precision": "fp16"})
+    assert str(err.value) == (f"{tmp_path / 'params.yaml'}: ppo.accelerator_kwargs.mixed_precision (fp16) differs "
+                              "from model.mixed_precision (bf16); set one of them")
+    with pytest.raises(ParamsError, match=r"model.mixed_precision must be one of .*'bf16'.*got 'bf32'"):
+        precision("bf32", {})
