@@ -1,6 +1,6 @@
 """Does bf16 mixed precision learn as well as fp32? The tiny rule-reward task, same seeds, side by side.
 
-The task of tests/test_core_learning.py: a random-init 2-layer GPT-2 (vocab 64, built here as tests/tiny.py builds
+The task of tests/ppo_core/test_learning.py: a random-init 2-layer GPT-2 (vocab 64, built here as tests/tiny.py builds
 it: bench/ imports nothing from tests/) is rewarded with the number of times one token ("w7") appears in its
 8-token response; batch 16, mini-batch 4, 4 PPO epochs, lr 1e-3. Prints the mean score per block of 5 steps for
 each precision and seed, as a markdown table (a random policy scores about 0.13).

@@ -18,7 +18,7 @@ import platform
 from pathlib import Path
 
 # The kernels of the machine that wrote the committed dvc.lock (2-core AMD EPYC, Zen 4). Regenerating the lock on
-# another kind of machine means updating this too: tests/test_pipeline_default.py says so.
+# another kind of machine means updating this too: tests/pipeline/test_default.py says so.
 LOCK_KERNELS = {"machine": "x86_64", "vendor": "AuthenticAMD", "aten": "AVX512", "threads": 2,
                 "MKL_CBWR": None, "ATEN_CPU_CAPABILITY": None}
 OVERRIDES = ("MKL_CBWR", "ATEN_CPU_CAPABILITY")
