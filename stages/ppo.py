@@ -32,7 +32,7 @@ from stages.artifacts import (
 )
 from stages.models import is_encoder_decoder, lora_config, model_context
 from stages.params import Params, ppo_config
-from stages.ppo_run import checkpoint, gather_columns, publish, record, resume
+from stages.ppo_run import gather_columns, publish, record, resume_run, save_run_checkpoint
 from stages.runtime import Progress, StageError, note, process_state, warning
 from stages.scoring import build_scorer, reward_adapter, scored
 from stages.synthetic import gold_score
@@ -79,7 +79,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
                   "eos_token_id": tokenizer.eos_token_id}
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
     batches = query_batches(len(prompts), config.global_batch_size, params.seed, config.num_generations)
-    start, tables = resume(trainer, params, root)
+    start, tables = resume_run(trainer, params, root)
     for _ in range(start):  # the data position: the batches the checkpointed steps consumed
         next(batches)
     total = config.total_ppo_epochs
@@ -123,7 +123,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
         # 5. checkpoint
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
-            checkpoint(trainer, root, step + 1, tables)
+            save_run_checkpoint(trainer, root, step + 1, tables)
             progress.saved = step + 1  # what a rerun of an interrupted run resumes from
     progress.close()
     publish(trainer, root, tables, tokenizer)  # the run has finished

@@ -56,13 +56,11 @@ CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "obje
           "approxkl": "ppo/policy/approxkl", "response_len": "tokens/responses_len_mean"}
 
 
-
-
 def rollout_file(step: int) -> str:
     return f"step-{step:05d}.parquet"
 
 
-def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTables]:
+def resume_run(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTables]:
     """Restore the last checkpoint of a run with the same params, inputs and code, if there is one: the trainer's
     whole state (every process), the per-step tables and the rollout files of the steps it covers (later ones
     are removed). Returns (the first step to run, the tables); (0, empty tables) for a fresh run."""
@@ -107,7 +105,7 @@ def record(root: Path, step: int, rollouts: dict[str, list], tables: StepTables)
     tables.write({final: root / work for final, work in WORK_TABLES.items()})
 
 
-def checkpoint(trainer: PPOTrainer, root: Path, next_step: int, tables: StepTables) -> None:
+def save_run_checkpoint(trainer: PPOTrainer, root: Path, next_step: int, tables: StepTables) -> None:
     """The trainer's whole state, the data position and the tables (every process calls it): after the step's
     artifacts, so a resumed run never redoes a step it has written. A write that fails (a full disk) leaves the
     previous checkpoint, and an OSError naming the checkpoint."""
