@@ -32,7 +32,8 @@ from stages.artifacts import (
 )
 from stages.models import is_encoder_decoder, lora_config, model_context
 from stages.params import Params, ppo_config
-from stages.ppo_run import gather_columns, publish, record, resume_run, save_run_checkpoint
+from stages.ppo_run import publish, record, resume_run, save_run_checkpoint
+from stages.ppo_tables import gather_columns
 from stages.runtime import Progress, StageError, note, process_state, warning
 from stages.scoring import build_scorer, reward_adapter, scored
 from stages.synthetic import gold_score
