@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
+from ppo_core.config import RunSizes
 from ppo_core.runtime.utils import moved, set_seed
 from stages.artifacts import (
     PPO_CHECKPOINTS,
@@ -44,12 +45,12 @@ def run(params: Params, root: Path = Path(".")) -> str:
     config = ppo_config(params, max_completion_length=params.generation.max_new_tokens)  # DAPO's L_max
     prompts = read_table(root / TOKENIZED_TRAIN, ["query", "input_ids"])
     state = process_state()
-    world = state.num_processes  # under `accelerate launch`: ppo.batch_size is per process, as in the seed
-    per_step = config.batch_size * world // config.num_generations  # distinct prompts in a global batch
-    if len(prompts) < per_step:
-        raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than the {per_step} of one step "
-                         f"(ppo.batch_size={config.batch_size} x {world} processes / ppo.num_generations="
-                         f"{config.num_generations}); lower ppo.batch_size in {params.path} or give more prompts")
+    sizes = RunSizes.of(config, state.num_processes)  # under `accelerate launch`: ppo.batch_size is per process
+    if len(prompts) < sizes.prompts_per_step:
+        raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than the {sizes.prompts_per_step} of one "
+                         f"step (ppo.batch_size={sizes.batch_size} x {sizes.num_processes} processes / "
+                         f"ppo.num_generations={sizes.num_generations}); lower ppo.batch_size in {params.path} or give "
+                         "more prompts")
     if config.steps % config.batch_size and state.is_main_process:
         total = config.total_ppo_epochs
         note(f"ppo: ppo.steps ({config.steps}) is not a multiple of ppo.batch_size ({config.batch_size}): running "
@@ -79,7 +80,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
-    batches = query_batches(len(prompts), config.global_batch_size, params.seed, config.num_generations)
+    batches = query_batches(len(prompts), sizes.global_batch_size, params.seed, sizes.num_generations)
     start, tables = resume_run(trainer, params, root)
     for _ in range(start):  # the data position: the batches the checkpointed steps consumed
         next(batches)
@@ -87,7 +88,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     progress = Progress("ppo", total, start=start, main=main)  # step i/N, ETA, the last step's reward and KL
     warned_flat = False
     for step in range(start, total):
-        idx = next(batches)[rank * config.batch_size:(rank + 1) * config.batch_size]  # this process's share
+        idx = next(batches)[rank * sizes.batch_size:(rank + 1) * sizes.batch_size]  # this process's share
         query_tensors = [torch.tensor(prompts["input_ids"][i]) for i in idx]
         queries = [prompts["query"][i] for i in idx]
         # 1. rollout
