@@ -20,6 +20,20 @@ CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "obje
           "approxkl": "ppo/policy/approxkl", "response_len": "tokens/responses_len_mean"}
 
 
+# A rollouts file's columns, in the order the published files have them (gold: with the synthetic data only). The
+# order is part of the files' bytes, which DVC hashes: a new column goes at the end.
+ROLLOUT_COLUMNS = ("step", "query", "response", "score", "kl", "query_tokens", "response_tokens", "ends_with_eos",
+                   "response_ids", "gold")
+
+
+def rollout_table(gathered: dict[str, list], kl) -> dict[str, list]:
+    """A step's rollouts file: the columns gathered from every process (`gather_columns`) and the per-sample KL of
+    step()'s stats (``objective/kl_dist``, gathered by step() itself, in the same process order), in
+    `ROLLOUT_COLUMNS`'s order."""
+    columns = gathered | {"kl": np.asarray(kl, dtype=float).tolist()}
+    return {key: columns[key] for key in ROLLOUT_COLUMNS if key in columns} | columns  # any other one after them
+
+
 def gather_columns(columns: dict[str, list], accelerator) -> dict[str, list]:
     """Each process's equal-length columns, concatenated in process order; the columns themselves on one."""
     if accelerator.num_processes == 1:
