@@ -32,7 +32,7 @@ from stages.artifacts import (
     require_dir,
 )
 from stages.models import is_encoder_decoder, lora_config, model_context
-from stages.params import Params, ppo_config
+from stages.params import Params
 from stages.ppo_run import publish, record, resume_run, save_run_checkpoint
 from stages.ppo_tables import StepTables, gather_columns, rollout_table
 from stages.runtime import Progress, StageError, note, process_state, warning
@@ -44,7 +44,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     """Check what can be checked before the models load, build the loop, resume it if a checkpoint of the same run
     is there, run its steps (recording each, checkpointing some) and publish; returns the summary line."""
     set_seed(params.seed)
-    config = ppo_config(params, max_completion_length=params.generation.max_new_tokens)  # DAPO's L_max
+    config = params.ppo_config
     prompts = read_table(root / TOKENIZED_TRAIN, ["query", "input_ids"])
     state = process_state()
     sizes = RunSizes.of(config, state.num_processes)  # under `accelerate launch`: ppo.batch_size is per process
