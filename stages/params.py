@@ -6,17 +6,17 @@ as PPOConfig words its own problems (one checker, `ppo_core.fields`). Float fiel
 ("2e-05"): `dvc exp run -S` writes small floats that way. The file is read as YAML 1.2 (ruamel.yaml), so `2e-05`
 is a float and `yes` is a string.
 
-The `ppo` section is ppo_core's `PPOConfig`, field for field but for the fields it derives (refused here);
-`ppo_config()` builds it, and PPOConfig checks the names, types and ranges (its defaults fill keys left out).
-Every stage's load checks it, so a typo there stops `dvc repro` at its first stage.
+The `ppo` section is ppo_core's `PPOConfig`, field for field but for the fields it derives (refused here): loading
+builds it once (`Params.ppo_config`), and PPOConfig checks the names, types and ranges (its defaults fill keys left
+out). Every stage loads the params, so a typo there stops `dvc repro` at its first stage.
 """
 
 from __future__ import annotations
 
-import warnings
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
@@ -24,6 +24,9 @@ from ruamel.yaml.error import YAMLError
 from ppo_core.algo.registry import get_estimator
 from ppo_core.fields import ConfigError, check_keys, check_range, checked
 from stages.runtime import ParamsError
+
+if TYPE_CHECKING:
+    from ppo_core.config import PPOConfig
 
 SYNTHETIC = "synthetic"
 
@@ -234,9 +237,18 @@ class Params:
     scorer: ScorerParams
     generation: GenerationParams
     ppo: dict[str, Any]
-    """PPOConfig keyword arguments, checked by `ppo_config()`."""
+    """The section as the file gives it: PPOConfig keyword arguments, what the checkpoint fingerprints record and
+    compare (stages/resume.py) as dvc.yaml tracks them. The stages use `ppo_config`, built from it."""
     evaluate: EvaluateParams
     checkpoint: CheckpointParams
+
+    @functools.cached_property
+    def ppo_config(self) -> PPOConfig:
+        """The `ppo` section as ppo_core's PPOConfig, built and checked once (by `load_params`, for a loaded file):
+        `ppo.seed: null` is the top-level seed, `ppo.max_completion_length: null` generation.max_new_tokens (DAPO's
+        L_max: the responses' length limit), and model.mixed_precision accelerate's `mixed_precision`. The fields
+        PPOConfig derives (`DERIVED`) are refused: the trainer would overwrite them. A ParamsError names the file."""
+        return _build_ppo_config(self)
 
 
 def load_params(path: str | Path) -> Params:
@@ -259,9 +271,7 @@ def load_params(path: str | Path) -> Params:
         if err.key == "scorer.source" and ":" in str(raw.get("scorer", {}).get("source", "")):
             hint = "; a function goes in scorer.name ('module:function') with scorer.source: callable"
         raise ParamsError(f"{path}: {err.message('')}{hint}") from None
-    with warnings.catch_warnings():  # deprecation warnings come again when the ppo stage builds its config
-        warnings.simplefilter("ignore")
-        config = ppo_config(params)  # every stage checks the ppo section: a typo there fails at once, not after sft
+    config = params.ppo_config  # every stage checks the ppo section: a typo there fails at once, not after sft
     if get_estimator(config.advantage_estimator).needs_groups and not params.generation.do_sample:
         raise ParamsError(f"{path}: generation.do_sample is false, but ppo.advantage_estimator "
                           f"{config.advantage_estimator} compares ppo.num_generations={config.num_generations} samples "
@@ -270,10 +280,8 @@ def load_params(path: str | Path) -> Params:
     return params
 
 
-def ppo_config(params: Params, max_completion_length: int | None = None):
-    """Build ppo_core.PPOConfig from the `ppo` section; `ppo.seed: null` means the run's top-level seed, and
-    `ppo.max_completion_length: null` the ``max_completion_length`` given (the ppo stage's generation.max_new_tokens).
-    The fields PPOConfig derives (`DERIVED`) are refused: the trainer would overwrite them."""
+def _build_ppo_config(params: Params) -> PPOConfig:
+    """`Params.ppo_config`'s value (see there)."""
     from ppo_core.config import DERIVED, PPOConfig
 
     derived = next((key for key in params.ppo if key in DERIVED), None)
@@ -283,7 +291,7 @@ def ppo_config(params: Params, max_completion_length: int | None = None):
     if kwargs.get("seed") is None:
         kwargs["seed"] = params.seed
     if kwargs.get("max_completion_length") is None:
-        kwargs["max_completion_length"] = max_completion_length
+        kwargs["max_completion_length"] = params.generation.max_new_tokens
     precision = params.model.mixed_precision
     if precision is not None:  # accelerate's autocast, as the legacy accelerator_kwargs would ask it
         given = (kwargs.get("accelerator_kwargs") or {}).get("mixed_precision", precision)

@@ -12,14 +12,15 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 from transformers import AutoTokenizer
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
+from ppo_core.config import PPOConfig, RunSizes
 from ppo_core.runtime.utils import moved, set_seed
 from stages.artifacts import (
     PPO_CHECKPOINTS,
@@ -31,38 +32,102 @@ from stages.artifacts import (
     require_dir,
 )
 from stages.models import is_encoder_decoder, lora_config, model_context
-from stages.params import Params, ppo_config
-from stages.ppo_run import checkpoint, gather_columns, publish, record, resume
+from stages.params import Params
+from stages.ppo_run import publish, record, resume_run, save_run_checkpoint
+from stages.ppo_tables import StepTables, gather_columns, rollout_table
 from stages.runtime import Progress, StageError, note, process_state, warning
 from stages.scoring import build_scorer, reward_adapter, scored
 from stages.synthetic import gold_score
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
+    """Check what can be checked before the models load, build the loop, resume it if a checkpoint of the same run
+    is there, run its steps (recording each, checkpointing some) and publish; returns the summary line."""
     set_seed(params.seed)
-    config = ppo_config(params, max_completion_length=params.generation.max_new_tokens)  # DAPO's L_max
+    config = params.ppo_config
     prompts = read_table(root / TOKENIZED_TRAIN, ["query", "input_ids"])
     state = process_state()
-    world = state.num_processes  # under `accelerate launch`: ppo.batch_size is per process, as in the seed
-    per_step = config.batch_size * world // config.num_generations  # distinct prompts in a global batch
-    if len(prompts) < per_step:
-        raise StageError(f"{TOKENIZED_TRAIN}: {len(prompts)} prompts, fewer than the {per_step} of one step "
-                         f"(ppo.batch_size={config.batch_size} x {world} processes / ppo.num_generations="
-                         f"{config.num_generations}); lower ppo.batch_size in {params.path} or give more prompts")
-    if config.steps % config.batch_size and state.is_main_process:
+    sizes = RunSizes.of(config, state.num_processes)  # under `accelerate launch`: ppo.batch_size is per process
+    check_prompts_fill_a_step(len(prompts), sizes, params.path)
+    if state.is_main_process:
+        note_steps_rounded_up(config)
+    tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
+    check_tokenized_with(root / TOKENIZED_TRAIN, root / SFT_MODEL)
+    seq2seq = is_encoder_decoder(root / SFT_MODEL)
+    check_prompts_fit_the_context(prompts, params, seq2seq, root)
+    loop = build_loop(params, config, prompts, tokenizer, seq2seq, root)
+    trainer = loop.trainer
+    rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
+    batches = query_batches(len(prompts), sizes.global_batch_size, params.seed, sizes.num_generations)
+    start, tables = resume_run(trainer, params, root)
+    for _ in range(start):  # the data position: the batches the checkpointed steps consumed
+        next(batches)
+    total = config.total_ppo_epochs
+    progress = Progress("ppo", total, start=start, main=main)  # step i/N, ETA, the last step's reward and KL
+    warned_flat = False
+    for step in range(start, total):
+        idx = next(batches)[rank * sizes.batch_size:(rank + 1) * sizes.batch_size]  # this process's share
+        stats, rollouts = one_step(loop, step, idx, params, root)
+        tables.append(step, stats, rollouts["score"], rollouts.get("gold"))  # time/*: timings.csv
+        if main:  # only the main process writes
+            record(root, step, rollouts, tables)
+        progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
+        warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.dynamic_sampling)
+        every = params.checkpoint.ppo_every
+        if every and ((step + 1) % every == 0 or step + 1 == total):
+            save_run_checkpoint(trainer, root, step + 1, tables)
+            progress.saved = step + 1  # what a rerun of an interrupted run resumes from
+    progress.close()
+    publish(trainer, root, tables, tokenizer)  # the run has finished
+    return summary(tables, start)
+
+
+def check_prompts_fill_a_step(n_prompts: int, sizes: RunSizes, params_path: Path) -> None:
+    """Stop before any model loads when the tokenized prompts are fewer than one step's distinct prompts: every step
+    takes a full batch (`query_batches` drops an incomplete one), so not a single step could run."""
+    if n_prompts < sizes.prompts_per_step:
+        raise StageError(f"{TOKENIZED_TRAIN}: {n_prompts} prompts, fewer than the {sizes.prompts_per_step} of one "
+                         f"step (ppo.batch_size={sizes.batch_size} x {sizes.num_processes} processes / "
+                         f"ppo.num_generations={sizes.num_generations}); lower ppo.batch_size in {params_path} or give "
+                         "more prompts")
+
+
+def note_steps_rounded_up(config: PPOConfig) -> None:
+    """Say so when ppo.steps (rollouts, as in the seed) is no multiple of ppo.batch_size: the run takes whole steps,
+    so it rolls out more than ppo.steps."""
+    if config.steps % config.batch_size:
         total = config.total_ppo_epochs
         note(f"ppo: ppo.steps ({config.steps}) is not a multiple of ppo.batch_size ({config.batch_size}): running "
              f"{total} step{'s' * (total > 1)} of {config.batch_size} rollouts ({total * config.batch_size} in all)")
-    tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
-    check_tokenized_with(root / TOKENIZED_TRAIN, root / SFT_MODEL)
-    seq2seq, lora = is_encoder_decoder(root / SFT_MODEL), params.model.lora
+
+
+def check_prompts_fit_the_context(prompts, params: Params, seq2seq: bool, root: Path) -> None:
+    """Stop before the models load when the longest query and a full-length response do not fit the SFT model's
+    context: a decoder-only model holds query and response in one context; an encoder-decoder each in its own."""
     longest, context = max(map(len, prompts["input_ids"])), model_context(root / SFT_MODEL)
     new_tokens = params.generation.max_new_tokens
-    # a decoder-only model holds query and response in one context; an encoder-decoder each in its own
     if (max(longest, new_tokens) if seq2seq else longest + new_tokens) > context:
         raise StageError(f"{TOKENIZED_TRAIN}: a {longest}-token query and generation.max_new_tokens={new_tokens} "
                          f"do not fit the {context}-token context of {SFT_MODEL}; lower one of them "
                          f"(tokenize.max_query_tokens) in {params.path}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What every step of the loop uses, built once: the trainer (policy, reference, optimiser), the scorer, the
+    tokenizer, generate()'s keyword arguments and the tokenized prompts."""
+
+    trainer: PPOTrainer
+    score: Callable[[list[str]], list[float]]
+    tokenizer: Any
+    generation: dict[str, Any]
+    prompts: Any  # the DataFrame of data/tokenized/train.parquet: query, input_ids
+
+
+def build_loop(params: Params, config: PPOConfig, prompts, tokenizer, seq2seq: bool, root: Path) -> Loop:
+    """The policy (SFT plus a value head; with LoRA, fresh adapters), the scorer and the trainer. The reference is a
+    frozen copy of SFT, or with LoRA the same weights with the adapters disabled."""
+    lora = params.model.lora
     policy_class = AutoModelForSeq2SeqLMWithValueHead if seq2seq else AutoModelForCausalLMWithValueHead
     adapter = {"peft_config": lora_config(lora, "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")} if lora else {}
     shared = reward_adapter(params, root, seq2seq)  # LoRA: the reward model is an adapter on the policy's base too
@@ -71,62 +136,49 @@ def run(params: Params, root: Path = Path(".")) -> str:
     model = policy_class.from_pretrained(root / SFT_MODEL, **adapter)
     # before the trainer: under ZeRO-3, models built after it come out sharded
     score = build_scorer(params, root, model if shared is not None else None)
-    # reference: a frozen copy of SFT, or with LoRA the same weights with the adapters disabled
     with warnings.catch_warnings():  # no dataset, on purpose: the stage batches the prompts itself (query_batches)
         warnings.filterwarnings("ignore", message="PPOTrainer: no dataset", category=UserWarning)
         trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
-    rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
-    batches = query_batches(len(prompts), trainer.sizes.global_batch_size, params.seed, config.num_generations)
-    start, tables = resume(trainer, params, root)
-    for _ in range(start):  # the data position: the batches the checkpointed steps consumed
-        next(batches)
-    total = config.total_ppo_epochs
-    progress = Progress("ppo", total, start=start, main=main)  # step i/N, ETA, the last step's reward and KL
-    warned_flat = False
-    for step in range(start, total):
-        idx = next(batches)[rank * config.batch_size:(rank + 1) * config.batch_size]  # this process's share
-        query_tensors = [torch.tensor(prompts["input_ids"][i]) for i in idx]
-        queries = [prompts["query"][i] for i in idx]
-        # 1. rollout
-        started = time.perf_counter()
-        response_tensors = trainer.generate(query_tensors, batch_size=len(idx), return_prompt=False, **generation)
-        response_ids = moved(response_tensors, "cpu")  # to the host in one copy (one per response: a sync each)
-        responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        generated = time.perf_counter()
-        # 2. score
-        texts = [q + r for q, r in zip(queries, responses)]
-        scores = scored(score, texts, params, f"PPO step {step + 1}")
-        seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
-        # 3. optimise
-        try:
-            stats = trainer.step(query_tensors, response_tensors, [torch.tensor(s, dtype=torch.float) for s in scores])
-        except FloatingPointError as err:  # raised before the update: the last checkpoint is intact
-            raise StageError(f"{str(err).rstrip('.')}; the checkpoint in {root / PPO_CHECKPOINTS} (if any) is intact "
-                             "and a rerun resumes from it") from None
-        # 4. record: every process's rollouts, in process order (as step() gathers its per-sample stats)
-        gold = [gold_score(t) for t in texts] if params.data.is_synthetic else None
-        rollouts = gather_columns({
-            "step": [step] * len(idx), "query": queries, "response": responses, "score": scores,
-            "kl": [0.0] * len(idx),  # filled below from the gathered stats
-            "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_ids],
-            "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_ids],
-            "response_ids": [r.tolist() for r in response_ids],
-        } | ({"gold": gold} if gold else {}), trainer.accelerator)
-        rollouts["kl"] = np.asarray(stats["objective/kl_dist"], dtype=float).tolist()
-        tables.append(step, stats | seconds, rollouts["score"], rollouts.get("gold"))  # time/*: timings.csv
-        if main:  # only the main process writes
-            record(root, step, rollouts, tables)
-        progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
-        warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.dynamic_sampling)
-        # 5. checkpoint
-        every = params.checkpoint.ppo_every
-        if every and ((step + 1) % every == 0 or step + 1 == total):
-            checkpoint(trainer, root, step + 1, tables)
-            progress.saved = step + 1  # what a rerun of an interrupted run resumes from
-    progress.close()
-    publish(trainer, root, tables, tokenizer)  # the run has finished
+    return Loop(trainer, score, tokenizer, generation, prompts)
+
+
+def one_step(loop: Loop, step: int, idx: list[int], params: Params, root: Path) -> tuple[dict, dict[str, list]]:
+    """One step of the seed's loop on this process's prompts ``idx``: generate, score, optimise. Returns the step's
+    stats (with the wall-clock seconds of generating and scoring as ``time/*``) and every process's rollouts."""
+    trainer, tokenizer = loop.trainer, loop.tokenizer
+    query_tensors = [torch.tensor(loop.prompts["input_ids"][i]) for i in idx]
+    queries = [loop.prompts["query"][i] for i in idx]
+    # 1. rollout
+    started = time.perf_counter()
+    response_tensors = trainer.generate(query_tensors, batch_size=len(idx), return_prompt=False, **loop.generation)
+    response_ids = moved(response_tensors, "cpu")  # to the host in one copy (one per response: a sync each)
+    responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    generated = time.perf_counter()
+    # 2. score
+    texts = [q + r for q, r in zip(queries, responses)]
+    scores = scored(loop.score, texts, params, f"PPO step {step + 1}")
+    seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
+    # 3. optimise
+    try:
+        stats = trainer.step(query_tensors, response_tensors, [torch.tensor(s, dtype=torch.float) for s in scores])
+    except FloatingPointError as err:  # raised before the update: the last checkpoint is intact
+        raise StageError(f"{str(err).rstrip('.')}; the checkpoint in {root / PPO_CHECKPOINTS} (if any) is intact "
+                         "and a rerun resumes from it") from None
+    # 4. every process's rollouts, in process order (as step() gathers its per-sample stats, the KL among them)
+    gold = [gold_score(t) for t in texts] if params.data.is_synthetic else None
+    gathered = gather_columns({
+        "step": [step] * len(idx), "query": queries, "response": responses, "score": scores,
+        "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_ids],
+        "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_ids],
+        "response_ids": [r.tolist() for r in response_ids],
+    } | ({"gold": gold} if gold else {}), trainer.accelerator)
+    return stats | seconds, rollout_table(gathered, stats["objective/kl_dist"])
+
+
+def summary(tables: StepTables, start: int) -> str:
+    """The stage's line: steps, where it resumed, the reward's first and last step, the last KL."""
     first, last = tables.curves[0], tables.curves[-1]
     resumed = f", resumed at step {start}" if start else ""
     kl = "kl not measured (coefficient 0: no reference pass)" if math.isnan(last["kl"]) else f"kl {last['kl']:.2f}"

@@ -13,9 +13,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
-from accelerate.utils import gather_object
-
 from ppo_core import PPOTrainer
 from stages.artifacts import (
     PPO_CHECKPOINTS,
@@ -32,13 +29,13 @@ from stages.artifacts import (
     publishing,
     remove_stale_temporaries,
     sha256_file,
-    write_csv,
     write_json,
     write_parquet,
     writing,
 )
 from stages.params import Params
 from stages.pipeline import stage
+from stages.ppo_tables import StepTables
 from stages.resume import discard, fingerprint, open_checkpoint_dir
 from stages.runtime import StageError, note
 from stages.sources import scorer_origin
@@ -50,19 +47,12 @@ WORK_ROLLOUTS = PPO_CHECKPOINTS / "rollouts"
 WORK_TABLES = {PPO_STATS: PPO_CHECKPOINTS / PPO_STATS.name, PPO_TIMINGS: PPO_CHECKPOINTS / PPO_TIMINGS.name,
                PPO_CURVES: PPO_CHECKPOINTS / PPO_CURVES.name}
 
-# curves.csv column -> step() stats key (plus reward_mean and gold_mean, computed from the raw scores)
-CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "objective/entropy",
-          "loss_value": "ppo/loss/value", "loss_policy": "ppo/loss/policy", "clipfrac": "ppo/policy/clipfrac",
-          "approxkl": "ppo/policy/approxkl", "response_len": "tokens/responses_len_mean"}
-
-
-
 
 def rollout_file(step: int) -> str:
     return f"step-{step:05d}.parquet"
 
 
-def resume(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTables]:
+def resume_run(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, StepTables]:
     """Restore the last checkpoint of a run with the same params, inputs and code, if there is one: the trainer's
     whole state (every process), the per-step tables and the rollout files of the steps it covers (later ones
     are removed). Returns (the first step to run, the tables); (0, empty tables) for a fresh run."""
@@ -107,7 +97,7 @@ def record(root: Path, step: int, rollouts: dict[str, list], tables: StepTables)
     tables.write({final: root / work for final, work in WORK_TABLES.items()})
 
 
-def checkpoint(trainer: PPOTrainer, root: Path, next_step: int, tables: StepTables) -> None:
+def save_run_checkpoint(trainer: PPOTrainer, root: Path, next_step: int, tables: StepTables) -> None:
     """The trainer's whole state, the data position and the tables (every process calls it): after the step's
     artifacts, so a resumed run never redoes a step it has written. A write that fails (a full disk) leaves the
     previous checkpoint, and an OSError naming the checkpoint."""
@@ -147,51 +137,3 @@ def save_policy(path: Path, policy, tokenizer) -> None:
         if policy.is_peft_model:
             policy.save_pretrained(tmp / "adapter", selected_adapters=[policy.pretrained_model.active_adapter])
         tokenizer.save_pretrained(tmp)
-
-
-def gather_columns(columns: dict[str, list], accelerator) -> dict[str, list]:
-    """Each process's equal-length columns, concatenated in process order; the columns themselves on one."""
-    if accelerator.num_processes == 1:
-        return columns
-    parts = gather_object([columns])  # one dict per process
-    return {key: [value for part in parts for value in part[key]] for key in columns}
-
-
-class StepTables:
-    """The per-step tables: stats.parquet (every step() stat but the wall-clock `time/*` ones), timings.csv (those),
-    curves.csv. Rewritten (atomically) in the checkpoint directory after each step, and published at the end."""
-
-    def __init__(self):
-        self.stats: list[dict] = []
-        self.timings: list[dict] = []
-        self.curves: list[dict] = []
-
-    def append(self, step: int, stats: dict, scores: list[float], gold: list[float] | None) -> None:
-        keys = sorted(stats)
-        self.stats.append({"step": step} | {k: to_python(stats[k]) for k in keys if not k.startswith("time/")})
-        self.timings.append({"step": step} | {k: float(stats[k]) for k in keys if k.startswith("time/")})
-        self.curves.append({"step": step, "reward_mean": float(np.mean(scores))}
-                           | ({"gold_mean": float(np.mean(gold))} if gold else {})
-                           | {name: float(stats.get(key, "nan")) for name, key in CURVES.items()})  # nan: no critic
-
-    def write(self, paths: dict[Path, Path]) -> None:
-        """Write each table to `paths[its final path]` (the final path itself, or the working copy)."""
-        write_parquet({key: [row[key] for row in self.stats] for key in self.stats[0]}, paths[PPO_STATS])
-        write_csv(self.timings, paths[PPO_TIMINGS])
-        write_csv(self.curves, paths[PPO_CURVES])
-
-    def state(self) -> dict[str, list[dict]]:
-        """The rows so far, for a checkpoint (plain Python values)."""
-        return {"stats": self.stats, "timings": self.timings, "curves": self.curves}
-
-    @classmethod
-    def from_state(cls, state: dict[str, list[dict]]) -> StepTables:
-        tables = cls()
-        tables.stats, tables.timings, tables.curves = state["stats"], state["timings"], state["curves"]
-        return tables
-
-
-def to_python(value):
-    """A step() stat as a Parquet-friendly value: a float, or a list of floats for histograms."""
-    array = np.asarray(value, dtype=float)
-    return float(array) if array.ndim == 0 else array.ravel().tolist()

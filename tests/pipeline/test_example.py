@@ -11,7 +11,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from stages import fetch
-from stages.params import load_params, ppo_config
+from stages.params import load_params
 from stages.pipeline import stages
 from tests.pipeline.test_dvcyaml import executed_files, outs
 from tests.stages.test_cli import run_module
@@ -105,7 +105,7 @@ def test_the_example_params_have_the_root_s_keys_and_point_at_fetch_s_outputs():
     assert not params.data.is_synthetic
     assert params.evaluate.judges == {"gold": "rewards.sentiment:vader", "minilm": "rewards.sentiment:minilm"}
     assert params.model.mixed_precision == "bf16"
-    assert ppo_config(params).accelerator_kwargs == {"mixed_precision": "bf16"}
+    assert params.ppo_config.accelerator_kwargs == {"mixed_precision": "bf16"}
 
 
 def test_the_stages_read_the_dvc_yaml_of_the_directory_they_run_in(monkeypatch, tmp_path):

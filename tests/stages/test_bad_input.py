@@ -178,6 +178,9 @@ CASES = [
     ("batch-does-not-divide", "ppo", "ppo", {"ppo.mini_batch_size": 3},
      None, "params.yaml: ppo.batch_size must be a multiple of mini_batch_size * gradient_accumulation_steps "
            "(3 * 1 = 3), got 8"),
+    ("fewer-prompts-than-a-step", "ppo", "ppo", {"ppo.batch_size": 64},
+     None, "prompts, fewer than the 64 of one step (ppo.batch_size=64 x 1 processes / ppo.num_generations=1); "
+           "lower ppo.batch_size in params.yaml or give more prompts"),
     ("dataset-missing", "prepare", None, {"data.sft.source": "missing.jsonl"},
      None, "missing.jsonl: file not found (data.sft.source)"),
     ("dataset-empty", "prepare", None, {"data.sft.source": "empty.jsonl"},

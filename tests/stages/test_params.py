@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from stages.params import SECTIONS, load_params, ppo_config
+from stages.params import SECTIONS, load_params
 from stages.runtime import ParamsError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def test_ppo_section_is_ppoconfig_field_for_field(path):
     params = load_params(ROOT / path)
     deprecated = {"forward_batch_size", "optimize_cuda_cache"}
     assert list(params.ppo) == [f.name for f in dataclasses.fields(PPOConfig) if f.name not in {*DERIVED, *deprecated}]
-    assert ppo_config(params).seed == params.seed  # ppo.seed: null -> the top-level seed
+    assert params.ppo_config.seed == params.seed  # ppo.seed: null -> the top-level seed
 
 
 @pytest.mark.parametrize("key", ["world_size", "global_batch_size", "backward_batch_size", "global_backward_batch_size",
@@ -102,12 +102,25 @@ def test_bad_ppo_field_is_a_params_error(tmp_path):
     path = write_params(tmp_path, lambda p: p["ppo"].update(learnig_rate=0.1))
     with pytest.raises(ParamsError, match=r"params.yaml: unknown key 'ppo.learnig_rate'; did you mean "
                                           r"'ppo.learning_rate'\?$"):
-        ppo_config(load_params(path))
+        load_params(path)
+
+
+def test_the_ppo_config_is_built_once_at_load_with_the_generation_s_length(tmp_path):
+    """Loading builds the ppo section's PPOConfig once, and the stages reuse it; `ppo.max_completion_length: null` is
+    generation.max_new_tokens at load as in the ppo stage, so an overlong buffer is checked against that length
+    there too. Params with another ppo section (`dataclasses.replace`) build their own."""
+    path = write_params(tmp_path, lambda p: p["ppo"].update(overlong_buffer_len=4))
+    params = load_params(path)
+    assert params.ppo_config is params.ppo_config
+    assert params.ppo_config.max_completion_length == params.generation.max_new_tokens
+    assert params.ppo_config.overlong_buffer_len == 4
+    changed = dataclasses.replace(params, ppo={**params.ppo, "learning_rate": 0.5})
+    assert changed.ppo_config.learning_rate == 0.5 and params.ppo_config.learning_rate != 0.5
 
 
 def test_explicit_ppo_seed_wins(tmp_path):
     path = write_params(tmp_path, lambda p: p["ppo"].update(seed=7))
-    assert ppo_config(load_params(path)).seed == 7
+    assert load_params(path).ppo_config.seed == 7
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
@@ -150,7 +163,7 @@ def test_mixed_precision_is_the_ppo_accelerator_s(tmp_path):
     def precision(model, accelerator_kwargs):
         path = write_params(tmp_path, lambda p: (p["model"].update(mixed_precision=model),
                                                  p["ppo"].update(accelerator_kwargs=accelerator_kwargs)))
-        return ppo_config(load_params(path)).accelerator_kwargs
+        return load_params(path).ppo_config.accelerator_kwargs
 
     assert precision(None, {}) == {}
     assert precision(None, {"mixed_precision": "fp16"}) == {"mixed_precision": "fp16"}  # accelerate's own, as legacy

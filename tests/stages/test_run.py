@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -109,6 +110,15 @@ def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_param
     assert json.loads((tiny_run / PPO_METRICS).read_text())["steps"] == steps
     model = AutoModelForCausalLM.from_pretrained(tiny_run / PPO_MODEL)  # plain transformers, no value head class
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).config.vocab_size
+
+
+def test_rollouts_files_keep_their_columns_in_order(tiny_run):
+    """The columns of every rollouts file, in the order the published files have them: the order is part of their
+    bytes (DVC's hashes), and the loop builds the KL column apart from the others (from step()'s gathered stats)."""
+    expected = ["step", "query", "response", "score", "kl", "query_tokens", "response_tokens", "ends_with_eos",
+                "response_ids", "gold"]
+    for path in sorted((tiny_run / PPO_ROLLOUTS).iterdir()):
+        assert pq.read_schema(path).names == expected, path.name
 
 
 def test_ppo_is_deterministic_on_cpu(tiny_run, tiny_params, tmp_path):
