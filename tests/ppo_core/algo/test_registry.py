@@ -128,10 +128,7 @@ def test_a_user_estimator_in_a_params_file_is_named_module_colon_name(tmp_path, 
     try:
         path = write_params(tmp_path, {"ppo.advantage_estimator": "my_estimators:worst_of_group",
                                        "ppo.num_generations": 2})
-        params = load_params(path)
-        from stages.params import ppo_config
-
-        config = ppo_config(params)
+        config = load_params(path).ppo_config  # built once, at load
         assert config.advantage_estimator == "my_estimators:worst_of_group"
         entry = get_estimator(config.advantage_estimator)
         assert entry.name == "worst_of_group" and entry.needs_groups
