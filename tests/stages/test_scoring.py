@@ -1,6 +1,7 @@
 """Where the ppo stage's reward comes from: user reward code is found (not imported) and hashed wherever it lies (the
 sources stage records it, so DVC reruns ppo when it changes; rewards/ is also a dep of ppo in dvc.yaml); and whatever
-it is, an interrupted run's checkpoint is resumed only for the same reward code."""
+it is, an interrupted run's checkpoint is resumed only for the same reward code. And the scorer built from the params:
+a pipeline model's named label, a callable that cannot be imported."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from importlib.metadata import version
 
 import pytest
 from ruamel.yaml import YAML
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from stages import ppo, ppo_run, resume, scoring, sources
-from stages.artifacts import PPO_CHECKPOINTS
+from stages.artifacts import PPO_CHECKPOINTS, SFT_MODEL
+from stages.params import ScorerParams
+from stages.runtime import StageError
 from tests.conftest import ROOT
 
 DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -102,3 +106,29 @@ def test_a_missing_reward_module_in_a_queued_experiment_says_to_git_add_it(tiny_
     monkeypatch.chdir(tmp_path)  # the workspace: no such hint
     with pytest.raises(scoring.StageError, match=r"\(No module named 'rewards.my_reward'\)$"):
         scoring.build_scorer(params, tmp_path)
+
+
+def test_pipeline_scorer_reads_the_named_label(tiny_run, tiny_params, tmp_path):
+    """scorer.source: pipeline, as in the seed: a text-classification model's raw score of one label."""
+    labels = {0: "NEGATIVE", 1: "POSITIVE"}
+    model = AutoModelForSequenceClassification.from_pretrained(
+        tiny_run / SFT_MODEL, num_labels=2, id2label=labels, label2id={v: k for k, v in labels.items()})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp_path / "clf")
+    tokenizer.save_pretrained(tmp_path / "clf")
+    scorer = ScorerParams(source="pipeline", name=str(tmp_path / "clf"), label="POSITIVE", batch_size=4)
+    score = scoring.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tiny_run)
+    texts = ["the movie was good.", "the plot was bad.", "the cast"]
+    scores = score(texts)
+    logits = model.eval()(**tokenizer(texts[:1], return_tensors="pt")).logits.detach()
+    assert len(scores) == 3 and scores[0] == pytest.approx(float(logits[0, 1]), abs=1e-5)
+    wrong = dataclasses.replace(scorer, label="HAPPY")
+    with pytest.raises(StageError, match="scorer.label 'HAPPY' is not a label"):
+        scoring.build_scorer(dataclasses.replace(tiny_params, scorer=wrong), tiny_run)(texts)
+
+
+def test_bad_callable_scorer_is_a_clear_error(tiny_params, tmp_path):
+    scorer = ScorerParams(source="callable", name="no_such_module:score", label="POSITIVE", batch_size=8)
+    with pytest.raises(StageError, match="scorer.name 'no_such_module:score' is not an importable"):
+        scoring.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tmp_path)

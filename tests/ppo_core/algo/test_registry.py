@@ -1,6 +1,7 @@
-"""The estimator registry and the glue between a config and the math (ppo_core.algo.registry and .advantages):
-each built-in's settings, a user's own estimator by name, hand-computed advantages and losses for every estimator, and
-the places where a small slip in the glue would change training without failing anything else."""
+"""ppo_core.algo.registry, the estimator registry, and the glue between a config and the math: each built-in's
+settings, a user's own estimator by name, the estimators' policy-loss variants by hand (DAPO's decoupled clip, GSPO's
+sequence ratio, CISPO), and the steps where a small slip in the glue would change training without failing anything
+else. The advantages themselves (ppo_core.algo.advantages) are ``test_advantages.py``."""
 
 from __future__ import annotations
 

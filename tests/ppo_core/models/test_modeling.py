@@ -1,4 +1,5 @@
-"""Value-head models, their checkpoints, shared-layer reference models and the response-only fast path."""
+"""ppo_core.models.modeling: value-head models, their checkpoints, the response-only fast path and a model across
+GPUs. The shared-layer reference models are ``test_reference.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from ppo_core import AutoModelForCausalLMWithValueHead, create_reference_model
+from ppo_core import AutoModelForCausalLMWithValueHead
 from ppo_core.models.logprobs import selected_logprobs_and_entropy
 from ppo_core.models.modeling import VALUE_HEAD_FILE
 from ppo_core.step.inputs import build_model_inputs
@@ -18,14 +19,6 @@ from ppo_core.step.rollout import policy_outputs
 from tests.tiny import ARCHS, EOS, VOCAB, random_queries, tiny_causal_lm, tiny_value_model
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
-
-# The parameters before block 1: embeddings and block 0, per architecture (names inside the wrapper).
-SHARED_PREFIXES = {
-    "gpt2": ("pretrained_model.transformer.wte.", "pretrained_model.transformer.wpe.",
-             "pretrained_model.transformer.h.0."),
-    "llama": ("pretrained_model.model.embed_tokens.", "pretrained_model.model.layers.0."),
-    "gpt_neox": ("pretrained_model.gpt_neox.embed_in.", "pretrained_model.gpt_neox.layers.0."),
-}
 
 
 def assert_same_state(a: torch.nn.Module, b: torch.nn.Module):
@@ -153,58 +146,6 @@ def test_from_pretrained_rejects_unsupported_options_and_files(tmp_path):
     file.write_bytes(b"")
     with pytest.raises(ValueError, match="directory"):
         AutoModelForCausalLMWithValueHead.from_pretrained(str(file))
-
-
-# ---- reference models ----------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ARCHS)
-def test_reference_model_shares_its_first_layers(arch):
-    model = tiny_value_model(arch)
-    ref = create_reference_model(model, num_shared_layers=1)
-    policy = dict(model.named_parameters())
-    ref_params = dict(ref.named_parameters())
-    assert policy.keys() == ref_params.keys()
-    shared = [n for n in policy if n.startswith(SHARED_PREFIXES[arch])]
-    assert shared and len(shared) < len(policy)
-    for name, param in policy.items():
-        ref_param = ref_params[name]
-        assert not ref_param.requires_grad, name
-        if name in shared:
-            assert ref_param is param and ref_param.data_ptr() == param.data_ptr(), name
-            assert not param.requires_grad, name  # frozen in the trained model too
-        else:
-            assert ref_param.data_ptr() != param.data_ptr(), name
-            torch.testing.assert_close(ref_param, param, atol=0, rtol=0)
-            assert param.requires_grad, name
-    assert not ref.training
-
-    # the copy is independent: changing an unshared policy weight leaves the reference alone
-    name = next(n for n in policy if n not in shared)
-    before = ref_params[name].clone()
-    with torch.no_grad():
-        policy[name].add_(1.0)
-    torch.testing.assert_close(ref_params[name], before, atol=0, rtol=0)
-
-
-def test_reference_model_without_sharing_is_a_frozen_deep_copy():
-    model = tiny_value_model("gpt2")
-    ref = create_reference_model(model)
-    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
-        assert param.requires_grad and not ref_param.requires_grad, name
-        assert ref_param.data_ptr() != param.data_ptr(), name
-
-
-def test_reference_model_with_an_explicit_pattern():
-    model = tiny_value_model("gpt2")
-    ref = create_reference_model(model, num_shared_layers=1, pattern="transformer.h.{layer}")
-    shared = model.pretrained_model.transformer.h[0].attn.c_attn.weight
-    assert ref.pretrained_model.transformer.h[0].attn.c_attn.weight is shared
-
-
-@pytest.mark.parametrize("kwargs", [dict(num_shared_layers=1, pattern="decoder.blocks.{layer}"),
-                                    dict(num_shared_layers=5)])  # the tiny models have 2 layers
-def test_reference_model_bad_pattern_or_layer_is_rejected(kwargs):
-    with pytest.raises(ValueError, match="pattern"):
-        create_reference_model(tiny_value_model("gpt2"), **kwargs)
 
 
 # ---- the response-only fast path against the legacy full-logits forward -------------------------

@@ -1,0 +1,172 @@
+"""stages/evaluate.py on tiny params (the shared run, see conftest.tiny_run): metrics that are those of its samples (and
+by hand), the judges (evaluate.judges) and a judge that fails, and the response log-probability sums its KL comes
+from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+from transformers import AutoModelForCausalLM
+
+from stages.artifacts import EVAL_METRICS, EVAL_SAMPLES, SFT_MODEL
+from stages.runtime import StageError
+
+
+def test_evaluate_metrics_are_those_of_its_samples(tiny_run, tiny_params):
+    """metrics.json summarises samples.parquet: each policy's means, and the win rate over the same prompts."""
+    metrics = json.loads((tiny_run / EVAL_METRICS).read_text())
+    samples = pd.read_parquet(tiny_run / EVAL_SAMPLES)
+    n = tiny_params.evaluate.n_prompts
+    assert samples.groupby("policy").size().to_dict() == {"ppo": n, "sft": n}
+    by = {name: samples[samples["policy"] == name].reset_index(drop=True) for name in ("sft", "ppo")}
+    assert (by["sft"]["query"] == by["ppo"]["query"]).all()
+    ppo, sft = by["ppo"], by["sft"]
+    assert list(metrics) == ["win_rate", "gold", "reward", "kl", "length", "sft"]  # the top level: the PPO policy's
+    means = {"gold": "gold", "reward": "score", "kl": "kl_to_sft", "length": "response_tokens"}
+    assert {k: metrics[k] for k in means} == pytest.approx({k: ppo[c].mean() for k, c in means.items()}, abs=1e-12)
+    assert metrics["sft"] == pytest.approx({k: sft[c].mean() for k, c in means.items() if k != "kl"}, abs=1e-12)
+    assert (sft["kl_to_sft"] == 0).all()  # KL(sft || sft): left out of the metrics
+    wins = (by["ppo"]["score"] > by["sft"]["score"]).sum() + 0.5 * (by["ppo"]["score"] == by["sft"]["score"]).sum()
+    assert metrics["win_rate"] == wins / n
+
+
+def test_evaluate_metrics_by_hand():
+    from stages.artifacts import evaluation_metrics, policy_means
+    from stages.evaluate import policy_metrics, win_rate
+
+    rows = {"score": [1.0, -2.0, 0.5, 3.0], "kl_to_sft": [0.0, 0.25, 0.5, 0.25], "response_tokens": [3, 5, 4, 8],
+            "gold": [1, -1, 0, 2]}
+    # score (1 - 2 + 0.5 + 3) / 4 = 0.625; kl 1.0 / 4 = 0.25; length 20 / 4 = 5; gold 2 / 4 = 0.5
+    ppo = policy_metrics(rows, ["gold"])
+    assert ppo == {"gold": 0.5, "reward": 0.625, "kl": 0.25, "length": 5.0}
+    assert "gold" not in policy_metrics(rows)  # only the judges named
+    sft = {"gold": 0.0, "reward": -1.0, "kl": 0.0, "length": 4.0}
+    metrics = evaluation_metrics(ppo, sft, 0.75)
+    assert metrics == {"win_rate": 0.75, **ppo, "sft": {"gold": 0.0, "reward": -1.0, "length": 4.0}}
+    assert policy_means(metrics, "ppo") == ppo and policy_means(metrics, "sft") == sft
+    # ppo vs sft per prompt: 2 > 1 win, 1 = 1 tie, 1 < 2 loss, 0 = 0 tie: (1 + 0.5 + 0 + 0.5) / 4
+    assert win_rate([2.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0]) == 0.5
+    # a tie counts half, not as a win (>= would give 1.0) nor as nothing (dropping ties would give 0.5)
+    assert win_rate([2.0, 2.0], [1.0, 2.0]) == 0.75
+
+
+JUDGES = """
+def vowels(texts):
+    return [float(sum(c in "aeiou" for c in t)) for t in texts]
+
+
+def words(texts):
+    return [float(len(t.split())) for t in texts]
+"""
+
+
+def test_evaluate_reports_each_judge_as_a_metric_and_a_samples_column(tiny_run, tiny_params, tmp_path, monkeypatch):
+    """evaluate.judges, scorers the policy never trained on: each is a column of data/eval/samples.parquet (its score of
+    each sample's query + response) and a metric of each policy (their mean), beside the scorer's; one named `gold`
+    takes the place of the synthetic data's lexicon (as the example's VADER does)."""
+    from stages import evaluate
+    from stages.synthetic import gold_score
+    from tests.conftest import params_per_stage
+
+    (tmp_path / "my_judges.py").write_text(JUDGES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "eval", "report", "logs"))
+    judges = {"gold": "my_judges:vowels", "words": "my_judges:words"}
+    params = dataclasses.replace(tiny_params, evaluate=dataclasses.replace(tiny_params.evaluate, judges=judges))
+    summary = evaluate.run(params_per_stage(params)["evaluate"], root)  # evaluate tracks the evaluate section
+
+    metrics = json.loads((root / EVAL_METRICS).read_text())
+    samples = pd.read_parquet(root / EVAL_SAMPLES)
+    assert list(samples.columns) == ["policy", "query", "response", "score", "kl_to_sft", "response_tokens", "gold",
+                                     "words"]
+    assert list(metrics) == ["win_rate", "gold", "words", "reward", "kl", "length", "sft"]
+    assert list(metrics["sft"]) == ["gold", "words", "reward", "length"]
+    for policy, means in (("ppo", metrics), ("sft", metrics["sft"])):
+        texts = (samples["query"] + samples["response"])[samples["policy"] == policy]
+        vowels = texts.map(lambda t: sum(c in "aeiou" for c in t)).astype(float)
+        words = texts.str.split().str.len().astype(float)
+        assert samples.loc[texts.index, "gold"].tolist() == vowels.tolist()
+        assert samples.loc[texts.index, "words"].tolist() == words.tolist()
+        assert means["gold"] == pytest.approx(vowels.mean(), abs=1e-12)
+        assert means["words"] == pytest.approx(words.mean(), abs=1e-12)
+        assert means["gold"] != pytest.approx(np.mean([gold_score(t) for t in texts]))  # not the lexicon's
+    assert f", words {metrics['sft']['words']:.2f} -> {metrics['words']:.2f}," in summary
+    # the report: a row per judge (the gold score named by its function), and the judges beside each sample's score
+    from stages import report
+
+    report.run(params_per_stage(params)["report"], root)
+    page = (root / "data" / "report" / "index.html").read_text()
+    assert "<td>gold score (my_judges:vowels)</td>" in page and "<td>judge words (my_judges:words)</td>" in page
+    assert "<th>SFT response</th><th>RM score</th><th>gold</th><th>words</th><th>PPO response</th>" in page
+
+
+def test_a_judge_that_fails_is_one_line_naming_it(tiny_params, tmp_path, monkeypatch):
+    """A judge that cannot be imported, or whose scores are not finite numbers, stops evaluate with one line naming
+    the judge, as the scorer's problems do."""
+    from stages.evaluate import judge_functions, scores_of
+
+    (tmp_path / "odd_judges.py").write_text(JUDGES + "\n\ndef broken(texts):\n    return [float('nan')] * len(texts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with_judges = lambda judges: dataclasses.replace(  # noqa: E731
+        tiny_params, evaluate=dataclasses.replace(tiny_params.evaluate, judges=judges))
+    with pytest.raises(StageError, match=r"evaluate.judges.mine 'no_such_module:score' is not an importable "
+                                         r"'module:function'"):
+        judge_functions(with_judges({"mine": "no_such_module:score"}))
+    with pytest.raises(StageError, match=r"odd_judges has no function 'nothing'"):
+        judge_functions(with_judges({"mine": "odd_judges:nothing"}))
+    params = with_judges({"mine": "odd_judges:broken"})
+    fn = judge_functions(params)["mine"]
+    with pytest.raises(StageError) as err:
+        scores_of(fn, ["a b", "c"], params, "ppo", who="judge mine")
+    assert str(err.value) == ("the ppo policy's samples 1-2: judge mine returned nan for text 0; scores must be finite "
+                              "numbers")
+
+
+def test_logprob_sums_match_one_sample_at_a_time(tiny_run):
+    """The padded batch in evaluate.logprob_sums gives each sample's sum_t log p(response_t | ...) as if alone."""
+    import torch
+
+    from stages.evaluate import logprob_sums
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).eval()
+    queries, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 0]]
+    expected = []
+    for q, r in zip(queries, responses):
+        ids = torch.tensor([q + r])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)  # (T-1, V)
+        expected.append(sum(float(logprobs[len(q) - 1 + t, tok]) for t, tok in enumerate(r)))
+    assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_logprob_sums_score_the_response_tokens_without_full_logits(arch):
+    """evaluate's KL comes from ppo_core's scoring pass, as the PPO step's: the LM head at the response positions only,
+    chunk by chunk (evaluate materialised float32 (B, T-1, V) logits and their log-softmax). Its sums equal those
+    of the full logits, and the LM head module's own forward (the full logits) never runs."""
+    import torch
+
+    from stages.evaluate import logprob_sums
+    from tests.tiny import tiny_causal_lm, tiny_seq2seq_lm
+
+    model = (tiny_causal_lm() if arch == "gpt2" else tiny_seq2seq_lm(arch)).eval()
+    queries, responses = [[5, 6, 7], [8, 9], [10]], [[10, 11], [12, 13, 14, 1], [15]]
+    expected = []
+    with torch.no_grad():
+        for q, r in zip(queries, responses):
+            if arch == "gpt2":
+                logits = model(input_ids=torch.tensor([q + r])).logits[0, len(q) - 1:-1]  # (R, V)
+            else:
+                decoder_ids = torch.tensor([[model.config.decoder_start_token_id] + r[:-1]])
+                logits = model(input_ids=torch.tensor([q]), decoder_input_ids=decoder_ids).logits[0]
+            expected.append(float(torch.log_softmax(logits.float(), -1)[torch.arange(len(r)), r].sum()))
+    full_logits = []
+    model.get_output_embeddings().register_forward_hook(lambda *args: full_logits.append(1))
+    assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
+    assert not full_logits

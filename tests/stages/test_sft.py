@@ -1,0 +1,82 @@
+"""stages/sft.py on tiny params (the shared run, see conftest.tiny_run): a model and tokenizer plain transformers
+loads, byte-identical reruns, fine-tuning a local model, bf16 autocast with float32 weights, and an unloadable model as
+one clear error. What sft and reward share (float32 weights, their Trainer's arguments) is ``test_models.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stages import sft
+from stages.artifacts import RAW_SFT, SFT_METRICS, SFT_MODEL
+from stages.runtime import StageError
+
+
+def test_sft_model_loads_with_plain_transformers(tiny_run, tiny_params):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL)
+    assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert model.config.n_layer == tiny_params.model.n_layer
+    text = "the movie was very good, but the plot was slow."
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # byte-level BPE: exact round trip
+    assert set(json.loads((tiny_run / SFT_METRICS).read_text())) >= {"train_loss", "eval_loss"}
+
+
+def test_sft_is_deterministic_on_cpu(tiny_run, tiny_params, tmp_path):
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    sft.run(tiny_params, tmp_path)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / SFT_MODEL / name).read_bytes() == (tiny_run / SFT_MODEL / name).read_bytes(), name
+
+
+def test_sft_from_a_local_pretrained_path(tiny_run, tiny_params, tmp_path):
+    """model.name_or_path: fine-tune an existing causal LM (here the tiny SFT model) instead of training one."""
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    model = dataclasses.replace(tiny_params.model, name_or_path=str(tiny_run / SFT_MODEL))
+    sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path / SFT_MODEL).get_vocab() == \
+        AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL).get_vocab()
+    loss = json.loads((tmp_path / SFT_METRICS).read_text())["eval_loss"]
+    assert loss < json.loads((tiny_run / SFT_METRICS).read_text())["eval_loss"]  # it started from trained weights
+
+
+def test_sft_under_bf16_autocast_trains_and_saves_float32_weights_on_cpu(tiny_run, tiny_params, tmp_path):
+    """bf16 is the arithmetic, not the weights: the sft stage under model.mixed_precision bf16 computes otherwise than
+    in float32 (other weights after the same steps), learns as much (its eval loss, 5.35 as the float32 run's,
+    measured; an untrained model's is about ln 320 = 5.77), and saves float32 weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    model = dataclasses.replace(tiny_params.model, mixed_precision="bf16")
+    sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
+    weights = load_file(tmp_path / SFT_MODEL / "model.safetensors")
+    float32_run = load_file(tiny_run / SFT_MODEL / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    assert not torch.equal(weights["transformer.h.0.mlp.c_fc.weight"], float32_run["transformer.h.0.mlp.c_fc.weight"])
+    loss, float32_loss = (json.loads((root / SFT_METRICS).read_text())["eval_loss"] for root in (tmp_path, tiny_run))
+    assert loss == pytest.approx(float32_loss, abs=0.01) and loss < math.log(320) - 0.2
+
+
+def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    model = dataclasses.replace(tiny_params.model, name_or_path="no-such-org/no-such-model")
+    with pytest.raises(StageError, match=r"^model.name_or_path 'no-such-org/no-such-model': no such directory, and no "
+                                         r"hub model of that id in the local cache"):
+        sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")  # a config, but no model transformers can load from it
+    model = dataclasses.replace(tiny_params.model, name_or_path=str(tmp_path / "broken"))
+    with pytest.raises(StageError, match=r"model.name_or_path '.*broken' could not be loaded \(.+\); give a local "
+                                         r"save_pretrained directory") as err:
+        sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
+    assert "\n" not in str(err.value)
