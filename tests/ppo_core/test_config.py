@@ -193,3 +193,43 @@ def test_one_wording_for_every_problem(kwargs, message):
     with pytest.raises(ValueError) as info:
         PPOConfig(**kwargs)
     assert str(info.value) == message
+
+
+# ---- RunSizes and the trainer's copy of the config -------------------------------------------------------------------
+def test_run_sizes_of_a_config_over_processes_by_hand():
+    from ppo_core.config import RunSizes
+
+    config = PPOConfig(batch_size=8, mini_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                       advantage_estimator="grpo")
+    sizes = RunSizes.of(config, num_processes=3)
+    assert (sizes.global_batch_size, sizes.backward_batch_size, sizes.global_backward_batch_size) == (24, 8, 24)
+    assert sizes.prompts_per_step == 6  # 24 samples, 4 of each prompt
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sizes.batch_size = 16
+
+
+def test_the_trainer_s_config_is_a_copy_with_the_run_s_fields_and_the_caller_s_is_untouched():
+    from ppo_core.config import RunSizes, run_config
+
+    config = PPOConfig(batch_size=4, mini_batch_size=2)
+    before = config.to_dict()
+    run = run_config(config, RunSizes.of(config, 2), is_encoder_decoder=False, is_peft_model=True)
+    assert config.to_dict() == before and config.world_size is None and config.global_batch_size is None
+    assert (run.world_size, run.global_batch_size, run.global_backward_batch_size) == (2, 8, 4)
+    assert run.is_peft_model and not run.is_encoder_decoder and run.batch_size == 4
+
+
+def test_building_a_trainer_leaves_the_caller_s_config_as_it_was():
+    import warnings as _warnings
+
+    from ppo_core import PPOTrainer
+    from tests.tiny import tiny_tokenizer, tiny_value_model
+
+    config = PPOConfig(batch_size=4, mini_batch_size=2)
+    before = config.to_dict()
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore", UserWarning)  # no dataset
+        trainer = PPOTrainer(config, tiny_value_model(), tokenizer=tiny_tokenizer())
+    assert config.to_dict() == before
+    assert trainer.config is not config and trainer.config.global_batch_size == trainer.sizes.global_batch_size == 4
+    assert trainer.config.is_peft_model is False
