@@ -6,7 +6,9 @@ table gives the seconds, the FLOPs of the matrix products the phase cannot avoid
 the step's real sequence lengths, padding excluded), and the seconds those FLOPs take at the GEMM rate this CPU
 reaches on the phase's own matrix shapes (measured here, fp32 and bf16). Their ratio is how far a phase is from
 pure matmul time: ~1 means it is the matmuls, much more means time goes elsewhere (memory traffic, the optimizer,
-Python, small kernels).
+Python, small kernels). The update also steps the optimizer once per mini-batch, over every trainable weight: the
+memory traffic no matmul count sees. The last two columns add that, timed here: torch's fused Adam (what both
+ppo_core and TRL use) stepping float32 weights of the model's shapes, times the update's optimizer steps.
 
     .venv/bin/python bench/compare.py --shapes smollm2 ...     # first: writes bench/results/latest.json
     .venv/bin/python bench/phases.py                           # then this (about a minute: the GEMM rates)
@@ -18,6 +20,7 @@ the LM head where a logit is needed. A backward pass is counted as twice its for
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -70,6 +73,31 @@ def gemm_rate(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 1.0) 
     return 2 * m * k * n / best
 
 
+def parameter_shapes(d: dict) -> list[tuple[int, ...]]:
+    """The trainable weights of the value-head model: the tied embedding / LM head, each layer's projections and norms,
+    the final norm, the value head."""
+    layer = [(d["H"], d["H"]), (d["K"], d["H"]), (d["K"], d["H"]), (d["H"], d["H"]),  # q, k, v, o
+             (d["I"], d["H"]), (d["I"], d["H"]), (d["H"], d["I"]), (d["H"],), (d["H"],)]  # gate, up, down, 2 norms
+    return [(d["V"], d["H"])] + layer * d["L"] + [(d["H"],), (1, d["H"]), (1,)]
+
+
+def optimizer_step_seconds(d: dict, seconds: float = 3.0) -> float:
+    """One fused Adam step (the default optimizer's kernel) over float32 weights of the model's shapes, with
+    gradients in place, best of repeated timed runs."""
+    params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in parameter_shapes(d)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = torch.optim.Adam(params, lr=1.41e-5, fused=True)
+    for _ in range(2):
+        optimizer.step()
+    best, spent = float("inf"), 0.0
+    while spent < seconds:
+        with common.Timer() as t:
+            optimizer.step()
+        best, spent = min(best, t.s), spent + t.s
+    return best
+
+
 def rates(d: dict, setting: common.Setting) -> dict:
     """GEMM rates on each phase's typical product, in fp32 and bf16: a decode step's (batch, H) x (H, I); the log-prob
     passes' and the update's (mini-batch tokens, H) x (H, I), one shape for both, measured once (two measurements of
@@ -95,7 +123,12 @@ def main() -> None:
         print(f"\n{shape_name}: GEMM rates (GFLOP/s) " + ", ".join(
             f"{phase} {str(dtype).removeprefix('torch.')} {rate / 1e9:.0f}"
             for (phase, dtype), rate in measured.items() if phase != "update"))
-        print("| impl | phase | s | GFLOPs | s at GEMM rate | ratio |\n|---|---|---:|---:|---:|---:|")
+        adam = optimizer_step_seconds(d)
+        steps = setting.ppo_epochs * setting.batch_size // setting.mini_batch_size
+        print(f"fused Adam over {sum(math.prod(s) for s in parameter_shapes(d)) / 1e6:.1f} M float32 weights: "
+              f"{adam:.3f} s a step, x {steps} optimizer steps = {adam * steps:.2f} s of each update")
+        print("| impl | phase | s | GFLOPs | s at GEMM rate | ratio | + optimizer s | ratio to both |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|")
         lengths = [len(q) for q in common.make_queries(0, shape.vocab_size, setting)]  # the step the FLOPs count
         for label, r in by_label.items():
             if label.startswith("_") or "error" in r:
@@ -105,7 +138,10 @@ def main() -> None:
             dtype = torch.bfloat16 if "bf16" in label else torch.float32
             for phase, s in zip(flops, compare.phase_medians(r["per_step"])):  # generate, log-probs, update
                 ideal = flops[phase] / measured[(phase, dtype)]
-                print(f"| {label} | {phase} | {s:.2f} | {flops[phase] / 1e9:.0f} | {ideal:.2f} | {s / ideal:.1f} |")
+                optimizer = adam * steps if phase == "update" and "lora" not in label.lower() else 0.0
+                both = f"{optimizer:.2f} | {s / (ideal + optimizer):.1f}" if optimizer else " | "
+                print(f"| {label} | {phase} | {s:.2f} | {flops[phase] / 1e9:.0f} | {ideal:.2f} | {s / ideal:.1f} | "
+                      f"{both} |")
     sys.stdout.flush()
 
 

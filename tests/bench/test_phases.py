@@ -3,6 +3,7 @@ themselves need the real model and the TRL venvs: not part of the suite)."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 from tests.conftest import ROOT
@@ -50,3 +51,11 @@ def test_trl_grpo_prompts_tokenize_back_to_the_rounds_queries():
     prompts = grpo_trl.prompts_of_round(3, 1000, setting)
     assert len(prompts) == setting.batch_size // grpo_trl.GROUP_SIZE
     assert [tokenizer(p)["input_ids"] for p in prompts] == [q.tolist() for q in queries[: len(prompts)]]
+
+
+def test_parameter_shapes_are_the_value_head_model_s_weights_by_hand():
+    # embedding (tied LM head) 10 x 4 = 40; a layer: q 16, k 8, v 8, o 16, gate 32, up 32, down 32, two norms 4 + 4 =
+    # 152; the final norm 4; the value head 4 + 1
+    shapes = phases.parameter_shapes(DIMS)
+    assert sum(math.prod(s) for s in shapes) == 40 + 152 + 4 + 5
+    assert shapes[0] == (10, 4) and len(shapes) == 1 + 9 + 3
