@@ -1,20 +1,17 @@
-"""Where the ppo stage's reward comes from: user reward code is found (not imported) and hashed wherever it lies (the
-sources stage records it, so DVC reruns ppo when it changes; rewards/ is also a dep of ppo in dvc.yaml); and whatever
-it is, an interrupted run's checkpoint is resumed only for the same reward code. And the scorer built from the params:
-a pipeline model's named label, a callable that cannot be imported."""
+"""stages/scoring.py: the scorer built from the params (a pipeline model's named label, a callable that cannot be
+imported, a reward module a queued experiment lacks), rewards/ as a dep of ppo, and an interrupted run's checkpoint
+resumed only for the same reward code. How the reward code is found and hashed: tests/stages/test_sources.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import shutil
-from importlib.metadata import version
 
 import pytest
 from ruamel.yaml import YAML
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from stages import ppo, ppo_run, resume, scoring, sources
+from stages import ppo, ppo_run, scoring, sources
 from stages.artifacts import PPO_CHECKPOINTS, SFT_MODEL
 from stages.params import ScorerParams
 from stages.runtime import StageError
@@ -33,35 +30,6 @@ def test_rewards_is_a_dep_of_ppo_and_its_example_scores_texts():
     assert scoring.REWARDS in DVC_STAGES["ppo"]["deps"]
     assert keyword_sentiment(["A good, FUN movie.", "dull and slow but good", ""]) == [2.0, -1.0, 0.0]
 
-
-def test_reward_code_under_rewards_is_fingerprinted_without_a_warning(tiny_params, capfd):
-    origin = sources.scorer_origin(with_scorer(tiny_params, "rewards.example:keyword_sentiment"))
-    expected = hashlib.sha256(b"example.py\0" + (ROOT / "rewards" / "example.py").read_bytes()).hexdigest()
-    assert origin == {"code": {"rewards/example.py": resume.digest(ROOT / "rewards" / "example.py")}}
-    assert origin["code"]["rewards/example.py"] == expected
-    assert capfd.readouterr().err == ""
-
-
-def test_reward_code_elsewhere_is_found_and_hashed_without_running_it(tiny_params, tmp_path, monkeypatch, capfd):
-    (tmp_path / "myreward.py").write_text("raise SystemExit('imported')\ndef score(texts):\n    return [1.0]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(__import__("sys").modules, "myreward", raising=False)
-    origin = sources.scorer_origin(with_scorer(tiny_params, "myreward:score"))
-    path = str((tmp_path / "myreward.py").resolve())
-    assert origin == {"code": {path: resume.digest(tmp_path / "myreward.py")}}
-    assert capfd.readouterr().err == "" and "myreward" not in __import__("sys").modules
-
-
-def test_an_installed_package_reward_is_known_by_its_version(tiny_params, capfd):
-    assert sources.scorer_origin(with_scorer(tiny_params, "tqdm:tqdm")) == {"versions": {"tqdm": version("tqdm")}}
-    assert capfd.readouterr().err == ""
-
-
-def test_a_pipeline_model_directory_is_an_input_of_the_fingerprint(tiny_params, tiny_run):
-    model = tiny_run / "data" / "models" / "reward"
-    params = dataclasses.replace(tiny_params, scorer=dataclasses.replace(tiny_params.scorer, source="pipeline",
-                                                                         name=str(model)))
-    assert sources.scorer_origin(params) == {"inputs": {str(model): resume.digest(model)}}
 
 
 @pytest.mark.slow
