@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import ppo_core
+from tests.imports import import_statements
 
 PACKAGE = Path(ppo_core.__file__).parent
 ALLOWED = {
@@ -55,23 +56,17 @@ def imports(file: Path) -> set[str]:
 
 
 def imports_in(text: str, package: list[str]) -> set[str]:
-    """``imports`` of the source ``text`` of a module of ``package`` (``["ppo_core", "algo"]``)."""
-    tree = ast.parse(text)
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and getattr(node.test, "id", "") ==
-               "TYPE_CHECKING" for part in node.body for n in ast.walk(part)}
+    """``imports`` of the source ``text`` of a module of ``package`` (``["ppo_core", "algo"]``): each statement's
+    module, and each imported name that is itself a module (``from . import a, b``)."""
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
-            module = ".".join(base + ([node.module] if node.module else []))
-            found.add(module)
-            if not node.module:  # ``from . import a, b``: the modules a and b
-                found |= {f"{module}.{alias.name}" for alias in node.names}
+    for module, names in import_statements(text, package):
+        found |= {module} | {f"{module}.{name}" for name in names if is_module(f"{module}.{name}")}
     return {m for m in found if m.split(".")[0] == "ppo_core"}
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def upward(module: str, imported: set[str]) -> list[str]:

@@ -10,6 +10,7 @@ from ruamel.yaml import YAML
 
 from stages import artifacts, resume
 from stages.pipeline import stage, stages
+from tests.imports import import_statements
 
 ROOT = Path(__file__).resolve().parents[2]
 DVC = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())
@@ -44,22 +45,11 @@ def lazy_exports(init: Path) -> dict[str, str]:
 def imported_modules(file: Path) -> set[str]:
     """The project modules ``file`` imports when it runs: every import statement, in functions too, but those
     under ``if TYPE_CHECKING:``; a name a package exports lazily counts as its module."""
-    tree = ast.parse(file.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and getattr(node.test, "id", "") ==
-               "TYPE_CHECKING" for part in node.body for n in ast.walk(part)}
-    package = ".".join(file.relative_to(ROOT).parts[:-1])
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
-            module = ".".join(base + ([node.module] if node.module else []))
-            init = module_file(module)
-            exports = lazy_exports(init) if init is not None and init.name == "__init__.py" else {}
-            found |= {module} | {f"{module}.{exports.get(alias.name, alias.name)}" for alias in node.names}
+    for module, names in import_statements(file.read_text(), list(file.relative_to(ROOT).parts[:-1])):
+        init = module_file(module)
+        exports = lazy_exports(init) if init is not None and init.name == "__init__.py" else {}
+        found |= {module} | {f"{module}.{exports.get(name, name)}" for name in names}
     return {m for m in found if m.split(".")[0] in PACKAGES}
 
 
