@@ -7,7 +7,9 @@
   diverged (``PPOConfig.max_consecutive_overflows``). The scaler's state is checkpointed (``runtime.checkpoint``).
 * **Frozen weights in the compute dtype**: autocast casts a matmul's float32 weight to bf16/fp16 at every use and
   caches the cast only for weights that require grad, so a frozen float32 base (LoRA, the reference) would be cast
-  again at every matmul of every generated token; :func:`cast_frozen_matmul_weights` casts those weights once.
+  again at every matmul of every generated token; :func:`cast_frozen_matmul_weights` casts those weights once, in
+  place: the model keeps them rounded to that dtype, and a LoRA policy merged and saved afterwards carries the rounded
+  base.
 * **The reference in the policy's dtype**: DeepSpeed's bf16/fp16 engines hold the policy's weights in that dtype; a
   float32 reference beside it would cost twice the memory, run float32 matmuls and show a false KL at step 0
   (:func:`floating_dtype`, used by ``ppo_core.models.reference.placed_reference``).
