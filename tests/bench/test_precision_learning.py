@@ -69,7 +69,7 @@ def test_both_precisions_run_per_seed_and_are_compared(example, tmp_path, capsys
     result = json.loads(out.read_text())
     runs = {(r["precision"], r["seed"]): r for r in result["runs"]}
     assert set(runs) == {("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1)}
-    for (precision, seed), run in runs.items():
+    for precision, seed in runs:
         params = yaml.safe_load((tmp_path / "work" / f"{precision}_seed{seed}" / "params.yaml").read_text())
         assert params["model"]["mixed_precision"] == precision_learning.PRECISIONS[precision]
         assert params["ppo"]["seed"] == seed
