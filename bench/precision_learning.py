@@ -3,10 +3,11 @@
 After `make example`, this reruns examples/sentiment's `ppo` and `evaluate` stages (SmolLM2-135M with LoRA, its
 reward model, 24 steps of 32 rollouts, then 200 held-out prompts judged by VADER and MiniLM) for each seed with
 `model.mixed_precision` bf16 and with float32, everything else as the example's params. Each run is a scratch
-project in `--workdir`: a copy of the example's params.yaml (the two fields changed) and links to its fetched and
-upstream artifacts (the SFT and reward models were trained once, in bf16, by `make example`: both precisions start
-from the same policy and score with the same reward model). It prints the reward and the KL per block of 6 steps,
-the held-out evaluation of each run, and the two precisions' means against float32's spread over seeds.
+project in `--workdir`: the example's params.yaml with those fields and `ppo.seed` set (and no PPO checkpoints), and
+links to its fetched and upstream artifacts (the SFT and reward models were trained once, in bf16, by `make example`:
+both precisions start from the same policy and score with the same reward model). It prints the reward and the KL
+per block of 6 steps, the held-out evaluation of each run, and the two precisions' means against float32's spread
+over seeds.
 
     .venv/bin/python bench/precision_learning.py                          # seeds 0 1 2, two runs at a time
     .venv/bin/python bench/precision_learning.py --seeds 0 --jobs 1 --threads 2
