@@ -19,6 +19,7 @@ evaluation. Results also go to bench/results/precision_learning.json (`--out`).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -41,7 +42,7 @@ BLOCK = 6  # steps per block of the learning curve
 
 def run_params(example_params: dict, precision: str, seed: int) -> dict:
     """The example's params with ``precision`` and PPO ``seed``, and no resumable checkpoints (a run starts afresh)."""
-    params = json.loads(json.dumps(example_params))  # a deep copy
+    params = copy.deepcopy(example_params)
     params["model"]["mixed_precision"] = PRECISIONS[precision]
     params["ppo"]["seed"] = seed
     params["checkpoint"]["ppo_every"] = 0
