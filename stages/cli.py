@@ -18,11 +18,12 @@ from typing import Annotated
 import typer
 
 from stages.artifacts import LOCKS, STATE, UNWRITABLE, check_writable
+from stages.numerics import kernels_note, set_threads
 from stages.params import load_params
 from stages.pipeline import stage as stage_spec
 from stages.pipeline import stages
 from stages.resume import remove_redundant_state
-from stages.runtime import Progress, StageError, peak_rss_bytes, stage_lock, terminate_as_interrupt
+from stages.runtime import Progress, StageError, device, note, peak_rss_bytes, stage_lock, terminate_as_interrupt
 
 app = typer.Typer(
     help=f"RLHF pipeline stages: {' -> '.join(stages())}. `dvc repro` runs them in order; each one can also run "
@@ -61,11 +62,17 @@ def _run_stage(stage: str, params_path: Path) -> str:
     """Run the stage as the only run of it, once its params are read and its outputs found writable; first delete
     the state of the others that nothing would resume from."""
     params = load_params(params_path)
+    set_threads(params.numerics.threads)  # the kernels themselves were set before torch loaded (stages/__main__.py)
     with stage_lock(LOCKS / f"{stage}.lock", stage):  # a second run of the stage stops here
         check_writable(Path("."), [*stage_spec(stage).outs, *(path / "x" for path in STATE.get(stage, ()))])
         if os.environ.get("RANK", "0") == "0":
             remove_redundant_state(params, Path("."), stage)
-        return importlib.import_module(f"stages.{stage}").run(params)
+        summary = importlib.import_module(f"stages.{stage}").run(params)
+    if "numerics" in stage_spec(stage).params and os.environ.get("RANK", "0") == "0":
+        message = kernels_note(params.numerics.kernels, device())
+        if message:  # once, beside the summary: what the trained outputs can be compared with
+            note(f"{stage}: {message}")
+    return summary
 
 
 def interrupted(stage: str) -> str:

@@ -1,14 +1,24 @@
 """Which floating-point kernels a stage computes with: what "same inputs, same bytes" depends on across machines.
 
 torch picks its CPU kernels when a process starts, by what the CPU offers: ATen's vectorised kernels by instruction
-set (AVX-512 where the CPU has it, else AVX2; `ATEN_CPU_CAPABILITY` overrides), and Intel MKL, which computes every
-float32 matrix product, by CPU vendor and model (a generic branch on AMD, its AVX-512 branch on Intel Xeons;
-`MKL_CBWR` overrides), and the parallel kernels split their work by the number of threads. Each choice rounds
-differently: forcing another CPU's MKL branch, ATen's AVX2 kernels or one thread instead of two changes every trained
-artifact of the default run (README, "Same inputs, same bytes"). Pinning them (`MKL_CBWR=COMPATIBLE`, the branch
-Intel documents as vendor-independent) would make the bytes portable but costs the default run a third of its time
-and the 32k-vocabulary benchmark 1.8x, so the stages leave the choice to the CPU: the bytes are guaranteed on
-machines that choose the same kernels, which the committed dvc.lock records as `LOCK_KERNELS`.
+set (AVX-512 where the CPU has it, else AVX2; `ATEN_CPU_CAPABILITY` overrides), oneDNN's by instruction set
+(`ONEDNN_MAX_CPU_ISA`), and Intel MKL, which computes every float32 matrix product and some elementwise functions
+(its VML: `torch.sqrt` among them), by CPU vendor and model (`MKL_CBWR` overrides); the parallel kernels split their
+sums by the number of threads. Each choice rounds differently.
+
+`numerics.kernels` in params.yaml decides, before torch loads (`configure`, called by stages/__main__.py):
+
+- **portable** (the default): MKL's COMPATIBLE branch (the one Intel documents as vendor-independent), ATen's and
+  oneDNN's AVX2 kernels, and `numerics.threads` threads: the same bytes on any x86-64 CPU with AVX2, whatever its
+  vendor or its AVX-512. Measured with `../shared/tools/kernel_probe.py`: under these settings an AMD EPYC (Zen 3)
+  gives an Intel Xeon's (Sapphire Rapids) bytes for a matmul, a linear layer and attention. One function stays
+  vendor-dependent even there, MKL's `sqrt` (VML: its result differs in the last bit between vendors, checked against
+  a CPU that reports itself as an Intel one under QEMU), which the non-fused AdamW takes for its denominator: the
+  training stages use torch's fused AdamW, whose `sqrt` is the CPU instruction (exact on every CPU).
+- **native**: the kernels the CPU picks, and torch's thread count: faster (README, "Same inputs, same bytes"), with
+  bytes that only a machine picking the same kernels reproduces.
+
+GPUs have no such mode: cuBLAS and cuDNN pick kernels by shape and card, and some kernels add in no fixed order.
 """
 
 from __future__ import annotations
@@ -17,11 +27,60 @@ import os
 import platform
 from pathlib import Path
 
-# The kernels of the machine that wrote the committed dvc.lock (2-core AMD EPYC, Zen 4). Regenerating the lock on
-# another kind of machine means updating this too: tests/pipeline/test_default.py says so.
-LOCK_KERNELS = {"machine": "x86_64", "vendor": "AuthenticAMD", "aten": "AVX512", "threads": 2,
-                "MKL_CBWR": None, "ATEN_CPU_CAPABILITY": None}
-OVERRIDES = ("MKL_CBWR", "ATEN_CPU_CAPABILITY")
+KERNELS = ("portable", "native")
+PORTABLE_ENV = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+OVERRIDES = tuple(PORTABLE_ENV)
+X86_64 = ("x86_64", "AMD64")
+# What the committed dvc.lock was computed with: a run whose `current()` kernels match this reproduces it byte for
+# byte. Portable, so it holds on any x86-64 CPU with AVX2 (tests/pipeline/test_default.py checks it).
+LOCK_KERNELS = {"machine": "x86_64", "aten": "AVX2", "threads": 2, **PORTABLE_ENV}
+
+
+def configure(kernels: str, threads: int | None) -> None:
+    """Set this process's (and its children's) kernel choice as `numerics.kernels` and `numerics.threads` say.
+
+    Must run before torch is imported: MKL, ATen and OpenMP read these variables once, when they load. "portable"
+    overrides what the environment says (the lock's guarantee is the params', not the shell's); "native" leaves it.
+    """
+    if kernels == "portable" and platform.machine() in X86_64:
+        os.environ.update(PORTABLE_ENV)
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # OpenMP's and MKL's when they load (torch caps it at the cores)
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads as `numerics.threads` says (None: leave them), more than the cores included: a 1-core
+    machine running 2 threads computes what a 2-core one does."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def configure_from(params_path: Path) -> None:
+    """`configure` with the `numerics` section of a params file, read without checking it: a bad file is reported by
+    the stage's own loading, later, and here falls back to the defaults (portable, 2 threads)."""
+    from ruamel.yaml import YAML  # pure Python: no torch before the environment is set
+
+    kernels, threads = "portable", 2
+    try:
+        section = YAML(typ="safe", pure=True).load(params_path.read_text()).get("numerics") or {}
+        kernels = section.get("kernels", kernels) if section.get("kernels") in KERNELS else kernels
+        threads = section.get("threads", threads)
+        threads = threads if threads is None or (isinstance(threads, int) and threads > 0) else 2
+    except Exception:  # noqa: BLE001 -- unreadable params: the stage says what is wrong with them
+        pass
+    configure(kernels, threads)
+
+
+def params_path(argv: list[str]) -> Path:
+    """The params file a stage command line names (`--params PATH` or `--params=PATH`), else params.yaml."""
+    for i, arg in enumerate(argv):
+        if arg == "--params" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--params="):
+            return Path(arg.partition("=")[2])
+    return Path("params.yaml")
 
 
 def cpu_vendor() -> str | None:
@@ -45,4 +104,35 @@ def current() -> dict[str, object]:
 
 def covered(kernels: dict[str, object]) -> bool:
     """Whether a process with these `kernels` (see `current`) computes what the committed dvc.lock records."""
-    return kernels == LOCK_KERNELS
+    return all(kernels.get(key) == value for key, value in LOCK_KERNELS.items())
+
+
+def describe(kernels: dict[str, object]) -> str:
+    """`current()`'s kernels in words: "AuthenticAMD x86_64, ATen AVX512, MKL's own branch, 2 threads"."""
+    mkl = f"MKL {kernels['MKL_CBWR']}" if kernels.get("MKL_CBWR") else "MKL's own branch"
+    return f"{kernels['vendor'] or 'unknown vendor'} {kernels['machine']}, ATen {kernels['aten']}, {mkl}, " \
+           f"{threads(kernels['threads'])}"
+
+
+def threads(n: object) -> str:
+    return f"{n} thread" if n == 1 else f"{n} threads"
+
+
+def kernels_note(kernels_param: str, device: str, kernels: dict[str, object] | None = None) -> str | None:
+    """One line for the stage's summary when its outputs are not what the committed lock's kernels compute (None
+    when they are): another CPU's own kernels, a portable setting this machine cannot honour, or a GPU."""
+    if device != "cpu":
+        return (f"numerics: computed on a GPU ({device}), whose kernels are not bitwise reproducible across cards or "
+                "batch shapes: the trained outputs differ from dvc.lock's in their last bits")
+    kernels = kernels if kernels is not None else current()
+    if covered(kernels):
+        return None
+    if kernels_param == "native":
+        return (f"numerics: native kernels ({describe(kernels)}): the trained outputs are this kind of CPU's bytes, "
+                "not dvc.lock's; numerics.kernels: portable computes the same bytes on any x86-64 CPU with AVX2")
+    why = ("not an x86-64 CPU" if kernels["machine"] not in X86_64 else
+           "torch loaded before they were set: start stages as `rlhf` or `python3 -m stages`"
+           if any(kernels.get(key) != value for key, value in PORTABLE_ENV.items()) else
+           "no AVX2" if kernels["aten"] != "AVX2" else f"{threads(kernels['threads'])}, not {LOCK_KERNELS['threads']}")
+    return (f"numerics: portable kernels could not be used here ({why}; {describe(kernels)}): the trained outputs "
+            "differ from dvc.lock's in their last bits")

@@ -208,6 +208,20 @@ class CheckpointParams:
     """A checkpoint written with other params or inputs: "restart" (say so, discard it) or "stop" (exit 2)."""
 
 
+@dataclass(frozen=True)
+class NumericsParams:
+    """The float kernels of the CPU stages (stages/numerics.py), set before torch loads: what decides whether
+    another machine computes the same bytes. Tracked by the stages that compute in floating point."""
+
+    kernels: Literal["portable", "native"]
+    """portable: MKL's COMPATIBLE branch and ATen's and oneDNN's AVX2 kernels, the same bytes on any x86-64 CPU with
+    AVX2 (the committed dvc.lock's); native: the kernels the CPU picks (AVX-512, MKL's vendor branch), faster, with
+    bytes only the same kind of CPU reproduces."""
+    threads: int | None
+    """CPU threads per stage process (parallel sums split by it, so it decides bytes too); null: torch's default, the
+    number of cores."""
+
+
 SECTIONS: dict[str, type] = {
     "seed": int,
     "data": DataParams,
@@ -220,6 +234,7 @@ SECTIONS: dict[str, type] = {
     "ppo": dict,
     "evaluate": EvaluateParams,
     "checkpoint": CheckpointParams,
+    "numerics": NumericsParams,
 }
 
 
@@ -241,6 +256,7 @@ class Params:
     compare (stages/resume.py) as dvc.yaml tracks them. The stages use `ppo_config`, built from it."""
     evaluate: EvaluateParams
     checkpoint: CheckpointParams
+    numerics: NumericsParams
 
     @functools.cached_property
     def ppo_config(self) -> PPOConfig:
@@ -347,6 +363,7 @@ def _check_values(p: Params) -> None:
         ("checkpoint.ppo_every", p.checkpoint.ppo_every, ">= 0 (0: no checkpoints)", p.checkpoint.ppo_every >= 0),
         ("checkpoint.trainer_every", p.checkpoint.trainer_every, ">= 0 (0: no checkpoints)",
          p.checkpoint.trainer_every >= 0),
+        ("numerics.threads", p.numerics.threads, "null or >= 1", p.numerics.threads is None or p.numerics.threads >= 1),
     ]
     if p.model.name_or_path is None:
         n_positions = p.model.n_positions

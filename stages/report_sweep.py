@@ -29,19 +29,24 @@ def write_sweep_page(root: Path, params_path: Path) -> str:
     from dvc.exceptions import DvcException
 
     try:
-        rows = [row for row in dvc.api.exp_show(repo=str(root)) if row["rev"] != "workspace"]
+        shown_rows = dvc.api.exp_show(repo=str(root))
     except DvcException as err:
         raise StageError(f"dvc exp show: {err}; run from the project's git checkout") from None
+    rows = [row for row in shown_rows if row["rev"] != "workspace"]  # the baseline (main), then its experiments
     if not rows:
         raise StageError("no experiments to show: run some first (`dvc exp run -S ...`, or --queue then "
                          "`dvc queue start`)")
-    params = [read_params(root, params_path, row["rev"]) for row in rows]
+    revs = [row["rev"] for row in rows]
+    params = [read_params(root, params_path, rev) for rev in revs]
+    workspace = next((row for row in shown_rows if row["rev"] == "workspace"), None)
+    if stands_in(workspace, rows[0]) and read_params(root, params_path, None) == params[0]:
+        rows[0], revs[0] = {**workspace, "Experiment": WORKSPACE_BASELINE}, None  # None: dvc.api reads the workspace
     varying = sorted(k for k in set().union(*params) if len({shown(p.get(k, ABSENT)) for p in params}) > 1)
     names = [row["Experiment"] or row["rev"] for row in rows]
     header = ["experiment", *varying, *(reward_label(params) if k == "reward" else v for k, v in METRICS.items())]
     body = [[name, *(shown(p.get(k, ABSENT)) for k in varying), *(number(row.get(k)) for k in METRICS)]
             for name, p, row in zip(names, params, rows)]
-    curves = {legend(name, p, varying): read_curves(root, row["rev"]) for name, p, row in zip(names, params, rows)}
+    curves = {legend(name, p, varying): read_curves(root, rev) for name, p, rev in zip(names, params, revs)}
     sections = [("Experiments (as dvc exp show: the params that differ, the evaluation)", table(body, header)),
                 ("PPO curves, overlaid", overlay({n: c for n, c in curves.items() if c is not None}))]
     with atomic_path(Path(root) / REPORT_SWEEP) as tmp:
@@ -49,11 +54,22 @@ def write_sweep_page(root: Path, params_path: Path) -> str:
     return f"{len(rows)} experiments, {len(varying)} params differ -> {REPORT_SWEEP}"
 
 
+WORKSPACE_BASELINE = "workspace (this machine's run of main's params)"
+
+
+def stands_in(workspace: dict | None, baseline: dict) -> bool:
+    """Whether the workspace's results stand in for the baseline's on the page: main's results are in no DVC cache
+    here (this machine's float kernels computed other bytes than main's lock: README, "Same inputs, same bytes"),
+    the workspace has some, and (checked by the caller) it ran with main's params."""
+    has_results = lambda row: any(row.get(key) is not None for key in METRICS)  # noqa: E731
+    return workspace is not None and not has_results(baseline) and has_results(workspace)
+
+
 def number(value):
     return float(value) if isinstance(value, (int, float)) else "-"
 
 
-def read_params(root: Path, params_path: Path, rev: str) -> dict:
+def read_params(root: Path, params_path: Path, rev: str | None) -> dict:
     """An experiment's params (flattened: ``ppo.learning_rate``), as its params file holds them."""
     import dvc.api
     from dvc.exceptions import DvcException
@@ -88,7 +104,7 @@ def reward_label(params: list[dict]) -> str:
     return f"{METRICS['reward']} ({ScorerParams(source, name, label, batch_size=0).title})"
 
 
-def read_curves(root: Path, rev: str) -> pd.DataFrame | None:
+def read_curves(root: Path, rev: str | None) -> pd.DataFrame | None:
     """An experiment's curves.csv from DVC's cache, or None when it has none there."""
     import dvc.api
     from dvc.exceptions import DvcException

@@ -114,6 +114,9 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         remove_unused_columns=False, logging_strategy="no", report_to="none", disable_tqdm=True,
         tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
+        # torch's fused AdamW (transformers' default from torch 2.8, named so that it stays): its sqrt is the CPU's
+        # exact instruction, where the for-loop AdamW's torch.sqrt is MKL's, whose last bit differs between vendors
+        optim="adamw_torch_fused",
         **autocast_args(params.model.mixed_precision),
     )
 

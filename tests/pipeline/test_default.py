@@ -6,7 +6,8 @@ produces, so `git status` stays clean, `dvc status` has nothing to do, and `dvc 
 experiments with real baseline metrics. What is hashed must be the same on every machine the guarantee covers
 (README, "Same inputs, same bytes"): the code, params and commands everywhere; the data prepare and tokenize write
 (no floating point) everywhere; the trained models and everything after them where the floating-point kernels are
-those the lock was written with (`stages.numerics.LOCK_KERNELS`); elsewhere it warns which stages' outputs differ.
+those the lock was written with (`stages.numerics.LOCK_KERNELS`: params.yaml's `numerics.kernels: portable`, so any
+x86-64 CPU with AVX2); elsewhere (another architecture, no AVX2) it warns which stages' outputs differ.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ def fresh_clone(target: Path) -> Path:
 
 
 def lock_entries(lock: dict, stage: str) -> dict:
-    """A stage's lock entry with its outputs set apart: (cmd, deps, params), outs."""
+    """A stage's lock entry with what it ran with set apart from what it wrote: its inputs (cmd, params, and the deps
+    that no stage writes: code and the user's data) and its outputs (an upstream output a stage depends on is compared
+    where the stage writing it is)."""
+    written = {out["path"] for entry in lock["stages"].values() for out in entry.get("outs", [])}
     entry = dict(lock["stages"][stage])
+    entry["deps"] = [dep for dep in entry.get("deps", []) if dep["path"] not in written]
     return {"inputs": {k: v for k, v in entry.items() if k != "outs"}, "outs": entry.get("outs")}
 
 
@@ -89,7 +94,9 @@ def test_a_fresh_run_reproduces_the_committed_lock_on_cpu(clone):
         assert lock_entries(produced, stage)["inputs"] == lock_entries(committed, stage)["inputs"], stage
     for stage in FLOAT_FREE:
         assert lock_entries(produced, stage)["outs"] == lock_entries(committed, stage)["outs"], stage
-    probe = "import json; from stages import numerics; print(json.dumps(numerics.current()))"
+    probe = ("import json; from pathlib import Path; from stages import numerics; "  # as a stage process does
+             "from stages.params import load_params; numerics.configure_from(Path('params.yaml')); "
+             "numerics.set_threads(load_params('params.yaml').numerics.threads); print(json.dumps(numerics.current()))")
     kernels = json.loads(run(sys.executable, "-c", probe, cwd=clone).stdout)  # as in a stage process
     same_kernels = numerics.covered(kernels)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

@@ -136,7 +136,7 @@ def test_the_cli_lists_fetch_in_the_example_only():
     assert commands(EXAMPLE) == ["fetch", *SHARED]
     assert commands(ROOT) == list(ROOT_STAGES)
     help_text = " ".join(run_module("fetch", "--help", cwd=EXAMPLE).stdout.split())
-    assert f"Reads: params seed. Writes: {', '.join(outs(EXAMPLE_STAGES['fetch']))}." in help_text
+    assert f"Reads: params numerics, seed. Writes: {', '.join(outs(EXAMPLE_STAGES['fetch']))}." in help_text
     assert run_module("fetch", "--help", cwd=ROOT).returncode == 2  # no such command at the root
 
 

@@ -11,6 +11,7 @@ checks that it is still what the wheel gives). The tests skip where the example'
 from __future__ import annotations
 
 import importlib.util
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -121,35 +122,63 @@ def test_the_bf16_checkpoint_loads_as_float32(checkpoint, policy):
 
 
 # ---- (e) the chunked log-probabilities over 49,152 tokens --------------------------------------------------------
-@pytest.mark.parametrize("chunk_size,atol", [(None, 2e-6), (3, 2e-5)])
-def test_chunked_logprobs_equal_a_naive_log_softmax_over_the_whole_vocabulary(policy, tokenizer, chunk_size, atol):
-    """`policy_outputs` (the LM head on the response positions only, the log-softmax reduced chunk by chunk: one chunk
-    of up to 682 rows by default, here also chunks of 3) gives the log-probabilities and entropies of a plain
-    forward's full ``(B, T, 49152)`` logits.
+U = torch.finfo(torch.float32).eps / 2  # float32's unit roundoff, 2**-24
+LAMBDA = 6  # Higham & Mary's probabilistic bound holds but with probability 2 exp(-LAMBDA**2 / 2) = 3e-8 per sum
 
-    Tolerances: against the float64 log-softmax of the same float32 logits, 2e-6 (measured 5e-7: the head's matmul
-    on the selected rows rounds a little differently from the full one); in chunks of fewer than 4 rows, which BLAS
-    multiplies with its matrix-vector kernel, the logits (up to 31, whose float32 spacing is 2e-6) differ by a few
-    units in the last place: 2e-5 (measured 1.0e-5). Against torch's float32 log-softmax, 5e-5: that one is itself up
-    to 1.4e-5 from float64 over 49,152 logits (measured)."""
+
+def head_rounding(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How far apart two float32 evaluations of the LM head's logits ``(N, V)`` can be, from hidden states ``(N, K)``
+    and the head's weight ``(V, K)``: each logit is a sum of K products, and the full matmul, a chunk's and BLAS's
+    matrix-vector kernel (chunks of fewer than 4 rows) add them in other orders, which each CPU's kernels pick
+    otherwise. Twice Higham & Mary's probabilistic bound on a float32 sum of K terms, LAMBDA sqrt(K) u sum|h_k w_k|:
+    it depends on the data, not on what one CPU happened to round (SIAM J. Sci. Comput. 41(5), 2019)."""
+    return 2 * LAMBDA * hidden.shape[-1] ** 0.5 * U * (hidden.abs() @ weight.abs().T)
+
+
+def logsoftmax_rounding(logits: torch.Tensor) -> float:
+    """How far a float32 log-softmax over the V logits ``(N, V)`` of each row can be from the exact one of the same
+    logits: each exp within u, their sum within log2(V) u (a pairwise sum), its log, then the additions to the max
+    logit and from the token's logit within u of their magnitudes."""
+    lse = torch.logsumexp(logits.double(), -1)
+    magnitude = lse.abs().max() + (logits.double() - lse[:, None]).abs().max()
+    return float(U * (magnitude + math.log2(logits.shape[-1]) + 3))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_chunked_logprobs_equal_a_naive_log_softmax_over_the_whole_vocabulary(policy, tokenizer, chunk_size):
+    """`policy_outputs` (the LM head on the response positions only, the log-softmax reduced chunk by chunk: one chunk
+    of up to 682 rows by default, here also chunks of 3, which BLAS multiplies with its matrix-vector kernel) gives the
+    log-probabilities and entropies of a plain forward's full ``(B, T, 49152)`` logits.
+
+    Tolerances derived from float32's rounding (`head_rounding`, `logsoftmax_rounding`), not measured on one CPU: a
+    token's log-probability moves with its logit and with the log-sum-exp (by at most the largest logit change), an
+    entropy H by at most 2 H times the largest logit change. Measured on a 2-core AMD EPYC (Zen 3): up to 5e-7 (5e-6
+    in chunks of 3) against bounds of about 6e-3 (the bound sums |h_k w_k|, which real hidden states make large); a
+    wrong row, token or chunk is off by far more (the log-probability of another token differs by nats)."""
     queries = [token_ids(tokenizer, q) for q in QUERIES[:3]]
     responses = [token_ids(tokenizer, r) for r in (" a complete waste of time.", " good, honestly", " and the music")]
     responses[0] = torch.cat([responses[0], torch.tensor([EOS])])
     inputs = build_model_inputs(queries, responses, tokenizer.pad_token_id)
     with torch.no_grad():
-        logits = policy.pretrained_model(input_ids=inputs.input_ids).logits  # (B, T, V) float32
-        out = policy_outputs(policy, inputs, with_entropy=True, chunk_size=chunk_size)
+        out = policy.pretrained_model(input_ids=inputs.input_ids, output_hidden_states=True)
+        chunked = policy_outputs(policy, inputs, with_entropy=True, chunk_size=chunk_size)
+    logits, hidden = out.logits, out.hidden_states[-1]  # (B, T, V) float32, (B, T, K): what the head multiplies
     assert logits.shape[-1] == VOCAB
     expected64 = naive_logprobs(logits.double(), queries, responses)
     expected32 = naive_logprobs(logits, queries, responses)
     logp64 = torch.log_softmax(logits.double(), -1)
     for i, (q, r) in enumerate(zip(queries, responses)):
-        torch.testing.assert_close(out.logprobs[i, :len(r)].double(), expected64[i], atol=atol, rtol=0)
-        torch.testing.assert_close(out.logprobs[i, :len(r)], expected32[i], atol=5e-5, rtol=0)
-        rows = logp64[i, len(q) - 1:len(q) - 1 + len(r)]  # (R_i, V)
+        at = slice(len(q) - 1, len(q) - 1 + len(r))
+        head = float(head_rounding(hidden[i, at], policy.pretrained_model.lm_head.weight.detach()).max())
+        softmax = logsoftmax_rounding(logits[i, at])
+        atol = 2 * head + softmax  # the token's logit and the log-sum-exp, then float32's log-softmax
+        torch.testing.assert_close(chunked.logprobs[i, :len(r)].double(), expected64[i], atol=atol, rtol=0)
+        torch.testing.assert_close(chunked.logprobs[i, :len(r)], expected32[i], atol=atol + softmax, rtol=0)
+        rows = logp64[i, at]  # (R_i, V)
         entropy = -(rows.exp() * rows).sum(-1)
-        torch.testing.assert_close(out.entropy[i, :len(r)].double(), entropy, atol=atol, rtol=0)
-        assert (out.logprobs[i, len(r):] == 0).all() and (out.entropy[i, len(r):] == 0).all()
+        entropy_atol = 2 * float(entropy.max()) * head + softmax * (1 + float(rows.abs().max()))
+        torch.testing.assert_close(chunked.entropy[i, :len(r)].double(), entropy, atol=entropy_atol, rtol=0)
+        assert (chunked.logprobs[i, len(r):] == 0).all() and (chunked.entropy[i, len(r):] == 0).all()
 
 
 @pytest.mark.parametrize("path", ["keeping the probabilities", "recomputing them"])
@@ -159,9 +188,11 @@ def test_chunked_logprob_gradients_equal_float64_autograd(policy, tokenizer, mon
     float64 autograd's through a full log-softmax. Both paths: the probabilities kept from the forward (short
     batches) or recomputed chunk by chunk (a batch whose ``N x V`` exceeds `_SAVE_PROBS_ELEMENTS`).
 
-    Tolerance 2e-4 (gradients of magnitude up to 1.4 and 39): each is a float32 sum over the 49,152-token vocabulary;
-    a chunk of fewer than 4 rows goes through BLAS's matrix-vector kernel, which adds it up less accurately (measured
-    up to 1.0e-4 there, 1.3e-6 elsewhere)."""
+    Tolerances derived from float32's rounding, as the log-probabilities' are: d/dh = w_target - sum_v p_v w_v is a
+    sum over the 49,152-token vocabulary (Higham & Mary's bound for it, with sum_v p_v |w_v| <= max|w|), whose p_v
+    move with the logits (`head_rounding`: a change d in the logits moves the sum by at most 2 d max|w|); d/dw is a
+    sum over the N response tokens of (1[target] - p) h, likewise. Measured on a 2-core AMD EPYC: up to 1.0e-4 in
+    chunks of 4 (BLAS's matrix-vector kernel adds up less accurately), far below the bounds."""
     from ppo_core import logprobs
 
     if path == "recomputing them":
@@ -179,8 +210,12 @@ def test_chunked_logprob_gradients_equal_float64_autograd(policy, tokenizer, mon
     logprobs.selected_logprobs(h, logprobs.LMHead(w), targets, chunk_size=4).sum().backward()
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     torch.log_softmax(h64 @ w64.T, -1).gather(-1, targets[:, None]).sum().backward()  # (N, V) -> (N, 1)
-    torch.testing.assert_close(h.grad.double(), h64.grad, atol=2e-4, rtol=0)
-    torch.testing.assert_close(w.grad.double(), w64.grad, atol=2e-4, rtol=0)
+    moved = float(head_rounding(hidden, weight).max())  # how far a float32 logit can be from another evaluation's
+    n, vocab = hidden.shape[0], weight.shape[0]
+    h_atol = (LAMBDA * vocab ** 0.5 * U + 2 * moved) * float(weight.abs().max())
+    w_atol = (LAMBDA * n ** 0.5 * U + 2 * moved) * float(hidden.abs().sum(0).max())
+    torch.testing.assert_close(h.grad.double(), h64.grad, atol=h_atol, rtol=0)
+    torch.testing.assert_close(w.grad.double(), w64.grad, atol=w_atol, rtol=0)
 
 
 # ---- (d) left padding in batched generation ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ sweep and comparison, and the sweep's page."""
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
 import shutil
@@ -337,6 +338,40 @@ def test_the_sweep_page_shows_the_experiments_side_by_side(repo):
     assert "PPO reward (reward model)" in page
     assert page.count("<svg") == 3 and "<script" not in page
     assert_clean(repo)
+
+
+@pytest.mark.slow
+def test_where_main_s_results_are_not_in_the_cache_the_workspace_is_the_baseline(repo, tmp_path):
+    """On a machine whose float kernels compute other bytes than main's lock (native kernels on another CPU, another
+    architecture: README, "Same inputs, same bytes"), main's results are in no cache. Simulated on a copy of the repo
+    without its cache or experiments, whose pipeline reruns with ATen's unvectorised kernels and one thread (the tiny
+    params are native: the environment decides), then one experiment: the README's `dvc exp show` line still fits 100
+    columns with main's row all `!`, and the sweep page lists the workspace's results, labelled, as the baseline."""
+    from stages.report_sweep import WORKSPACE_BASELINE
+
+    copy = tmp_path / "copy"
+    shutil.copytree(repo, copy, symlinks=True)
+    dvc("exp", "remove", "-A", cwd=copy)
+    run("git", "checkout", "-q", "--", ".", cwd=copy)  # main's params, as a fresh clone has them
+    shutil.rmtree(copy / ".dvc" / "cache")
+    shutil.rmtree(copy / ".dvc" / "tmp", ignore_errors=True)  # DVC's own cache of exp show's results too
+    run(sys.executable, "-m", "dvc", "repro", "-f", cwd=copy, env={**ENV, "ATEN_CPU_CAPABILITY": "default",
+                                                                   "OMP_NUM_THREADS": "1"})
+    assert "data/eval/metrics.json" in run("git", "diff", "--stat", cwd=copy).stdout or \
+        "dvc.lock" in run("git", "status", "--porcelain", cwd=copy).stdout  # other bytes than main's
+    dvc("exp", "run", "--queue", "-S", "ppo.learning_rate=0.0001", cwd=copy)
+    dvc("queue", "start", cwd=copy)
+    deadline = time.monotonic() + 600
+    while any(state in dvc("queue", "status", cwd=copy).stdout for state in ("Queued", "Running")):
+        assert time.monotonic() < deadline, "the queued experiment did not finish in 10 minutes"
+        time.sleep(2)
+    header, table = exp_show_header(copy)
+    main_row = next(line for line in table.splitlines() if line.strip().startswith(("main", "master")))
+    assert main_row.count("!") == len(header) - 2, table  # every metric missing but the param
+    assert "…" not in table and max(map(len, table.splitlines())) <= 100, table
+    run(sys.executable, "-m", "stages", "report", "--experiments", cwd=copy)
+    page = html.unescape((copy / "data" / "report" / "experiments.html").read_text())
+    assert page.count(WORKSPACE_BASELINE) >= 2  # its row, and the legend of its curves
 
 
 @pytest.mark.slow
