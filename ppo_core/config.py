@@ -288,7 +288,8 @@ def _resolve_estimator(config: PPOConfig) -> None:
         config.init_kl_coef = entry.kl_coef if config.kl_in == "reward" else 0.0
     _resolve_loss(config, entry)
     config.cliprange = entry.cliprange if config.cliprange is None else config.cliprange
-    config.epsilon_high = next(e for e in (config.epsilon_high, entry.epsilon_high, config.cliprange) if e is not None)
+    config.epsilon_high = next(e for e in (config.epsilon_high, _default_epsilon_high(config, entry), config.cliprange)
+                               if e is not None)
     config.importance_sampling_level = config.importance_sampling_level or entry.importance_sampling_level
     config.dynamic_sampling = entry.dynamic_sampling if config.dynamic_sampling is None else config.dynamic_sampling
     if config.overlong_buffer_len is None:
@@ -305,6 +306,16 @@ def _resolve_estimator(config: PPOConfig) -> None:
         value = getattr(config, name)
         check_range(name, value, f"a multiple of num_generations ({group})", value % group == 0,
                     "a prompt's samples must not straddle two batches")
+
+
+def _default_epsilon_high(config: PPOConfig, entry) -> float | None:
+    """The estimator's epsilon_high, but where the policy loss is CISPO's and the estimator's is not (``loss_type:
+    cispo`` with grpo, say): CISPO's cap on its weight (5.0), not the clip's upper eps (cliprange's 0.2 would cap every
+    importance weight at 0.2)."""
+    kind = LOSS_TYPES[config.loss_type][1] if config.loss_type is not None else entry.policy_loss
+    if kind == "cispo" and entry.policy_loss != "cispo":
+        return get_estimator("cispo").epsilon_high
+    return entry.epsilon_high
 
 
 def _resolve_loss(config: PPOConfig, entry) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from .algo.advantages import loss_mask, norm_length, overlong_penalties, step_ad
 from .algo.estimators import check_prompt_groups
 from .algo.functional import convert_to_scalar, entropy_from_logits, flatten_dict
 from .algo.kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
-from .algo.ppo_math import Advantages, ShapedRewards
+from .algo.ppo_math import Advantages, Divisors, ShapedRewards
 from .algo.registry import get_estimator, policy_loss_kind
 from .config import PPOConfig, RunSizes, run_config
 from .legacy import LegacyMethods, check_arguments, hooked_advantages, overridden_step_hooks, push_to_hub_if_best
@@ -59,7 +60,7 @@ from .step.inputs import (
 )
 from .step.rollout import PolicyOutputs, Rollout, kl_per_token, policy_outputs, rollout_passes
 from .step.stats import lengths, step_stats, step_summary, warn_if_negative_kl
-from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss
+from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss, window_divisors
 
 
 class PPOTrainer(LegacyMethods):
@@ -137,7 +138,8 @@ class PPOTrainer(LegacyMethods):
         self.current_step = 0  # logging step, advanced by log_stats (legacy)
         self.step_count = 0  # completed step() calls
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
-        self._warned_negative_kl = self._warned_start_token = False
+        self._warned_negative_kl = self._warned_start_token = self._warned_norm_length = False
+        self._generated_max_new_tokens = None  # the max_new_tokens of the last generate() call: Dr. GRPO's constant
         # each mini-batch's backward, clipping and optimizer step (under DDP and DeepSpeed: synced in the backward)
         self._updates = Updates(self.accelerator, self.model, self.optimizer, config.max_grad_norm,
                                 config.max_consecutive_overflows, self.is_deepspeed or self.is_distributed)
@@ -167,8 +169,11 @@ class PPOTrainer(LegacyMethods):
         decoder start token. ``generate_ref_response`` also samples from the reference (for a PEFT
         policy without ``ref_model``: the adapter-disabled model) and returns both.
         """
-        check_group_sampling(self.config, generation_kwargs,
-                             self.accelerator.unwrap_model(self.model).pretrained_model.generation_config)
+        generation_config = self.accelerator.unwrap_model(self.model).pretrained_model.generation_config
+        check_group_sampling(self.config, generation_kwargs, generation_config)
+        if length_sampler is None:  # a length limit the same for every step (one drawn per batch is not)
+            self._generated_max_new_tokens = generation_kwargs.get("max_new_tokens",
+                                                                   generation_config.max_new_tokens)
         sample = functools.partial(self._sample, query_tensors=query_tensor, length_sampler=length_sampler,
                                    batch_size=batch_size, return_prompt=return_prompt, **generation_kwargs)
         outputs = sample(self.model)
@@ -247,7 +252,7 @@ class PPOTrainer(LegacyMethods):
         cut = truncated(responses, self.tokenizer.eos_token_id) if cfg.mask_truncated_completions else None
         trained = loss_mask(cfg, mask, scores_in, cut)  # the tokens the loss trains on: all, or fewer
         rollout = Rollout(inputs, trained, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns,
-                          norm_length(cfg, mask, self._group))
+                          self._norm_length(mask))
         # 6. PPO epochs over shuffled mini-batches
         with timed(timing, "time/ppo/optimize_step"):
             train_stats = self._optimize(rollout)
@@ -255,11 +260,27 @@ class PPOTrainer(LegacyMethods):
         with timed(timing, "time/ppo/calc_stats"):
             stats = self._step_stats(rollout, mask, scores, scores_in, shaped, penalties, queries, responses,
                                      train_stats, with_reference)
+        if stats["ppo/policy/empty_minibatches"] == len(train_stats):  # said where it happens: nothing trained
+            warnings.warn(f"PPOTrainer: step {self.step_count + 1}: no mini-batch had a token to train on "
+                          "(mask_truncated_completions, dynamic_sampling or response_masks left none out of the "
+                          "loss): the weights did not move.")
         # 8. KL controller, scheduler, step counter
         # the controller moves only where it sets the coefficient in effect, from a KL that was measured
         self._end_step(float(stats["objective/kl"]) if with_reference and cfg.kl_in == "reward" else None)
         timing["time/ppo/total"] = time.perf_counter() - t_start
         return convert_to_scalar(stats | timing)
+
+    def _norm_length(self, mask: torch.Tensor):
+        """Dr. GRPO's constant (``algo.advantages.norm_length``), with a warning, once, where it is not one."""
+        cfg = self.config
+        length = norm_length(cfg, mask, self._group, self._generated_max_new_tokens)
+        if isinstance(length, torch.Tensor) and not self._warned_norm_length:
+            self._warned_norm_length = True
+            warnings.warn("PPOTrainer: loss_aggregation 'seq-mean-token-sum-norm' (Dr. GRPO) divides by a constant, "
+                          "the responses' length limit, which neither max_completion_length nor a generate() call "
+                          "with max_new_tokens gave: each step divides by its longest response instead, so a token's "
+                          "weight changes from step to step. Set max_completion_length.")
+        return length
 
     def _reward_kl_coef(self) -> float:
         """The KL's coefficient in the rewards (0 where the KL is in the loss instead)."""
@@ -273,7 +294,9 @@ class PPOTrainer(LegacyMethods):
         if self._step_hooks:  # its compute_rewards / _kl_penalty / compute_advantages, in legacy's order
             return hooked_advantages(self, scores, old.logprobs, ref.logprobs, old.values, mask, timing)
         with timed(timing, "time/ppo/compute_rewards"):  # in the reward, or, with kl_in "loss", in the loss instead
-            kls = (kl_per_token(self.config.kl_penalty, self.model, self._reference, inputs, old, ref)
+            cfg = self.config  # the KL measured (objective/kl) as the loss trains on it, where the loss has it
+            kind = cfg.kl_estimator if cfg.kl_in == "loss" else cfg.kl_penalty
+            kls = (kl_per_token(kind, self.model, self._reference, inputs, old, ref)
                    if with_reference else torch.zeros_like(old.logprobs))
         with timed(timing, "time/ppo/compute_advantages"):
             return step_advantages(self.config, scores, kls, old.values, mask, self._reward_kl_coef(), self._group)
@@ -312,13 +335,20 @@ class PPOTrainer(LegacyMethods):
         return bool(self._step_hooks) or (cfg.kl_loss_coef if cfg.kl_in == "loss" else self.kl_ctl.value) != 0
 
     def _optimize(self, rollout: Rollout) -> list[dict]:
-        """``ppo_epochs`` passes over shuffled mini-batches of ``rollout``; returns the per-mini-batch stats."""
+        """``ppo_epochs`` passes over shuffled mini-batches of ``rollout``; returns the per-mini-batch stats.
+
+        Each accumulation window (``gradient_accumulation_steps`` consecutive mini-batches, one backward batch) divides
+        its means by its own global counts (``step.update.window_divisors``): its update is the one its backward
+        batch gives as a single mini-batch on one process, however it is split."""
         cfg, all_stats = self.config, []
-        batch_size = len(rollout.mask)
+        batch_size, window = len(rollout.mask), self.sizes.backward_batch_size
         for _ in range(cfg.ppo_epochs):
             host_order = torch.randperm(batch_size, generator=self._shuffle)  # on the host, as its sizes are
             order = host_order.to(rollout.inputs.input_ids.device, non_blocking=True)
             for start in range(0, batch_size, cfg.mini_batch_size):
+                if start % window == 0:  # a window starts: its counts, in one collective
+                    divisors = window_divisors(rollout.mask[order[start:start + window]], self._group,
+                                               cfg.gradient_accumulation_steps)
                 mb = rollout.minibatch(*(o[start:start + cfg.mini_batch_size] for o in (order, host_order)))  # (b, R_b)
                 with self.accelerator.accumulate(self.model):
                     self.model.train()
@@ -327,34 +357,37 @@ class PPOTrainer(LegacyMethods):
                     stats = self.train_minibatch(mb.old_logprobs, mb.old_values, out.logprobs, None, out.values,
                                                  mb.mask, mb.advantages, mb.returns, entropy=out.entropy,
                                                  ref_logprobs=mb.ref_logprobs, norm_length=mb.norm_length,
-                                                 minibatch_index=len(all_stats))
+                                                 minibatch_index=len(all_stats), divisors=divisors)
                 all_stats.append(stats)
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
         return all_stats
 
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns,
-                        entropy=None, ref_logprobs=None, norm_length=None,
-                        minibatch_index: int = 0) -> dict[str, torch.Tensor]:
+                        entropy=None, ref_logprobs=None, norm_length=None, minibatch_index: int = 0,
+                        divisors: Divisors | None = None) -> dict[str, torch.Tensor]:
         """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``): the
-        ``minibatch_index``-th of its step (for the error a failure raises); see ``step.update.Updates.apply``."""
+        ``minibatch_index``-th of its step (for the error a failure raises); see ``step.update.Updates.apply``.
+        ``divisors``: its accumulation window's (None: the mini-batch is the window)."""
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
-                                          entropy=entropy, ref_logprobs=ref_logprobs, norm_length=norm_length)
+                                          entropy=entropy, ref_logprobs=ref_logprobs, norm_length=norm_length,
+                                          divisors=divisors)
         failed = functools.partial(minibatch_failure, self.step_count + 1, minibatch_index)
         return self._updates.apply(loss_p + loss_v, stats, self.config.ratio_threshold, self._group, failed)
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
-             ref_logprobs=None, norm_length=None):
+             ref_logprobs=None, norm_length=None, divisors: Divisors | None = None):
         """``(policy loss, value loss, stats)`` of a mini-batch, legacy's signature over ``step.update.ppo_loss``.
 
         ``logits`` (``(b, R, V)``) is accepted for API compatibility; the trainer passes the per-token ``entropy``
         instead, computed without materialising the logits. ``norm_length``: Dr. GRPO's constant (the step's
-        ``Rollout.norm_length``; None: the mini-batch's width).
+        ``Rollout.norm_length``; None: the mini-batch's width); ``divisors``: what its means divide by, its
+        accumulation window's (``step.update.window_divisors``; None: the mini-batch alone is the window).
         """
         if entropy is None and logits is not None:
             entropy = entropy_from_logits(logits)
         return ppo_loss(self.config, self.estimator.uses_critic, self._policy_loss, self._group, old_logprobs, values,
-                        vpreds, logprobs, mask, advantages, returns, entropy, ref_logprobs, norm_length)
+                        vpreds, logprobs, mask, advantages, returns, entropy, ref_logprobs, norm_length, divisors)
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
         """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""

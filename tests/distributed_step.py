@@ -23,6 +23,8 @@ Scenarios (each writes ``OUT_DIR/rank{p}.pt``):
   trainer) accumulates gradients over mini-batches, some of them skipped by the ratio threshold;
 * ``reference_dtype`` (one process, under a DeepSpeed config and bf16): the dtypes of the policy's and the
   reference's weights, and the first step's KL (the policy is its own reference then);
+* ``split`` (DDP): the two-process cells of tests/ppo_core/test_one_update.py's matrix, the weight change of one
+  step per estimator, aggregation and per-process split;
 * ``window_skip`` (DDP): windows of two mini-batches whose second one is always skipped, so that no mini-batch's own
   backward runs outside ``no_sync``: the processes must still all-reduce each window's gradients.
 """
@@ -194,11 +196,20 @@ def run_window_skip(num_processes: int) -> dict:
         loss_p, loss_v, stats = loss(*args, **kwargs)
         calls.append(1)
         if len(calls) % 2 == 0:  # the last mini-batch of each window (2 per epoch): its ratio "explodes"
-            stats["policy/ratio_mean"] = stats["policy/ratio_mean"] + 1e3
+            stats["policy/ratio_sum"] = stats["policy/ratio_sum"] + 1e3 * stats["policy/tokens"]
         return loss_p, loss_v, stats
 
     trainer.loss = over_threshold_every_second
     return {"stats": [local_step(trainer, step) for step in range(2)], "params": params(trainer)}
+
+
+def run_split(num_processes: int, process_index: int) -> dict:
+    from tests.ppo_core.test_one_update import TWO_PROCESS_SPLITS, cells, update
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no dataset: by design
+        return {(estimator, aggregation, split): update(estimator, aggregation, *split, num_processes, process_index)
+                for estimator, aggregation in cells() for split in TWO_PROCESS_SPLITS}
 
 
 @contextlib.contextmanager
@@ -241,6 +252,8 @@ def main(out_dir: str, scenario: str) -> None:
         result = run_reference_dtype()
     elif scenario == "window_skip":
         result = run_window_skip(num_processes)
+    elif scenario == "split":
+        result = run_split(num_processes, int(os.environ.get("RANK", "0")))
     elif scenario == "bad_input":
         trainer = make_trainer(num_processes)
         local_step(trainer, 0, corrupt=trainer.accelerator.process_index == num_processes - 1)

@@ -17,7 +17,7 @@ from .estimators import (
     soft_overlong_penalty,
     zero_std_groups,
 )
-from .ppo_math import Advantages, ShapedRewards, aggregate, gae_advantages, kl_penalty, shape_rewards
+from .ppo_math import Advantages, Divisors, ShapedRewards, aggregate, gae_advantages, kl_penalty, shape_rewards
 from .registry import StepBatch, get_estimator
 
 
@@ -61,31 +61,39 @@ def loss_mask(config, mask: torch.Tensor, scores: torch.Tensor, truncated: torch
     return mask * keep[:, None]
 
 
-def norm_length(config, mask: torch.Tensor, group) -> torch.Tensor | None:
-    """Dr. GRPO's constant: the global batch's longest response, the same on every process (None: not used)."""
+def norm_length(config, mask: torch.Tensor, group, generated: int | None = None) -> torch.Tensor | int | None:
+    """Dr. GRPO's constant L (None: not used): ``max_completion_length``, else the ``max_new_tokens`` the step's
+    responses were generated with (``generated``: the trainer's last ``generate()`` call's), the same in every step
+    and on every process, so that a token's weight does not depend on the other responses of its step (TRL's
+    ``max_completion_length``, the paper's "generation budget"). Where neither is known (responses generated outside
+    the trainer, and no ``max_completion_length``), the global batch's longest response, as before (the trainer warns
+    once)."""
     if config.loss_aggregation != "seq-mean-token-sum-norm":
         return None
-    return group.gather(mask.sum(dim=1)).max()
+    constant = config.max_completion_length or generated
+    return constant if constant is not None else group.gather(mask.sum(dim=1)).max()
 
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a (b, R) per-token loss -> its scalar
 
 
-def loss_reduction(config, mask: torch.Tensor, n_tokens, norm_length: int) -> Reduce | None:
-    """How the policy loss averages its ``(b, R)`` tokens (``config.loss_aggregation``); None: the token mean of
-    ``ppo_math.policy_loss`` itself (PPO's, bit for bit)."""
+def loss_reduction(config, mask: torch.Tensor, divisors: Divisors, norm_length: int) -> Reduce | None:
+    """How the policy loss averages its ``(b, R)`` tokens (``config.loss_aggregation``, over ``divisors``); None: the
+    token mean of ``ppo_math.policy_loss`` itself (PPO's, bit for bit)."""
     if config.loss_aggregation == "token-mean":
         return None
-    return lambda loss: aggregate(loss, mask, config.loss_aggregation, norm_length=norm_length, n_tokens=n_tokens)
+    return lambda loss: aggregate(loss, mask, config.loss_aggregation, norm_length=norm_length,
+                                  n_tokens=divisors.tokens, n_sequences=divisors.sequences)
 
 
-def kl_loss(config, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, mask: torch.Tensor, n_tokens,
-            norm_length: int) -> torch.Tensor | None:
+def kl_loss(config, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, mask: torch.Tensor,
+            divisors: Divisors, norm_length: int) -> torch.Tensor | None:
     """The KL loss term (before its coefficient), reduced as the policy loss is; None when the KL is in the reward."""
     if config.kl_in != "loss" or not config.kl_loss_coef or ref_logprobs is None:
         return None
     per_token = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
-    return aggregate(per_token, mask, config.loss_aggregation, norm_length=norm_length, n_tokens=n_tokens)
+    return aggregate(per_token, mask, config.loss_aggregation, norm_length=norm_length, n_tokens=divisors.tokens,
+                     n_sequences=divisors.sequences)
 
 
 # ---- the built-in estimators' advantage functions: (batch, config, group) -> (shaped rewards, advantages) ----------

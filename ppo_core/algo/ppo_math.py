@@ -147,8 +147,8 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, n_tokens: torch.Tensor 
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
-              norm_length: int | torch.Tensor | None = None, n_tokens: torch.Tensor | float | None = None
-              ) -> torch.Tensor:
+              norm_length: int | torch.Tensor | None = None, n_tokens: torch.Tensor | float | None = None,
+              n_sequences: torch.Tensor | float | None = None) -> torch.Tensor:
     """A per-token loss ``(B, R)`` reduced to a scalar over the valid tokens: every policy and KL loss goes through it.
 
     # token-mean:              sum_{i,t} l m / sum_{i,t} m                 every token weighs the same (PPO's, DAPO's)
@@ -156,18 +156,40 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
     # seq-mean-token-sum-norm: sum_{i,t} l m / (B * norm_length)           a constant normaliser (Dr. GRPO's)
 
     The sequence means count the rows with a valid token (a row masked whole, e.g. by dynamic sampling, is not a
-    sequence). ``n_tokens``: the token mean's divisor (:func:`token_mean`; the global count over N processes).
+    sequence). ``n_tokens`` and ``n_sequences``: the divisors of the token and the sequence means (None: this
+    ``mask``'s own counts); the trainer passes its accumulation window's global counts over the window's share of
+    backward passes (:class:`Divisors`), so that the update does not depend on how the window is split.
     """
     if mode == "token-mean":
         return token_mean(loss, mask, n_tokens)
     mask = mask.to(loss.dtype)
     lengths = mask.sum(dim=1)  # (B,)
-    sequences = (lengths > 0).sum().clamp(min=1)
+    sequences = (lengths > 0).sum().clamp(min=1) if n_sequences is None else n_sequences
     if mode == "seq-mean-token-mean":
         return ((loss * mask).sum(dim=1) / lengths.clamp(min=1)).sum() / sequences
     if mode == "seq-mean-token-sum-norm":
         return (loss * mask).sum() / (sequences * (mask.shape[1] if norm_length is None else norm_length))
     raise ValueError(f"aggregate: mode must be one of {LOSS_AGGREGATIONS} (got {mode!r}).")
+
+
+class Divisors(NamedTuple):
+    """What a mini-batch's means divide by (0-d tensors), so that an update depends on its accumulation window's
+    global batch only, not on how the window is split into mini-batches and processes.
+
+    A window is ``gradient_accumulation_steps`` (GA) mini-batches on each of N processes; its gradient is the mean over
+    processes (DDP's all-reduce) of the sum over its mini-batches of each backward's gradient divided by GA
+    (accelerate's ``backward``). A mini-batch whose sums divide by the window's global count over ``N * GA`` then
+    contributes exactly its share of the window's mean: every token (or sequence) of the window weighs the same,
+    wherever it falls. ``None``: this mini-batch's own count (one process and one mini-batch per window, where the two
+    are the same number: the plain mean, bit for bit).
+
+    # token-mean:              sum_{mb,t} l m / (n_window / (N GA))
+    # seq-mean-token-mean:     sum_{mb,i} (row mean) / (s_window / (N GA))     s: the sequences with a token
+    # seq-mean-token-sum-norm: sum_{mb,t} l m / (s_window / (N GA) * L)        L: a constant (Dr. GRPO)
+    """
+
+    tokens: torch.Tensor | None
+    sequences: torch.Tensor | None
 
 
 class PolicyLoss(NamedTuple):

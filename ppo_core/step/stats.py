@@ -155,12 +155,13 @@ def training_stats(train_stats: list[dict[str, torch.Tensor]], batch_size: int, 
                    group) -> dict[str, torch.Tensor]:
     """The mini-batches' stats averaged over the step (``ppo/`` names), the per-mini-batch ratios over the processes,
     the skipped mini-batches (and overflowed updates), and the epochs run; ``batch_size`` samples per process."""
-    counted = {"policy/skipped": "ppo/policy/skipped_minibatches", "policy/overflowed": "ppo/policy/overflowed_updates"}
+    counted = {"policy/skipped": "ppo/policy/skipped_minibatches", "policy/empty": "ppo/policy/empty_minibatches",
+               "policy/overflowed": "ppo/policy/overflowed_updates"}
     stats = {f"ppo/{key}": torch.stack([s[key] for s in train_stats]).float().mean()
              for key in train_stats[0] if key not in counted}
     ratios = torch.stack([s["policy/ratio_mean"] for s in train_stats]).float()
     stats["ppo/policy/ratio"] = mean_across(ratios, group)
-    for key, name in counted.items():  # overflowed: fp16 runs only (the loss scaler skipped that update)
+    for key, name in counted.items():  # empty: no token to train on; overflowed: fp16 runs only (the scaler skipped)
         if key in train_stats[0]:
             stats[name] = torch.stack([s[key] for s in train_stats]).sum()
     stats["ppo/epochs"] = torch.tensor(len(train_stats) / math.ceil(batch_size / mini_batch_size))

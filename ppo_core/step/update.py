@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 
 from ..algo.advantages import kl_loss, loss_reduction
-from ..algo.ppo_math import policy_loss, value_loss
-from ..runtime.distributed import raise_if_any, tokens_per_process
+from ..algo.ppo_math import Divisors, policy_loss, value_loss
+from ..runtime.distributed import raise_if_any
 from ..runtime.precision import OverflowGuard, loss_scaled
 from .stats import minibatch_stats, non_finite_count, non_finite_stat
 
@@ -40,30 +40,49 @@ def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.
         return torch.optim.Adam(params, lr=lr)
 
 
+def window_divisors(mask: torch.Tensor, group, accumulation_steps: int) -> Divisors:
+    """The :class:`~ppo_core.algo.ppo_math.Divisors` of the mini-batches of one accumulation window, from the mask
+    ``(w, R)`` of this process's samples in it: the window's global counts of tokens and of sequences with a token,
+    over ``N * accumulation_steps`` (one collective, no host read). Alone with one mini-batch per window, None: each
+    mean divides by its own count, as it always did. A window without any token divides by 1 (its sums are 0)."""
+    if group.num_processes == 1 and accumulation_steps == 1:
+        return Divisors(None, None)
+    counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum()]).float()  # (2,)
+    counts = group.sum_across(counts) / (group.num_processes * accumulation_steps)
+    return Divisors(*torch.where(counts > 0, counts, torch.ones_like(counts)).unbind())
+
+
 def ppo_loss(config, uses_critic: bool, policy_loss_kind: str, group, old_logprobs, values, vpreds, logprobs, mask,
-             advantages, returns, entropy=None, ref_logprobs=None, norm_length=None):
+             advantages, returns, entropy=None, ref_logprobs=None, norm_length=None, divisors: Divisors | None = None):
     """``(policy loss, value loss, stats)`` of a mini-batch, all tensors ``(b, R)``: the clipped policy loss (plus
     ``kl_loss_coef`` times the KL loss term with ``kl_in="loss"``) and ``vf_coef`` times the clipped value loss (zero
     without a critic, and no ``val/*`` stats). ``norm_length``: Dr. GRPO's constant (None: the mini-batch's width).
 
-    Under N processes each token mean divides this process's sum by the global mini-batch's token count over N
-    (:func:`~ppo_core.runtime.distributed.tokens_per_process`, which says why); the stats are per-process shares
-    (the variances excepted) that the step averages into the global values.
+    ``divisors``: what its token and sequence means divide by, its accumulation window's (:func:`window_divisors`;
+    the trainer's PPO epochs pass them). None, for a mini-batch alone (legacy's ``loss`` called by hand): the window is
+    the mini-batch. Under N processes the token means are this process's shares of the global window's (the stats
+    too, the variances excepted); the step averages them into the global values.
     """
     cfg = config
-    n_tokens = tokens_per_process(mask, group)
-    if cfg.mask_truncated_completions or cfg.dynamic_sampling:  # a mini-batch may have no token left: loss 0
-        n_tokens = mask.sum() if n_tokens is None else n_tokens
+    divisors = window_divisors(mask, group, 1) if divisors is None else divisors
+    n_tokens = divisors.tokens
+    if n_tokens is None and (cfg.mask_truncated_completions or cfg.dynamic_sampling):  # a mini-batch may be empty
+        n_tokens = mask.sum()
         n_tokens = torch.where(n_tokens > 0, n_tokens, torch.ones_like(n_tokens))
+        divisors = divisors._replace(tokens=n_tokens)
     norm_length = mask.shape[1] if norm_length is None else norm_length
     pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens,
-                     loss_reduction(cfg, mask, n_tokens, norm_length), cliprange_high=cfg.epsilon_high,
+                     loss_reduction(cfg, mask, divisors, norm_length), cliprange_high=cfg.epsilon_high,
                      level=cfg.importance_sampling_level, kind=policy_loss_kind)
     vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens) if uses_critic else None
-    kl = kl_loss(cfg, logprobs, ref_logprobs, mask, n_tokens, norm_length)
+    kl = kl_loss(cfg, logprobs, ref_logprobs, mask, divisors, norm_length)
     with torch.no_grad():
         stats = minibatch_stats(pg, vf, cfg.vf_coef, mask, advantages, returns, vpreds, values, entropy, n_tokens,
                                 group, kl)
+        # what the skip decision reads: the mini-batch's own token count and its ratio's sum share (the stat divides
+        # by the window's count)
+        stats["policy/tokens"] = mask.sum().to(pg.ratio_mean.dtype)
+        stats["policy/ratio_sum"] = pg.ratio_mean * (stats["policy/tokens"] if n_tokens is None else n_tokens)
     loss_p = pg.loss if kl is None else pg.loss + cfg.kl_loss_coef * kl
     return loss_p, (cfg.vf_coef * vf.loss if uses_critic else torch.zeros_like(pg.loss)), stats
 
@@ -81,20 +100,24 @@ class Decision(NamedTuple):
 
     ratio_mean: float  # the global mini-batch's mean probability ratio
     skipped: bool  # the ratio exceeds ratio_threshold: no update from this mini-batch
+    empty: bool  # the global mini-batch has no token to train on: no backward from it
     non_finite: bool  # some statistic of the mini-batch is non-finite, on some process
     skipped_flag: torch.Tensor  # 0-d float on the device: ``skipped``, for the mini-batch's stats
+    empty_flag: torch.Tensor  # 0-d float on the device: ``empty``
 
 
 def minibatch_decision(stats: dict[str, torch.Tensor], ratio_threshold: float, group) -> Decision:
-    """The mini-batch's :class:`Decision` from its ``stats`` (``policy/ratio_mean`` a per-process share, see
-    ``PPOTrainer.loss``): one collective and one host read, on every process alike."""
-    ratio = stats["policy/ratio_mean"].detach()
-    dtype = torch.promote_types(ratio.dtype, torch.float32)
-    summed = group.sum_across(torch.stack([ratio.to(dtype), non_finite_count(stats).to(dtype)]))  # (2,)
-    ratio_mean = summed[0] / group.num_processes
-    skipped = ratio_mean > ratio_threshold  # compared on the device, in the ratio's dtype
-    mean, skip, bad = torch.stack([ratio_mean, skipped.to(dtype), summed[1]]).tolist()  # the one host read
-    return Decision(mean, bool(skip), bad > 0, skipped.float())
+    """The mini-batch's :class:`Decision` from its ``stats`` (``policy/ratio_sum`` and ``policy/tokens``, this
+    process's, see :func:`ppo_loss`): one collective and one host read, on every process alike."""
+    ratio_sum = stats["policy/ratio_sum"].detach()
+    dtype = torch.promote_types(ratio_sum.dtype, torch.float32)
+    summed = group.sum_across(torch.stack([ratio_sum.to(dtype), non_finite_count(stats).to(dtype),
+                                           stats["policy/tokens"].to(dtype)]))  # (3,)
+    tokens = summed[2]
+    ratio_mean = summed[0] / torch.where(tokens > 0, tokens, torch.ones_like(tokens))
+    skipped, empty = ratio_mean > ratio_threshold, tokens == 0  # compared on the device, in the ratio's dtype
+    mean, skip, bad, none = torch.stack([ratio_mean, skipped.to(dtype), summed[1], empty.to(dtype)]).tolist()
+    return Decision(mean, bool(skip), bool(none), bad > 0, skipped.float(), empty.float())
 
 
 class Updates:
@@ -119,19 +142,22 @@ class Updates:
               failed: Callable[[str, str], Exception]) -> dict[str, torch.Tensor]:
         """One mini-batch after its loss: skip it (its mean ratio over ``ratio_threshold``, counted in the stats),
         raise ``failed(what)`` on every process where a statistic is non-finite on any, else its backward, and at the
-        end of a window the optimizer step (:meth:`step`). Returns ``stats`` with ``policy/skipped`` (and under fp16
-        ``policy/overflowed``)."""
+        end of a window the optimizer step (:meth:`step`). A mini-batch with no token on any process is skipped too.
+        Returns ``stats`` with ``policy/skipped`` and ``policy/empty`` (and under fp16 ``policy/overflowed``)."""
         # one host read: the mean ratio and whether any stat is non-finite, over the global mini-batch (every process
         # skips, backpropagates or raises together)
         decision = minibatch_decision(stats, ratio_threshold, group)
         if decision.non_finite:  # every process raises the failing process's error
             bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None on a process whose stats are finite
             raise_if_any(None if bad is None else failed(f"non-finite {bad}"), group)
-        stats["policy/skipped"] = decision.skipped_flag
+        del stats["policy/ratio_sum"], stats["policy/tokens"]  # the decision's, not the step's stats
+        stats["policy/skipped"], stats["policy/empty"] = decision.skipped_flag, decision.empty_flag
         if decision.skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
             warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({decision.ratio_mean:.2f}) exceeds "
                           f"ratio_threshold ({ratio_threshold}); skipping its update.")
-        self.backward(loss, decision.skipped)
+        # no token (dynamic sampling or truncation masked all): no gradient, and a window of only such mini-batches
+        # makes no optimizer step (Adam would still move the weights on its momentum)
+        self.backward(loss, decision.skipped or decision.empty)
         overflowed = self.accelerator.sync_gradients and self.step(failed)
         if self.loss_scaled:  # fp16: the loss scaler skipped this update (counted in the stats)
             stats["policy/overflowed"] = torch.full((), float(overflowed), device=loss.device)

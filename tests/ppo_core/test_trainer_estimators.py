@@ -3,6 +3,9 @@ value head is left alone, the KL goes where the estimator puts it, the loop lear
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -258,3 +261,75 @@ def test_the_kl_coefficients_reported_are_those_applied(estimator, kl_in, coef):
         assert "objective/kl_loss_coef" not in stats[0]
         assert stats[0]["objective/kl_coef"] == pytest.approx(coef) and values[0] != coef  # adaptive: it moved
         assert stats[1]["objective/kl_coef"] == pytest.approx(values[0], rel=1e-6)  # and step 1 shaped with it
+
+
+def test_cispo_s_loss_with_another_estimator_caps_the_weight_at_cispo_s_cap_not_the_clip_range():
+    """`loss_type: cispo` with grpo: epsilon_high unset is CISPO's cap on the importance weight (5.0), not the clip's
+    upper eps (which falls back to cliprange, 0.2: every weight capped at 0.2, the ratio's gradient signal gone)."""
+    config = PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
+                       loss_type="cispo")
+    assert config.epsilon_high == 5.0 and config.cliprange == 0.2
+    assert PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
+                     loss_type="cispo", epsilon_high=2.0).epsilon_high == 2.0  # the user's cap
+    assert PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
+                     loss_type="dapo").epsilon_high == 0.2  # the clip's: cliprange
+
+
+def test_a_window_without_a_token_makes_no_optimizer_step_and_says_so():
+    """DAPO's dynamic sampling leaves out every group whose samples scored alike: in a step where all did, no
+    mini-batch has a token. Its loss is 0, but Adam would still move the weights on the momentum of the steps before;
+    no backward and no optimizer step run, the stats count the empty mini-batches, and the step warns once."""
+    trainer = make_trainer("dapo", size=4, batch=16)
+    queries, responses, scores = rollout(trainer, 0, 4)
+    spread = [torch.tensor(float(i % 4)) for i in range(16)]  # every group has a spread: trains
+    first = trainer.step(queries, responses, spread)
+    assert first["ppo/policy/empty_minibatches"] == 0
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    flat = [torch.tensor(float(i // 4)) for i in range(16)]  # each group one score: nothing to train on
+    with pytest.warns(UserWarning, match=r"step 2: no mini-batch had a token to train on .* did not move"):
+        stats = trainer.step(queries, responses, flat)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert stats["ppo/policy/empty_minibatches"] == 4  # 2 epochs of 2 mini-batches
+    assert stats["ppo/frac_responses_left_out"] == 1.0 and np.isfinite(stats["ppo/loss/policy"])
+
+
+def test_dr_grpo_divides_by_the_length_limit_the_same_in_every_step():
+    """Dr. GRPO's constant is the responses' length limit: max_completion_length, else the max_new_tokens generate()
+    was called with; not the step's longest response, which would weigh a token by the other responses of its step.
+    Without either, each step's longest response, with a warning once."""
+    from ppo_core.algo.advantages import norm_length
+    from ppo_core.runtime.distributed import SingleProcess
+
+    alone = SingleProcess(torch.device("cpu"))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    config = PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="dr_grpo", num_generations=2)
+    assert norm_length(config, mask, alone, generated=8) == 8
+    assert int(norm_length(config, mask, alone)) == 2  # the fallback: this batch's longest
+    assert norm_length(dataclasses.replace(config, max_completion_length=24), mask, alone, generated=8) == 24
+    trainer = make_trainer("dr_grpo", size=4)
+    queries, responses, scores = rollout(trainer, 0, 4)  # generate(..., max_new_tokens=8)
+    assert trainer._generated_max_new_tokens == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no warning: the constant is known
+        warnings.filterwarnings("ignore", message=".*no dataset is provided.*")
+        trainer.step(queries, responses, scores)
+    outside = make_trainer("dr_grpo", size=4)  # responses generated elsewhere: no limit known
+    with pytest.warns(UserWarning, match="divides by its longest response instead.*Set max_completion_length"):
+        outside.step(queries, responses, scores)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        outside.step(queries, responses, scores)  # once
+
+
+def test_with_the_kl_in_the_loss_objective_kl_is_the_loss_s_estimator():
+    """GRPO trains on k3 (kl_estimator) in its loss: objective/kl measures k3 too, not kl_penalty's k1, so what is
+    logged is what is penalised. The reference differs from the policy, so that the two estimates differ."""
+    config = PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=4, seed=0)
+    trainer = PPOTrainer(config, tiny_value_model("gpt2", seed=0), ref_model=tiny_value_model("gpt2", seed=1),
+                         tokenizer=tiny_tokenizer())
+    stats = trainer.step(*rollout(trainer, 0, 4))
+    logprobs, ref = torch.as_tensor(stats["objective/logprobs"]), torch.as_tensor(stats["objective/ref_logprobs"])
+    d = logprobs - ref
+    k3 = (torch.expm1(-d) + d).sum() / 8  # the per-sample sum's mean
+    assert stats["objective/kl"] == pytest.approx(float(k3), rel=1e-5)
+    assert abs(float(d.sum() / 8) - float(k3)) > 1e-3  # k1 would be another number

@@ -19,6 +19,7 @@ from ppo_core.algo.advantages import (
     sequence_advantages,
     step_advantages,
 )
+from ppo_core.algo.ppo_math import Divisors
 from ppo_core.runtime.distributed import SingleProcess
 
 F64 = torch.float64
@@ -151,14 +152,19 @@ def test_overlong_penalties_by_hand():
 def test_loss_reduction_follows_the_config_s_aggregation_by_hand():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])  # the 100s are masked
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    own = Divisors(None, None)  # the mini-batch is its window: its own counts
     token_mean = PPOConfig(batch_size=2, mini_batch_size=2)
-    assert loss_reduction(token_mean, mask, 4, norm_length=5) is None  # policy_loss's own token mean, untouched
+    assert loss_reduction(token_mean, mask, own, norm_length=5) is None  # policy_loss's own token mean, untouched
     sequences = PPOConfig(batch_size=2, mini_batch_size=2, loss_aggregation="seq-mean-token-mean")
     # each response's mean, then their mean: (6 / 3 + 4 / 1) / 2 = 3
-    assert loss_reduction(sequences, mask, 4, norm_length=5)(loss).item() == pytest.approx(3.0)
+    assert loss_reduction(sequences, mask, own, norm_length=5)(loss).item() == pytest.approx(3.0)
+    # in a window of 4 sequences (its other mini-batch holds 2 more): this mini-batch's share, (2 + 4) / 4
+    window = Divisors(torch.tensor(8.0), torch.tensor(4.0))
+    assert loss_reduction(sequences, mask, window, norm_length=5)(loss).item() == pytest.approx(1.5)
     constant = PPOConfig(batch_size=2, mini_batch_size=2, loss_aggregation="seq-mean-token-sum-norm")
     # every valid token summed, over 2 sequences times the given norm_length 5 (not the width, 3): 10 / 10
-    assert loss_reduction(constant, mask, 4, norm_length=5)(loss).item() == pytest.approx(1.0)
+    assert loss_reduction(constant, mask, own, norm_length=5)(loss).item() == pytest.approx(1.0)
+    assert loss_reduction(constant, mask, window, norm_length=5)(loss).item() == pytest.approx(0.5)  # 10 / (4 * 5)
 
 
 def test_kl_loss_is_k3_reduced_as_the_policy_loss_and_only_where_the_kl_is_in_the_loss():
@@ -169,17 +175,19 @@ def test_kl_loss_is_k3_reduced_as_the_policy_loss_and_only_where_the_kl_is_in_th
     k3 = [0.0, math.log(2.0) - 0.5, 1 - math.log(2.0)]
     grpo = PPOConfig(advantage_estimator="grpo", num_generations=2, batch_size=2, mini_batch_size=2)
     assert (grpo.kl_in, grpo.loss_aggregation) == ("loss", "seq-mean-token-mean")  # GRPO's defaults
-    got = kl_loss(grpo, logprobs, ref, mask, n_tokens=4, norm_length=2)
+    got = kl_loss(grpo, logprobs, ref, mask, Divisors(torch.tensor(4.0), None), norm_length=2)
     assert got.item() == pytest.approx(((k3[0] + k3[1]) / 2 + k3[2]) / 2)  # the mean of the two responses' means
     by_token = PPOConfig(advantage_estimator="grpo", num_generations=2, batch_size=2, mini_batch_size=2,
                          loss_aggregation="token-mean")
     # the token mean divides by the n_tokens it is given (the global count under N processes), 4, not by the 3 here
-    assert kl_loss(by_token, logprobs, ref, mask, n_tokens=4, norm_length=2).item() == pytest.approx(sum(k3) / 4)
+    got = kl_loss(by_token, logprobs, ref, mask, Divisors(torch.tensor(4.0, dtype=F64), None), norm_length=2)
+    assert got.item() == pytest.approx(sum(k3) / 4)
     no_coef = PPOConfig(advantage_estimator="grpo", num_generations=2, batch_size=2, mini_batch_size=2,
                         kl_loss_coef=0.0)
-    assert kl_loss(no_coef, logprobs, ref, mask, 4, 2) is None
-    assert kl_loss(grpo, logprobs, None, mask, 4, 2) is None  # no reference pass ran
-    assert kl_loss(PPOConfig(batch_size=2, mini_batch_size=2), logprobs, ref, mask, 4, 2) is None  # PPO: in the reward
+    own = Divisors(None, None)
+    assert kl_loss(no_coef, logprobs, ref, mask, own, 2) is None
+    assert kl_loss(grpo, logprobs, None, mask, own, 2) is None  # no reference pass ran
+    assert kl_loss(PPOConfig(batch_size=2, mini_batch_size=2), logprobs, ref, mask, own, 2) is None  # PPO: reward
 
 
 def test_sequence_advantages_fill_each_response_s_tokens_only():

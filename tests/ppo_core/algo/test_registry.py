@@ -56,7 +56,8 @@ def test_every_built_in_has_its_reference_settings_and_a_config_takes_them(name)
 def test_a_field_set_by_the_user_wins_over_the_estimator_s_default():
     config = PPOConfig(advantage_estimator="gspo", num_generations=2, batch_size=4, mini_batch_size=2,
                        cliprange=0.1, importance_sampling_level="token", loss_type="cispo")
-    assert (config.cliprange, config.epsilon_high, config.importance_sampling_level) == (0.1, 4e-4, "token")
+    # epsilon_high: CISPO's cap on its weight (5.0), not GSPO's clip eps (4e-4 would cap every weight at 0.0004)
+    assert (config.cliprange, config.epsilon_high, config.importance_sampling_level) == (0.1, 5.0, "token")
     assert config.loss_aggregation == "token-mean" and policy_loss_kind(config) == "cispo"  # loss_type: TRL's meaning
     assert PPOConfig(advantage_estimator="rloo", num_generations=2, batch_size=4, mini_batch_size=2,
                      init_kl_coef=0.2).init_kl_coef == 0.2

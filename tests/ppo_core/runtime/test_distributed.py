@@ -370,3 +370,23 @@ def test_the_collectives_warning_is_ignored_within_the_block_only():
         warnings.warn(message, FutureWarning)
     assert [str(w.message) for w in caught] == ["another FutureWarning", message, message]
     assert warnings.filters == before
+
+
+@pytest.mark.slow
+def test_two_processes_make_the_one_process_update_however_each_splits_its_share(tmp_path):
+    """The two-process cells of the split matrix (tests/ppo_core/test_one_update.py): each process holds 4 of the 8
+    samples (process 0 the longer responses) and splits them as (mini 4, GA 1) or (mini 2, GA 2); the update is the
+    one process's (mini 8, GA 1) for every estimator and aggregation, to float32 rounding."""
+    from tests.ppo_core.test_one_update import SPLITS, TOLERANCE, TWO_PROCESS_SPLITS, cells, update
+
+    code, output, _ = launch("split", tmp_path, timeout=600)
+    assert code == 0, output[-3000:]
+    ranks = load_ranks(tmp_path)
+    for estimator, aggregation in cells():
+        whole = update(estimator, aggregation, *SPLITS[0])
+        for split in TWO_PROCESS_SPLITS:
+            got = ranks[0][(estimator, aggregation, split)]
+            assert torch.equal(got, ranks[1][(estimator, aggregation, split)])  # the replicas agree
+            difference = float((got - whole).abs().max() / whole.abs().max())
+            assert difference < TOLERANCE, f"{estimator}, {aggregation}, 2 x (mini {split[0]}, GA {split[1]}): " \
+                                           f"{difference:.2e} of the update"

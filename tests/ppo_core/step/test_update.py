@@ -15,13 +15,15 @@ from ppo_core.step.update import Updates, minibatch_decision
 ALONE = SingleProcess(torch.device("cpu"))
 
 
-def stats(ratio: float, **others: list[float]) -> dict[str, torch.Tensor]:
-    return {"policy/ratio_mean": torch.tensor(ratio), **{k: torch.tensor(v) for k, v in others.items()}}
+def stats(ratio: float, tokens: float = 4.0, **others: list[float]) -> dict[str, torch.Tensor]:
+    """A mini-batch's stats as `ppo_loss` gives them: the sum of its ratios over ``tokens`` tokens, and others."""
+    return {"policy/ratio_sum": torch.tensor(ratio * tokens), "policy/tokens": torch.tensor(tokens),
+            **{k: torch.tensor(v) for k, v in others.items()}}
 
 
 def test_a_ratio_above_the_threshold_skips_the_minibatch():
     decision = minibatch_decision(stats(1.25, loss=[0.5, 1.0]), ratio_threshold=1.125, group=ALONE)
-    assert decision.ratio_mean == 1.25 and decision.skipped and not decision.non_finite
+    assert decision.ratio_mean == 1.25 and decision.skipped and not decision.non_finite and not decision.empty
     assert decision.skipped_flag.item() == 1.0 and decision.skipped_flag.dtype == torch.float32
 
 
@@ -39,8 +41,13 @@ def test_a_non_finite_statistic_is_flagged_whichever_it_is(bad):
     assert flagged.non_finite and flagged.skipped == (bad == math.inf)  # a NaN is above no threshold
 
 
+def test_a_minibatch_without_a_token_is_empty_not_skipped():
+    decision = minibatch_decision(stats(0.0, tokens=0.0), ratio_threshold=1.125, group=ALONE)
+    assert decision.empty and decision.empty_flag.item() == 1.0 and not decision.skipped and decision.ratio_mean == 0
+
+
 class TwoProcesses:
-    """This process and another, whose share of the sums is ``other`` ((ratio, non-finite count))."""
+    """This process and another, whose share of the sums is ``other`` ((ratio sum, non-finite count, tokens))."""
 
     num_processes = 2
 
@@ -52,14 +59,17 @@ class TwoProcesses:
 
 
 def test_the_decision_is_the_global_minibatch_s():
-    """Each process holds a share of the ratio's mean: the skip compares their mean, and a non-finite statistic on
-    another process stops this one too."""
-    group = TwoProcesses([1.5, 0.0])
-    decision = minibatch_decision(stats(1.0), ratio_threshold=1.125, group=group)  # mean (1 + 1.5) / 2 = 1.25
+    """The skip compares the global mini-batch's mean ratio, each process's ratios weighed by its tokens; a
+    non-finite statistic on another process stops this one too; a mini-batch empty here but not there is not empty."""
+    group = TwoProcesses([6.0, 0.0, 4.0])  # 4 tokens of mean ratio 1.5 there
+    decision = minibatch_decision(stats(1.0), ratio_threshold=1.125, group=group)  # (4 * 1 + 6) / 8 = 1.25
     assert decision.ratio_mean == 1.25 and decision.skipped and not decision.non_finite
-    kept = minibatch_decision(stats(0.5), ratio_threshold=1.125, group=group)  # (0.5 + 1.5) / 2 = 1: kept
+    kept = minibatch_decision(stats(0.5), ratio_threshold=1.125, group=group)  # (4 * 0.5 + 6) / 8 = 1: kept
     assert kept.ratio_mean == 1.0 and not kept.skipped
-    assert minibatch_decision(stats(1.0), 1.125, TwoProcesses([1.0, 1.0])).non_finite  # the other's NaN
+    uneven = minibatch_decision(stats(1.0, tokens=12.0), 1.125, group)  # (12 + 6) / 16: tokens weigh, not processes
+    assert uneven.ratio_mean == 1.125 and not uneven.skipped
+    assert minibatch_decision(stats(1.0), 1.125, TwoProcesses([4.0, 1.0, 4.0])).non_finite  # the other's NaN
+    assert not minibatch_decision(stats(0.0, tokens=0.0), 1.125, group).empty
 
 
 class FakeAccelerator:
