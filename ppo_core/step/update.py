@@ -108,11 +108,17 @@ class Decision(NamedTuple):
 
 def minibatch_decision(stats: dict[str, torch.Tensor], ratio_threshold: float, group) -> Decision:
     """The mini-batch's :class:`Decision` from its ``stats`` (``policy/ratio_sum`` and ``policy/tokens``, this
-    process's, see :func:`ppo_loss`): one collective and one host read, on every process alike."""
-    ratio_sum = stats["policy/ratio_sum"].detach()
+    process's, see :func:`ppo_loss`): one collective and one host read, on every process alike. The stats of a user's
+    own ``loss`` (a legacy override) have neither: its ``policy/ratio_mean`` shares are averaged, as legacy's were,
+    and it is never empty."""
+    if "policy/ratio_sum" in stats:
+        ratio_sum, tokens = stats["policy/ratio_sum"].detach(), stats["policy/tokens"]
+    else:
+        ratio_sum = stats["policy/ratio_mean"].detach()
+        tokens = torch.ones_like(ratio_sum)
     dtype = torch.promote_types(ratio_sum.dtype, torch.float32)
     summed = group.sum_across(torch.stack([ratio_sum.to(dtype), non_finite_count(stats).to(dtype),
-                                           stats["policy/tokens"].to(dtype)]))  # (3,)
+                                           tokens.to(dtype)]))  # (3,)
     tokens = summed[2]
     ratio_mean = summed[0] / torch.where(tokens > 0, tokens, torch.ones_like(tokens))
     skipped, empty = ratio_mean > ratio_threshold, tokens == 0  # compared on the device, in the ratio's dtype
@@ -150,7 +156,7 @@ class Updates:
         if decision.non_finite:  # every process raises the failing process's error
             bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None on a process whose stats are finite
             raise_if_any(None if bad is None else failed(f"non-finite {bad}"), group)
-        del stats["policy/ratio_sum"], stats["policy/tokens"]  # the decision's, not the step's stats
+        stats.pop("policy/ratio_sum", None), stats.pop("policy/tokens", None)  # the decision's, not the step's
         stats["policy/skipped"], stats["policy/empty"] = decision.skipped_flag, decision.empty_flag
         if decision.skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
             warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({decision.ratio_mean:.2f}) exceeds "

@@ -167,3 +167,11 @@ def test_under_loss_scaling_an_overflow_is_a_skipped_update_until_too_many_in_a_
     with pytest.raises(RuntimeError, match="2 loss-scale overflows in a row"):
         u.step(failed)
     assert u.optimizer.steps == 3  # the second overflow in a row is not stepped
+
+
+def test_the_stats_of_a_user_s_own_loss_decide_as_legacy_s_did():
+    """A legacy subclass's `loss` returns its own stats, with the ratio's mean share and no token count: the skip
+    compares the mean of the shares over the processes, and such a mini-batch is never taken for empty."""
+    own = {"policy/ratio_mean": torch.tensor(1.0)}
+    decision = minibatch_decision(own, ratio_threshold=1.125, group=TwoProcesses([1.5, 0.0, 1.0]))
+    assert decision.ratio_mean == 1.25 and decision.skipped and not decision.empty
