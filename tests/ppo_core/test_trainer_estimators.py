@@ -333,3 +333,21 @@ def test_with_the_kl_in_the_loss_objective_kl_is_the_loss_s_estimator():
     k3 = (torch.expm1(-d) + d).sum() / 8  # the per-sample sum's mean
     assert stats["objective/kl"] == pytest.approx(float(k3), rel=1e-5)
     assert abs(float(d.sum() / 8) - float(k3)) > 1e-3  # k1 would be another number
+
+
+def test_dynamic_sampling_judges_the_scores_after_the_overlong_penalty():
+    """DAPO's order: the overlong penalty shapes the scores first, then dynamic sampling leaves out the groups whose
+    shaped scores are all alike. A group that scored 1.0 four times, one of its answers overlong, has a spread once
+    penalised: it stays in the loss; the same group with no overlong answer has none and is left out."""
+    config = PPOConfig(batch_size=8, mini_batch_size=8, advantage_estimator="dapo", num_generations=4,
+                       max_completion_length=8, overlong_buffer_len=4)
+    queries = grouped_queries(2, 4, seed=0)
+    ones = [torch.tensor(1.0)] * 4 + [torch.tensor(float(i)) for i in range(4)]
+
+    def left_out(lengths: list[int]) -> float:
+        trainer = PPOTrainer(config, tiny_value_model("gpt2"), tokenizer=tiny_tokenizer())
+        responses = [torch.full((n,), 5) for n in lengths]
+        return trainer.step(queries, responses, ones)["ppo/frac_responses_left_out"]
+
+    assert left_out([8, 3, 3, 3, 3, 3, 3, 3]) == 0.0  # the first response is overlong: its group has a spread
+    assert left_out([3] * 8) == 0.5  # no penalty: the first group is one score, left out

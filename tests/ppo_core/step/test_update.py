@@ -175,3 +175,64 @@ def test_the_stats_of_a_user_s_own_loss_decide_as_legacy_s_did():
     own = {"policy/ratio_mean": torch.tensor(1.0)}
     decision = minibatch_decision(own, ratio_threshold=1.125, group=TwoProcesses([1.5, 0.0, 1.0]))
     assert decision.ratio_mean == 1.25 and decision.skipped and not decision.empty
+
+
+# ---- every config field that reaches the loss, pinned: dropped or swapped on its way, a test here fails ------------
+def one_token_loss(config, log_ratio: list[list[float]], advantages: list[list[float]], mask=None, **tensors):
+    """`ppo_loss` of a (b, R) mini-batch whose log-probabilities are ``log_ratio`` above the rollout's: (policy loss,
+    value loss, stats), in float64, alone (the mini-batch is its window)."""
+    from ppo_core.step.update import ppo_loss
+
+    log_ratio = torch.tensor(log_ratio, dtype=torch.float64)
+    zeros = torch.zeros_like(log_ratio)
+    mask = torch.ones_like(log_ratio) if mask is None else torch.tensor(mask, dtype=torch.float64)
+    values, vpreds, returns = (torch.tensor(tensors.get(k, zeros.tolist()), dtype=torch.float64)
+                               for k in ("values", "vpreds", "returns"))
+    ref = torch.tensor(tensors["ref"], dtype=torch.float64) if "ref" in tensors else None
+    return ppo_loss(config, "vpreds" in tensors, "clip" if config.loss_type != "cispo" else "cispo", ALONE, zeros,
+                    values, vpreds, log_ratio, mask, torch.tensor(advantages, dtype=torch.float64), returns,
+                    ref_logprobs=ref)
+
+
+def test_the_clip_s_low_side_is_cliprange_and_its_high_side_epsilon_high():
+    from ppo_core import PPOConfig
+
+    config = PPOConfig(batch_size=2, mini_batch_size=2, cliprange=0.1, epsilon_high=0.3)
+    up = one_token_loss(config, [[math.log(1.5)]], [[1.0]])[0]  # ratio 1.5, A = 1: clipped at 1 + 0.3
+    assert up.item() == pytest.approx(-1.3)
+    down = one_token_loss(config, [[math.log(0.5)]], [[-1.0]])[0]  # ratio 0.5, A = -1: clipped at 1 - 0.1
+    assert down.item() == pytest.approx(0.9)
+
+
+def test_the_ratio_s_level_is_importance_sampling_level():
+    """A response whose two tokens moved by +0.2 and -0.2 nats: per token, the first one's ratio is clipped; per
+    sequence (GSPO) the ratio is exp(0) = 1 at both, and nothing is clipped."""
+    from ppo_core import PPOConfig
+
+    token = PPOConfig(batch_size=2, mini_batch_size=2, cliprange=0.1)
+    sequence = PPOConfig(batch_size=2, mini_batch_size=2, cliprange=0.1, importance_sampling_level="sequence")
+    ratios = [[0.2, -0.2]]
+    assert one_token_loss(sequence, ratios, [[1.0, 1.0]])[0].item() == pytest.approx(-1.0)
+    per_token = (-min(math.exp(0.2), 1.1) - math.exp(-0.2)) / 2  # the first clipped at 1.1, the second not
+    assert one_token_loss(token, ratios, [[1.0, 1.0]])[0].item() == pytest.approx(per_token)
+
+
+def test_the_value_loss_clips_at_cliprange_value_not_at_the_policy_s_cliprange():
+    from ppo_core import PPOConfig
+
+    config = PPOConfig(batch_size=2, mini_batch_size=2, cliprange=0.2, cliprange_value=0.05, vf_coef=1.0)
+    # old value 0, new prediction 1, return 2: clipped prediction 0.05; loss 0.5 * max(1, 1.95^2)
+    _, value_loss, stats = one_token_loss(config, [[0.0]], [[0.0]], values=[[0.0]], vpreds=[[1.0]], returns=[[2.0]])
+    assert value_loss.item() == pytest.approx(0.5 * 1.95 ** 2) and stats["val/clipfrac"].item() == 1.0
+
+
+@pytest.mark.parametrize("estimator,expected", [("k1", 0.5), ("k2", 0.125), ("abs", 0.5),
+                                                ("k3", math.exp(-0.5) - 1 + 0.5)])
+def test_the_kl_loss_term_is_kl_estimator_s(estimator, expected):
+    from ppo_core import PPOConfig
+
+    config = PPOConfig(batch_size=2, mini_batch_size=2, advantage_estimator="grpo", num_generations=2,
+                       kl_estimator=estimator, kl_loss_coef=1.0)
+    # log p - log p_ref = 0.5 at the one token, no advantage: the loss is the KL term alone
+    policy, _, stats = one_token_loss(config, [[0.0]], [[0.0]], ref=[[-0.5]])
+    assert stats["policy/kl_loss"].item() == pytest.approx(expected) and policy.item() == pytest.approx(expected)
