@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from .algo.kl_control import AdaptiveKLController, FixedKLController
+from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacement
 from .algo.ppo_math import Advantages, ShapedRewards, full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
 from .algo.registry import LEGACY_ESTIMATOR
 from .config import PPOConfig
@@ -99,7 +99,8 @@ def overridden_step_hooks(cls: type, cfg: PPOConfig) -> tuple[str, ...]:
                       "generate() or the constructor: they run their own passes); override compute_rewards, "
                       "_kl_penalty, compute_advantages, loss or train_minibatch instead.", stacklevel=3)
     hooks = tuple(name for name in STEP_HOOKS if changed(name))
-    if hooks and (cfg.advantage_estimator != LEGACY_ESTIMATOR or cfg.kl_in != "reward" or cfg.kl_penalty == "full"):
+    kl = KLPlacement.of(cfg)
+    if hooks and (cfg.advantage_estimator != LEGACY_ESTIMATOR or kl.in_loss or kl.estimator == "full"):
         raise ValueError(f"{cls.__name__} overrides {', '.join(hooks)}, which step() calls as legacy did "
                          "only with advantage_estimator='gae', kl_in='reward' and kl_penalty other than 'full' (got "
                          f"{cfg.advantage_estimator!r}, {cfg.kl_in!r}, {cfg.kl_penalty!r}).")

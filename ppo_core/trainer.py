@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from .algo.advantages import loss_mask, norm_length, overlong_penalties, step_advantages, truncated
 from .algo.estimators import check_prompt_groups
 from .algo.functional import convert_to_scalar, entropy_from_logits, flatten_dict
-from .algo.kl_control import AdaptiveKLController, FixedKLController, RunningMoments, scale_scores
+from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacement, RunningMoments, scale_scores
 from .algo.ppo_math import Advantages, Divisors, ShapedRewards
 from .algo.registry import get_estimator, policy_loss_kind
 from .config import PPOConfig, RunSizes, run_config
@@ -150,6 +150,7 @@ class PPOTrainer(LegacyMethods):
         own base, adapters disabled), before ``accelerator.prepare``."""
         config = self.config
         self.estimator = get_estimator(config.advantage_estimator)  # what the step computes (algo.registry)
+        self._kl = KLPlacement.of(config)  # where the KL goes, with which estimate and coefficient
         self._policy_loss = policy_loss_kind(config)  # "clip" or "cispo"
         prepare_for_training(model, self.tokenizer, config.disable_dropout, config.gradient_checkpointing,
                              self.estimator.uses_critic)
@@ -244,7 +245,7 @@ class PPOTrainer(LegacyMethods):
         with_reference = self._reference_in_use()
         with timed(timing, "time/ppo/forward_pass"):
             old, ref = rollout_passes(self.model, self._reference, inputs, cfg.mini_batch_size,
-                                      self._forward_precision, cfg.kl_penalty == "full", with_reference)
+                                      self._forward_precision, self._kl.estimator == "full", with_reference)
         # 4-5. per-token KL, KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator)
         penalties = overlong_penalties(cfg, mask)  # DAPO's overlong shaping of the scores, where set
         scores_in = scores if penalties is None else scores + penalties.to(scores.dtype)
@@ -266,7 +267,7 @@ class PPOTrainer(LegacyMethods):
                           "loss): the weights did not move.")
         # 8. KL controller, scheduler, step counter
         # the controller moves only where it sets the coefficient in effect, from a KL that was measured
-        self._end_step(float(stats["objective/kl"]) if with_reference and cfg.kl_in == "reward" else None)
+        self._end_step(float(stats["objective/kl"]) if with_reference and not self._kl.in_loss else None)
         timing["time/ppo/total"] = time.perf_counter() - t_start
         return convert_to_scalar(stats | timing)
 
@@ -284,7 +285,7 @@ class PPOTrainer(LegacyMethods):
 
     def _reward_kl_coef(self) -> float:
         """The KL's coefficient in the rewards (0 where the KL is in the loss instead)."""
-        return self.kl_ctl.value if self.config.kl_in == "reward" else 0.0
+        return self._kl.reward_coef(self.kl_ctl)
 
     def _advantages(self, inputs: ModelInputs, mask: torch.Tensor, old: PolicyOutputs, ref: PolicyOutputs,
                     scores: torch.Tensor, with_reference: bool,
@@ -294,9 +295,7 @@ class PPOTrainer(LegacyMethods):
         if self._step_hooks:  # its compute_rewards / _kl_penalty / compute_advantages, in legacy's order
             return hooked_advantages(self, scores, old.logprobs, ref.logprobs, old.values, mask, timing)
         with timed(timing, "time/ppo/compute_rewards"):  # in the reward, or, with kl_in "loss", in the loss instead
-            cfg = self.config  # the KL measured (objective/kl) as the loss trains on it, where the loss has it
-            kind = cfg.kl_estimator if cfg.kl_in == "loss" else cfg.kl_penalty
-            kls = (kl_per_token(kind, self.model, self._reference, inputs, old, ref)
+            kls = (kl_per_token(self._kl.estimator, self.model, self._reference, inputs, old, ref)
                    if with_reference else torch.zeros_like(old.logprobs))
         with timed(timing, "time/ppo/compute_advantages"):
             return step_advantages(self.config, scores, kls, old.values, mask, self._reward_kl_coef(), self._group)
@@ -331,8 +330,7 @@ class PPOTrainer(LegacyMethods):
         """Whether this step's rewards or loss use the reference policy: not where its KL's coefficient is 0 (Dr.
         GRPO's default; an adaptive controller at 0 stays there), where the reference pass would only feed the KL
         stats (TRL's GRPOTrainer skips it at ``beta=0`` too). A subclass's legacy reward hooks always get it."""
-        cfg = self.config
-        return bool(self._step_hooks) or (cfg.kl_loss_coef if cfg.kl_in == "loss" else self.kl_ctl.value) != 0
+        return bool(self._step_hooks) or self._kl.uses_reference(self.kl_ctl)
 
     def _optimize(self, rollout: Rollout) -> list[dict]:
         """``ppo_epochs`` passes over shuffled mini-batches of ``rollout``; returns the per-mini-batch stats.

@@ -17,6 +17,7 @@ from .estimators import (
     soft_overlong_penalty,
     zero_std_groups,
 )
+from .kl_control import KLPlacement
 from .ppo_math import Advantages, Divisors, ShapedRewards, aggregate, gae_advantages, kl_penalty, shape_rewards
 from .registry import StepBatch, get_estimator
 
@@ -88,10 +89,12 @@ def loss_reduction(config, mask: torch.Tensor, divisors: Divisors, norm_length: 
 
 def kl_loss(config, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, mask: torch.Tensor,
             divisors: Divisors, norm_length: int) -> torch.Tensor | None:
-    """The KL loss term (before its coefficient), reduced as the policy loss is; None when the KL is in the reward."""
-    if config.kl_in != "loss" or not config.kl_loss_coef or ref_logprobs is None:
+    """The KL loss term (before its coefficient), reduced as the policy loss is; None when the loss has none (the KL
+    in the reward, or a coefficient of 0: ``KLPlacement``)."""
+    placement = KLPlacement.of(config)
+    if not placement.in_loss_term() or ref_logprobs is None:
         return None
-    per_token = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
+    per_token = kl_penalty(logprobs, ref_logprobs, placement.estimator)
     return aggregate(per_token, mask, config.loss_aggregation, norm_length=norm_length, n_tokens=divisors.tokens,
                      n_sequences=divisors.sequences)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +35,41 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value, self.target, self.horizon = (float(state[k]) for k in ("value", "target", "horizon"))
+
+
+class KLPlacement(NamedTuple):
+    """Where a run's KL to the reference goes, with which estimate and coefficient: decided here, once, from its
+    config (``KLPlacement.of``), and read wherever the KL is used (the rewards, the loss, the reference pass, the
+    controller, the stats).
+
+    - in the reward (``kl_in="reward"``, legacy PPO's): per-token shaping by ``kl_penalty``'s estimate times the
+      controller's coefficient, which adapts to the KL measured (``objective/kl``: that estimate);
+    - in the loss (``kl_in="loss"``, GRPO's): ``kl_loss_coef`` times ``kl_estimator``'s term, the rewards unshaped
+      and the controller left alone; ``objective/kl`` measures the loss's estimate, so what is logged is what is
+      penalised.
+    """
+
+    in_loss: bool
+    estimator: str  # the per-token estimate, in kl_penalty's vocabulary: what is shaped or penalised, and measured
+    loss_coef: float  # the loss term's coefficient (0 where the KL is in the reward)
+
+    @classmethod
+    def of(cls, config) -> KLPlacement:
+        if config.kl_in == "loss":
+            return cls(True, config.kl_estimator, float(config.kl_loss_coef or 0.0))
+        return cls(False, config.kl_penalty, 0.0)
+
+    def reward_coef(self, controller) -> float:
+        """The coefficient the rewards are shaped with: the controller's, or 0 where the KL is in the loss."""
+        return 0.0 if self.in_loss else controller.value
+
+    def uses_reference(self, controller) -> bool:
+        """Whether the reference's log-probabilities count anywhere: not where the KL's coefficient is 0."""
+        return (self.loss_coef if self.in_loss else controller.value) != 0
+
+    def in_loss_term(self) -> bool:
+        """Whether the loss has a KL term (a coefficient above 0)."""
+        return self.in_loss and self.loss_coef != 0
 
 
 class FixedKLController:

@@ -24,6 +24,7 @@ import torch
 
 from ..algo.estimators import zero_std_groups
 from ..algo.functional import masked_mean, masked_variances, stats_to_np
+from ..algo.kl_control import KLPlacement
 from ..algo.ppo_math import PolicyLoss, ValueLoss, token_mean
 from ..runtime.distributed import gather_ragged, mean_across
 
@@ -226,8 +227,9 @@ def step_summary(stats: dict[str, Any], config, group, with_reference: bool, nee
     groups with one score for all, the mean overlong penalty, the share of responses the loss left out. ``mask`` and
     ``trained`` ``(B, R)``: the responses' tokens and those the loss trained on; ``scores`` ``(B,)`` as shaped."""
     stats = stats_to_np(mean_over_processes(stats, group))
-    if config.kl_in == "loss":  # the coefficient in effect there (objective/kl_coef is the rewards': 0)
-        stats["objective/kl_loss_coef"] = config.kl_loss_coef
+    kl = KLPlacement.of(config)
+    if kl.in_loss:  # the coefficient in effect there (objective/kl_coef is the rewards': 0)
+        stats["objective/kl_loss_coef"] = kl.loss_coef
     if not with_reference:
         stats |= {key: np.full_like(stats[key], np.nan, dtype=float) for key in REFERENCE_STATS}
     if needs_groups:  # groups with one score for all: no learning signal

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ..algo.advantages import kl_loss, loss_reduction
+from ..algo.kl_control import KLPlacement
 from ..algo.ppo_math import Divisors, policy_loss, value_loss
 from ..runtime.distributed import raise_if_any
 from ..runtime.precision import OverflowGuard, loss_scaled
@@ -83,7 +84,7 @@ def ppo_loss(config, uses_critic: bool, policy_loss_kind: str, group, old_logpro
         # by the window's count)
         stats["policy/tokens"] = mask.sum().to(pg.ratio_mean.dtype)
         stats["policy/ratio_sum"] = pg.ratio_mean * (stats["policy/tokens"] if n_tokens is None else n_tokens)
-    loss_p = pg.loss if kl is None else pg.loss + cfg.kl_loss_coef * kl
+    loss_p = pg.loss if kl is None else pg.loss + KLPlacement.of(cfg).loss_coef * kl
     return loss_p, (cfg.vf_coef * vf.loss if uses_critic else torch.zeros_like(pg.loss)), stats
 
 

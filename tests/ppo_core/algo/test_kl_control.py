@@ -56,3 +56,28 @@ def test_running_moments_match_numpy_over_several_batches():
     restored = RunningMoments()
     restored.load_state_dict(running.state_dict())
     assert restored.state_dict() == running.state_dict()
+
+
+@pytest.mark.parametrize("options,in_loss,estimator,loss_coef", [
+    ({}, False, "kl", 0.0),  # PPO: the reward, legacy's kl_penalty
+    ({"kl_penalty": "k3"}, False, "k3", 0.0),
+    ({"advantage_estimator": "grpo", "num_generations": 2}, True, "k3", 0.04),  # the loss: kl_estimator's
+    ({"advantage_estimator": "grpo", "num_generations": 2, "kl_estimator": "k2", "kl_penalty": "abs"}, True, "k2",
+     0.04),
+    ({"advantage_estimator": "dr_grpo", "num_generations": 2}, True, "k3", 0.0),
+    ({"advantage_estimator": "rloo", "num_generations": 2}, False, "kl", 0.0),
+])
+def test_the_kl_s_placement_is_decided_once_from_the_config(options, in_loss, estimator, loss_coef):
+    """`KLPlacement.of`: where the KL goes, which estimate it is shaped or penalised (and measured) with, the loss
+    term's coefficient; and from it, with the controller, the rewards' coefficient and whether the reference counts."""
+    from ppo_core import PPOConfig
+    from ppo_core.algo.kl_control import KLPlacement
+
+    config = PPOConfig(batch_size=2, mini_batch_size=2, **options)
+    placement = KLPlacement.of(config)
+    assert (placement.in_loss, placement.estimator, placement.loss_coef) == (in_loss, estimator, loss_coef)
+    controller = FixedKLController(0.3)
+    assert placement.reward_coef(controller) == (0.0 if in_loss else 0.3)
+    assert placement.uses_reference(controller) == (loss_coef != 0 if in_loss else True)
+    assert placement.uses_reference(FixedKLController(0.0)) == (loss_coef != 0)
+    assert placement.in_loss_term() == (in_loss and loss_coef != 0)
