@@ -61,7 +61,7 @@ def stands_in(workspace: dict | None, baseline: dict) -> bool:
     """Whether the workspace's results stand in for the baseline's on the page: main's results are in no DVC cache
     here (this machine's float kernels computed other bytes than main's lock: README, "Same inputs, same bytes"),
     the workspace has some, and (checked by the caller) it ran with main's params."""
-    has_results = lambda row: any(row.get(key) is not None for key in METRICS)  # noqa: E731
+    has_results = lambda row: any(isinstance(row.get(key), (int, float)) for key in METRICS)  # noqa: E731 ("!": none)
     return workspace is not None and not has_results(baseline) and has_results(workspace)
 
 
