@@ -47,6 +47,17 @@ class Shape:
     n_head: int
     n_positions: int = 64  # query (<= 10) + response (24) fits with room to spare
     real: str | None = None  # a real model's name in REAL_MODELS
+    config: str | None = None  # a file of bench/configs/: a real model's shape, random-initialised (config_shape)
+
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_shape(name: str) -> Shape:
+    """The shape of `bench/configs/<name>.json`: a real model's config (its architecture, not its weights)."""
+    cfg = json.loads((CONFIGS / f"{name}.json").read_text())
+    return Shape(vocab_size=cfg["vocab_size"], n_layer=cfg["num_hidden_layers"], n_embd=cfg["hidden_size"],
+                 n_head=cfg["num_attention_heads"], n_positions=cfg["max_position_embeddings"], config=name)
 
 
 SMOLLM2 = Shape(vocab_size=49152, n_layer=30, n_embd=576, n_head=9, real="smollm2")  # Llama, 134.5M parameters
@@ -56,6 +67,12 @@ SHAPES = {
     "base": Shape(vocab_size=32000, n_layer=6, n_embd=512, n_head=8),  # ~35M params, optional larger point
     "smollm2": SMOLLM2,  # SmolLM2-135M-Instruct, batch 16 / mini-batch 4 / 16 new tokens (SETTINGS)
     "smollm2_64": SMOLLM2,  # the same with 64 new tokens
+    # real models' shapes with random weights (bench/configs/*.json), on the realistic work (REAL_WORK): the GPU run
+    "smollm2_135m": config_shape("smollm2_135m"),
+    "smollm2_360m": config_shape("smollm2_360m"),
+    "qwen2.5_0.5b": config_shape("qwen2_5_0_5b"),  # 151,936-token vocabulary: the LM head is a third of the model
+    "qwen2.5_1.5b": config_shape("qwen2_5_1_5b"),
+    "tiny_qwen2": config_shape("tiny_qwen2"),  # the same code path at test size (tests/bench/test_gpu_real.py)
 }
 
 
@@ -75,9 +92,13 @@ class Setting:
 
 # The real model's rows: the seed's loop at the sizes a 2-core CPU runs a 135M model with (16 rollouts per step, 4 per
 # optimizer step: the same 16 optimizer steps per PPO step as the toys' 64 / 16).
+# The GPU run's work (issue 37): 64 prompts of ~128 tokens, 256 new tokens each, mini-batches of 16, 4 PPO epochs.
+REAL_WORK = Setting(batch_size=64, mini_batch_size=16, max_new_tokens=256, query_len_min=112, query_len_max=144)
 SETTINGS = {
     "smollm2": Setting(batch_size=16, mini_batch_size=4, max_new_tokens=16),
     "smollm2_64": Setting(batch_size=16, mini_batch_size=4, max_new_tokens=64),
+    **{name: REAL_WORK for name in ("smollm2_135m", "smollm2_360m", "qwen2.5_0.5b", "qwen2.5_1.5b")},
+    "tiny_qwen2": Setting(batch_size=8, mini_batch_size=4, ppo_epochs=2, max_new_tokens=8),
 }
 
 
@@ -132,7 +153,7 @@ def reinit_weights(model: torch.nn.Module, seed: int) -> None:
 
     transformers 4.46 and 5.x initialise GPT-2 through different code paths, so the same `manual_seed`
     would give different weights in the two venvs; this makes them bit-identical (see `weights_digest`).
-    GPT-2 style: N(0, 0.02) for matrices, 1 for LayerNorm scales, 0 for biases."""
+    GPT-2 style: N(0, 0.02) for matrices, 1 for LayerNorm (and RMSNorm) scales, 0 for biases."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):  # tied lm_head/wte appears once
         if p.dim() >= 2:
@@ -149,17 +170,38 @@ def weights_digest(model: torch.nn.Module) -> str:
     return f"{total:.10e}"
 
 
-def build_model_dir(shape_name: str, out_dir: str, seed: int = 0) -> str:
-    """Save the shape's model and the benchmark tokenizer to `out_dir` (loadable by any `from_pretrained`): a
-    random-init GPT-2, or a real model's weights (`real_model_dir`) in the plain class of this venv's transformers."""
+def build_config_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """`bench/configs/<name>.json`'s model with seeded random weights (`reinit_weights`: the same in transformers 4.46
+    and 5.x), dropout off and the benchmark tokenizer's special ids, as this venv's plain causal-LM class."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {k: v for k, v in json.loads((CONFIGS / f"{name}.json").read_text()).items() if not k.startswith("_")}
+    config = AutoConfig.for_model(**kwargs, attention_dropout=0.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+                                  bos_token_id=EOS_ID)
+    model = AutoModelForCausalLM.from_config(config)
+    reinit_weights(model, seed)
+    return model.eval()
+
+
+def build_model(shape_name: str, seed: int = 0) -> torch.nn.Module:
+    """The shape's model in memory, float32 on the CPU: a random-init GPT-2, a config's random-init model, or a real
+    model's weights (`real_model_dir`), in the plain class of this venv's transformers."""
     shape = SHAPES[shape_name]
     if shape.real:
-        model = load_real_model(shape.real)
-    else:
-        model = GPT2LMHeadModel(gpt2_config(shape))
-        reinit_weights(model, seed)
+        return load_real_model(shape.real)
+    if shape.config:
+        return build_config_model(shape.config, seed)
+    model = GPT2LMHeadModel(gpt2_config(shape))
+    reinit_weights(model, seed)
+    return model
+
+
+def build_model_dir(shape_name: str, out_dir: str, seed: int = 0) -> str:
+    """Save the shape's model (`build_model`) and the benchmark tokenizer to `out_dir`, loadable by any
+    `from_pretrained`."""
+    model = build_model(shape_name, seed)
     model.save_pretrained(out_dir)
-    build_tokenizer(shape.vocab_size).save_pretrained(out_dir)
+    build_tokenizer(SHAPES[shape_name].vocab_size).save_pretrained(out_dir)
     return out_dir
 
 
@@ -352,6 +394,68 @@ def peak_gpu_mb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
+class GpuPeak:
+    """`with GpuPeak() as peak: ...` then `peak.mb` is the most GPU memory torch held allocated meanwhile (MiB; None on
+    a CPU). On leaving, the allocator's cached blocks go back to the driver: compare.py keeps every contender's worker
+    alive, and an idle worker's cache would crowd out the one that is stepping."""
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        self.mb = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.mb = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.empty_cache()
+
+
+# Dense peak TFLOP/s by GPU name fragment: (bf16/fp16, tf32, fp32), from NVIDIA's data sheets (SXM parts).
+PEAK_TFLOPS = {"H200": (989, 494, 67), "H100": (989, 494, 67), "A100": (312, 156, 19.5), "L40S": (362, 183, 91.6),
+               "L4": (121, 60, 30.3), "A10G": (70, 35, 31.2)}
+
+
+def peak_flops(dtype: str, gpu_name: str | None = None) -> float | None:
+    """The dense peak FLOP/s for ``dtype`` ("bf16", "fp16", "tf32", "fp32") of the GPU named `gpu_name` (default:
+    this process's GPU), or None where there is none or it is not in PEAK_TFLOPS."""
+    if gpu_name is None:
+        if not torch.cuda.is_available():
+            return None
+        gpu_name = torch.cuda.get_device_name(0)
+    peaks = next((p for fragment, p in PEAK_TFLOPS.items() if fragment in gpu_name), None)
+    if peaks is None:
+        return None
+    return 1e12 * {"bf16": peaks[0], "fp16": peaks[0], "tf32": peaks[1], "fp32": peaks[2]}[dtype]
+
+
+def matmul_params(shape_name: str) -> tuple:
+    """(weights that multiply each token, layers, attention width) of a shape: every matrix of the blocks plus the LM
+    head (tied or not, it is one product per token), not the embedding lookup. From the config for config shapes,
+    GPT-2's 12 d^2 per layer otherwise."""
+    shape = SHAPES[shape_name]
+    d, layers = shape.n_embd, shape.n_layer
+    if shape.config:
+        cfg = json.loads((CONFIGS / f"{shape.config}.json").read_text())
+        head_dim = d // cfg["num_attention_heads"]
+        attn = d * head_dim * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])  # q, o; k, v
+        per_layer = attn + 3 * d * cfg["intermediate_size"]  # gate, up, down
+    else:
+        per_layer = 12 * d * d
+    return layers * per_layer + d * shape.vocab_size, layers, d
+
+
+def update_flops(shape_name: str, seq_lens: list, lora: bool = False) -> float:
+    """Model FLOPs of one forward and backward pass over sequences of `seq_lens` tokens: 2 per weight per token
+    forward, plus causal attention's 2 * layers * T * width per token (QK^T and AV over T/2 positions on average);
+    backward twice the forward, or once when only an adapter trains (no weight gradients: LoRA's own are ~0)."""
+    n, layers, width = matmul_params(shape_name)
+    forward = sum(2 * n * t + 2 * layers * t * t * width for t in seq_lens)
+    return forward * (2 if lora else 3)
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else platform.processor()."""
     try:
@@ -408,9 +512,9 @@ def serve(step_fn, describe) -> None:
     for line in sys.stdin:
         words = line.split()
         if words[:1] == ["step"]:
-            with OthersLoad() as load:
+            with OthersLoad() as load, GpuPeak() as gpu:
                 result = step_fn(int(words[1]))
-            answer(dict(result, others_cpu_frac=load.frac))
+            answer(dict(result, others_cpu_frac=load.frac, step_peak_gpu_mb=gpu.mb))
         elif words[:1] == ["done"]:
             answer(describe())
             return

@@ -49,15 +49,22 @@ import common
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
-TRL_PYTHON = os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python")
-TRL_GRPO_PYTHON = os.environ.get("TRL_GRPO_PYTHON", "/work/trl116-venv/bin/python")  # trl 1.16, transformers 5
+# A peer runs in its own venv (TRL_PYTHON), or in this interpreter over a --target directory of carried wheels
+# (TRL_SITE: bench/peers.sh install; first on that worker's PYTHONPATH only), as on a machine that reaches no index.
+TRL_SITE, TRL_GRPO_SITE = os.environ.get("TRL_SITE"), os.environ.get("TRL_GRPO_SITE")
+TRL_PYTHON = os.environ.get("TRL_PYTHON", sys.executable if TRL_SITE else "/work/trl-venv/bin/python")
+TRL_GRPO_PYTHON = os.environ.get("TRL_GRPO_PYTHON",  # trl 1.16, transformers 5
+                                 sys.executable if TRL_GRPO_SITE else "/work/trl116-venv/bin/python")
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dapo", "gspo",
               "cispo"]  # critic-free
-IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS, "trl_grpo"]
+IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS, "grpo_lora",
+         "trl_grpo", "trl_grpo_lora"]
 DEFAULT_IMPLS = IMPLS[:5]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
 BF16 = "ppo_core, bf16 mixed"
 LORA = "ppo_core, LoRA r=16"
+GRPO_LORA = "ppo_core, grpo, LoRA r=16"
 TRL_GRPO = "TRL GRPOTrainer G=4"
+TRL_GRPO_LORA = "TRL GRPOTrainer G=4, LoRA r=16"
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,8 @@ class Run:
     argv: tuple  # script and its impl-specific flags
     floor: str | None  # label of the floor row of the same venv (None for floors)
     peer: str | None = None  # label of the row doing the same work in another library ("ratio to peer")
+    site: str | None = None  # a --target directory put first on the worker's PYTHONPATH (a carried peer)
+    lora: bool = False  # only an adapter trains (the update's FLOPs: no weight gradients)
 
 
 def planned_runs(impls: list) -> tuple:
@@ -83,24 +92,32 @@ def planned_runs(impls: list) -> tuple:
     if "floor" in impls:
         runs.append(Run("floor", sys.executable, ("bench/floor.py",), None))
     if "floor_trl" in impls and have_trl:
-        runs.append(Run("floor (TRL venv)", TRL_PYTHON, ("bench/floor.py",), None))
+        runs.append(Run("floor (TRL venv)", TRL_PYTHON, ("bench/floor.py",), None, site=TRL_SITE))
     if "trl" in impls and have_trl:
-        runs.append(Run("trl", TRL_PYTHON, ("bench/ppo_step.py", "--impl", "trl"), "floor (TRL venv)"))
+        runs.append(Run("trl", TRL_PYTHON, ("bench/ppo_step.py", "--impl", "trl"), "floor (TRL venv)", site=TRL_SITE))
     if "ppo_core" in impls:
         runs.append(Run("ppo_core", sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core"), "floor", "trl"))
     if "ppo_core_bf16" in impls:  # mixed precision through accelerate, against the fp32 floor
         runs.append(Run(BF16, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--bf16"), "floor", "trl"))
     if "ppo_core_lora" in impls:  # adapter + value head trained, adapter-disabled reference (no weight copy)
-        runs.append(Run(LORA, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--lora"), "floor", "trl"))
+        runs.append(Run(LORA, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--lora"), "floor", "trl",
+                        lora=True))
     for estimator in (e for e in ESTIMATORS if e in impls):  # the same 64 rollouts per step, G=4 where grouped
         runs.append(Run(f"ppo_core, {estimator}", sys.executable,
                         ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", estimator), "floor",
                         TRL_GRPO if estimator == "grpo" else None))
-    if "trl_grpo" in impls:  # TRL 1.16's GRPOTrainer on ppo_core grpo's work (bench/grpo_trl.py says what differs)
+    if "grpo_lora" in impls:
+        runs.append(Run(GRPO_LORA, sys.executable,
+                        ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", "grpo", "--lora"), "floor",
+                        TRL_GRPO_LORA, lora=True))
+    for impl, label, flags in (("trl_grpo", TRL_GRPO, ()), ("trl_grpo_lora", TRL_GRPO_LORA, ("--lora",))):
+        if impl not in impls:  # TRL 1.16's GRPOTrainer on ppo_core grpo's work (bench/grpo_trl.py says what differs)
+            continue
         if Path(TRL_GRPO_PYTHON).exists():
-            runs.append(Run(TRL_GRPO, TRL_GRPO_PYTHON, ("bench/grpo_trl.py",), "floor"))
+            runs.append(Run(label, TRL_GRPO_PYTHON, ("bench/grpo_trl.py", *flags), "floor", site=TRL_GRPO_SITE,
+                            lora=bool(flags)))
         else:
-            notes.append(f"TRL GRPOTrainer skipped: no interpreter at {TRL_GRPO_PYTHON} (set TRL_GRPO_PYTHON, or "
+            notes.append(f"{label} skipped: no interpreter at {TRL_GRPO_PYTHON} (set TRL_GRPO_PYTHON, or "
                          "create the venv: see bench/README.md).")
     return runs, notes
 
@@ -133,9 +150,11 @@ class Worker:
         self.run, self.timeout = run, args.timeout
         stem = f"{shape}-{run.label.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}"
         self.log_path = RESULTS / f"{stem}.log"
-        cmd = [run.python, *run.argv, "--shape", shape, "--threads", str(args.threads), "--serve"]
+        cmd = [run.python, *run.argv, "--shape", shape, "--threads", str(args.threads), "--serve",
+               *(["--bf16"] if args.bf16 and "--bf16" not in run.argv else [])]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, (run.site, str(ROOT)))))
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, bufsize=1)
@@ -249,19 +268,53 @@ def fmt_ratio(stats: tuple | None, invert: bool = False) -> str:
 PHASES = (("gen_s", "gen_s"), ("logprobs_s", "forward_s"), ("update_s", "train_s"))  # (trainer's, floor's) keys
 
 
+def tokens_per_s(steps: list) -> float | None:
+    """NeMo-RL's throughput: all tokens of a step (prompts and responses) over the step's wall time, median over steps
+    (None for rows that do not count their prompts' tokens)."""
+    if any("prompt_tokens" not in s for s in steps):
+        return None
+    return statistics.median((s["prompt_tokens"] + s["gen_tokens"]) / s["total_s"] for s in steps)
+
+
+def update_mfu(shape: str, run: Run, steps: list, gpu: str | None, dtype: str) -> float | None:
+    """The update's model FLOPs (common.update_flops, at each step's mean sequence length, `ppo_epochs` passes) over
+    its seconds, against the GPU's dense peak for `dtype`: median over steps, None without a known GPU."""
+    peak = common.peak_flops(dtype, gpu) if gpu else None
+    if peak is None or any("prompt_tokens" not in s for s in steps):
+        return None
+    setting = common.setting_for(shape)
+
+    def mfu(s):
+        seqs = setting.batch_size
+        flops = setting.ppo_epochs * common.update_flops(shape, [(s["prompt_tokens"] + s["gen_tokens"]) / seqs] * seqs,
+                                                         lora=run.lora)
+        return flops / s["update_s"] / peak
+
+    return statistics.median(mfu(s) for s in steps)
+
+
+def step_peak_gpu_mb(steps: list) -> float | None:
+    """The most GPU memory one step held (common.GpuPeak), over the measured steps."""
+    peaks = [s["step_peak_gpu_mb"] for s in steps if s.get("step_peak_gpu_mb") is not None]
+    return max(peaks) if peaks else None
+
+
 def phase_medians(steps: list) -> list:
     """Median seconds of each phase (generate, no-grad log-prob passes, update) over the measured steps."""
     return [statistics.median(s.get(key, s.get(floor_key, float("nan"))) for s in steps) for key, floor_key in PHASES]
 
 
-def table(results: dict, runs: list) -> str:
+def table(results: dict, runs: list, bf16: bool = False) -> str:
     """Markdown table: one row per (shape, run): seconds and their split by phase; ratios (median over rounds,
-    interquartile range) against the same venv's floor and against the peer library doing the same work."""
+    interquartile range) against the same venv's floor and against the peer library doing the same work; tokens/s
+    (all tokens, generated tokens), the update's MFU and the most GPU memory a step held, where there is a GPU."""
     lines = [
         "| shape | impl | transformers | median s/step | generate s | log-probs s | update s | CPU s/step "
-        "| ratio to floor | ratio to peer | gen tokens/s | peak RSS MiB | others' CPU |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ratio to floor | ratio to peer | tokens/s | gen tokens/s | update MFU | peak RSS MiB | step's peak GPU MiB "
+        "| others' CPU |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    dash = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for shape, by_label in results.items():
         rounds = by_label["_rounds"]
         for run in runs:
@@ -269,17 +322,20 @@ def table(results: dict, runs: list) -> str:
             if r is None:
                 continue
             if "error" in r:
-                lines.append(f"| {shape} | {run.label} | | failed: {r['error']} | | | | | | | | | |")
+                lines.append(f"| {shape} | {run.label} | | failed: {r['error']} |" + " |" * 12)
                 continue
-            memory = f"{r['peak_rss_mb']:.0f}" + (f" (GPU {r['peak_gpu_mb']:.0f})" if r["peak_gpu_mb"] else "")
             to_floor = ratio_stats(rounds, run.label, run.floor) if run.floor else None
             to_peer = ratio_stats(rounds, run.label, run.peer) if run.peer else None
             phases = " | ".join(f"{x:.2f}" for x in phase_medians(r["per_step"]))
+            dtype = "bf16" if bf16 or "--bf16" in run.argv else "fp32"
+            mfu = update_mfu(shape, run, r["per_step"], r["machine"]["gpu"], dtype)
             lines.append(
                 f"| {shape} | {run.label} | {r['machine']['transformers']} | {r['median_s_per_step']:.3f} | {phases} "
                 f"| {r['median_cpu_s_per_step']:.2f} | {fmt_ratio(to_floor)} "
                 f"| {fmt_ratio(to_peer) + (f' vs {run.peer}' if to_peer else '')} "
-                f"| {r['gen_tokens_per_s']:.0f} | {memory} | {r['others_cpu_frac']:.0%} |"
+                f"| {dash(tokens_per_s(r['per_step']), '.0f')} | {r['gen_tokens_per_s']:.0f} | {dash(mfu, '.1%')} "
+                f"| {r['peak_rss_mb']:.0f} | {dash(step_peak_gpu_mb(r['per_step']), '.0f')} "
+                f"| {r['others_cpu_frac']:.0%} |"
             )
     return "\n".join(lines)
 
@@ -289,15 +345,13 @@ def summary(results: dict) -> str:
     lines = []
     for shape, by in results.items():
         rounds, parts = by["_rounds"], []
-        if "error" in by.get("ppo_core", {"error": ""}):
-            continue
         if (trl := ratio_stats(rounds, "ppo_core", "trl")) is not None:
             parts.append(f"{fmt_ratio(trl, invert=True)}x fewer s/step than TRL")
         if (floor := ratio_stats(rounds, "ppo_core", "floor")) is not None:
             parts.append(f"{fmt_ratio(floor)}x the floor")
         if (bf16 := ratio_stats(rounds, BF16, "ppo_core")) is not None:
             parts.append(f"bf16 mixed precision {fmt_ratio(bf16, invert=True)}x faster than fp32")
-        if (lora := ratio_stats(rounds, LORA, "ppo_core")) is not None:
+        if (lora := ratio_stats(rounds, LORA, "ppo_core")) is not None and "memory" in by.get(LORA, {}):
             full, low = by["ppo_core"]["memory"], by[LORA]["memory"]
             parts.append(f"LoRA {fmt_ratio(lora, invert=True)}x faster than full PPO, holding "
                          f"{low['weights_mb']:.1f} vs {full['weights_mb']:.1f} MiB of weights (policy + reference) "
@@ -305,10 +359,13 @@ def summary(results: dict) -> str:
                          f"state, peak RSS {by[LORA]['peak_rss_mb']:.0f} vs {by['ppo_core']['peak_rss_mb']:.0f} MiB")
         if (grpo := ratio_stats(rounds, "ppo_core, grpo", TRL_GRPO)) is not None:
             parts.append(f"GRPO {fmt_ratio(grpo, invert=True)}x fewer s/round than TRL's GRPOTrainer")
+        if (grpo := ratio_stats(rounds, GRPO_LORA, TRL_GRPO_LORA)) is not None:
+            parts.append(f"GRPO with LoRA {fmt_ratio(grpo, invert=True)}x fewer s/round than TRL's GRPOTrainer")
         for estimator in ESTIMATORS:  # a critic-free step against a GAE step (the issue: no more costly)
             if (ratio := ratio_stats(rounds, f"ppo_core, {estimator}", "ppo_core")) is not None:
                 parts.append(f"{estimator} {fmt_ratio(ratio)}x the s/step of GAE")
-        lines.append(f"- {shape}: ppo_core " + ", ".join(parts))
+        if parts:
+            lines.append(f"- {shape}: ppo_core " + ", ".join(parts))
     return "\n".join(lines)
 
 
@@ -323,7 +380,7 @@ def header(args, results: dict) -> str:
     device = m["gpu"] or f"CPU: {m['cpu']}, {m['cpu_count']} cores"
     return (
         f"Taken {datetime.datetime.now().isoformat(timespec='minutes')} on {device}; torch {m['torch']}, "
-        f"{args.threads} torch threads.\n"
+        f"{args.threads} torch threads{'; every row bf16 mixed precision' if args.bf16 else ''}.\n"
         f"Setting: {settings}; {args.steps} interleaved rounds after {args.warmup} warmup; ratios are medians of "
         "per-round ratios (interquartile range in brackets).\n"
         f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`\n"
@@ -338,6 +395,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="measured rounds (one step of every contender each)")
     parser.add_argument("--warmup", type=int, default=2, help="rounds run first and left out")
     parser.add_argument("--threads", type=int, default=2, help="torch threads and OMP_NUM_THREADS for every run")
+    parser.add_argument("--bf16", action="store_true", help="every row in bf16 mixed precision (autocast)")
+    parser.add_argument("--out", default=None, help="also write the table (markdown) and the results (JSON) here: "
+                        "OUT.md, OUT.json")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a worker may take to build or for one step")
     parser.add_argument("--max-others", type=float, default=0.15,
                         help="before each round, wait while others use more than this share of the CPU (1: never)")
@@ -353,7 +413,7 @@ def main() -> None:
         print(f"NOTE: {note}")
     results = {shape: measure_shape(shape, runs, args) for shape in args.shapes}
 
-    report = header(args, results) + "\n" + table(results, runs) + "\n\n" + summary(results) + "\n"
+    report = header(args, results) + "\n" + table(results, runs, args.bf16) + "\n\n" + summary(results) + "\n"
     report += "".join(f"\nNote: {n}\n" for n in notes)
     busy = [f"{s}/{lbl}" for s, by in results.items() for lbl, r in by.items()
             if lbl != "_rounds" and (r.get("others_cpu_frac") or 0) > args.max_others]
@@ -362,6 +422,9 @@ def main() -> None:
                    "those timings are inflated.\n")
     (RESULTS / "latest.md").write_text(report)
     (RESULTS / "latest.json").write_text(json.dumps(results, indent=1))
+    if args.out:
+        Path(args.out + ".md").write_text(report)
+        Path(args.out + ".json").write_text(json.dumps(results, indent=1))
     print("\n" + report + f"\n(written to {(RESULTS / 'latest.md').relative_to(ROOT)})")
 
 

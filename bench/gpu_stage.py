@@ -33,9 +33,7 @@ from ruamel.yaml import YAML
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# Dense peak TFLOP/s by GPU name fragment: (bf16/fp16, tf32, fp32), from NVIDIA's data sheets (SXM parts).
-PEAK_TFLOPS = {"H200": (989, 494, 67), "H100": (989, 494, 67), "A100": (312, 156, 19.5), "L40S": (362, 183, 91.6),
-               "L4": (121, 60, 30.3), "A10G": (70, 35, 31.2)}
+from common import PEAK_TFLOPS, peak_flops  # noqa: F401  (bench/ is this script's folder: on sys.path)
 
 
 def params_with(path: Path, changes: list[str], out: Path) -> Path:
@@ -52,17 +50,6 @@ def params_with(path: Path, changes: list[str], out: Path) -> Path:
     with out.open("w") as fh:
         yaml.dump(data, fh)
     return out
-
-
-def peak_flops(dtype: str) -> float | None:
-    """The GPU's dense peak FLOP/s for ``dtype`` ("bf16", "fp16", "tf32", "fp32"), or None where unknown."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(0)
-    peaks = next((p for fragment, p in PEAK_TFLOPS.items() if fragment in name), None)
-    if peaks is None:
-        return None
-    return 1e12 * {"bf16": peaks[0], "fp16": peaks[0], "tf32": peaks[1], "fp32": peaks[2]}[dtype]
 
 
 def measure(root: Path, params, seconds: float) -> dict:

@@ -48,8 +48,9 @@ def prompts_of_round(step: int, vocab_size: int, setting: common.Setting) -> lis
     return [" ".join(f"t{int(i)}" for i in q) for q in queries]
 
 
-def build_trainer(shape: str, setting: common.Setting, rounds: int, bf16: bool = False):
-    """A GRPOTrainer over `rounds` rounds of prompts (in order, unshuffled), on the shape's model."""
+def build_trainer(shape: str, setting: common.Setting, rounds: int, bf16: bool = False, lora=None):
+    """A GRPOTrainer over `rounds` rounds of prompts (in order, unshuffled), on the shape's model; with `lora` (a peft
+    LoraConfig, ppo_step.lora_config's) TRL trains that adapter and takes the adapter-disabled model as reference."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -79,7 +80,7 @@ def build_trainer(shape: str, setting: common.Setting, rounds: int, bf16: bool =
         bf16=bf16, gradient_checkpointing=False,
     )
     prompts = [p for r in range(rounds) for p in prompts_of_round(r, vocab, setting)]
-    trainer = GRPOTrainer(model=model, reward_funcs=lower_half, args=config,
+    trainer = GRPOTrainer(model=model, reward_funcs=lower_half, args=config, peft_config=lora,
                           train_dataset=Dataset.from_dict({"prompt": prompts}),
                           processing_class=common.build_tokenizer(vocab))
     return trainer, digest, updates
@@ -91,7 +92,7 @@ class Phases:
 
     def __init__(self, trainer):
         self.gen_s = self.rollout_s = 0.0
-        self.gen_tokens = 0
+        self.gen_tokens = self.prompt_tokens = 0
         generate, rollout = trainer._generate, trainer._generate_and_score_completions
 
         def timed_generate(*args, **kwargs):
@@ -105,14 +106,16 @@ class Phases:
                 out = rollout(*args, **kwargs)
             self.rollout_s += t.s
             self.gen_tokens += int(out["completion_mask"].sum())
+            self.prompt_tokens += int(out["prompt_mask"].sum())
             return out
 
         trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_rollout
 
     def take(self) -> dict:
-        out = {"gen_s": self.gen_s, "logprobs_s": self.rollout_s - self.gen_s, "gen_tokens": self.gen_tokens}
+        out = {"gen_s": self.gen_s, "logprobs_s": self.rollout_s - self.gen_s, "gen_tokens": self.gen_tokens,
+               "prompt_tokens": self.prompt_tokens}
         self.gen_s = self.rollout_s = 0.0
-        self.gen_tokens = 0
+        self.gen_tokens = self.prompt_tokens = 0
         return out
 
 
@@ -130,6 +133,7 @@ def run(trainer, updates: int, on_round) -> None:
         def start(self):
             self.t0, self.c0 = time.perf_counter(), time.process_time()
             self.load = common.OthersLoad().__enter__()
+            self.gpu = common.GpuPeak().__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % updates:
@@ -137,9 +141,10 @@ def run(trainer, updates: int, on_round) -> None:
             common.sync()
             total, cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
             self.load.__exit__(None, None, None)
+            self.gpu.__exit__(None, None, None)
             split = phases.take()
             result = dict(split, total_s=total, cpu_s=cpu, update_s=total - split["gen_s"] - split["logprobs_s"],
-                          others_cpu_frac=self.load.frac)
+                          others_cpu_frac=self.load.frac, step_peak_gpu_mb=self.gpu.mb)
             if on_round(state.global_step // updates - 1, result) is False:
                 control.should_training_stop = True
             else:
@@ -152,12 +157,18 @@ def run(trainer, updates: int, on_round) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser)
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (ppo_step.py --lora's; needs peft)")
     args = parser.parse_args()
     common.set_threads(args.threads)
     setting = common.setting_for(args.shape)
     rounds = 1000 if args.serve else args.warmup + args.steps
-    trainer, digest, updates = build_trainer(args.shape, setting, rounds, args.bf16)
-    impl = f"TRL GRPOTrainer G={GROUP_SIZE}" + (", bf16 mixed" if args.bf16 else "")
+    lora = None
+    if args.lora:
+        from ppo_step import lora_config
+
+        lora = lora_config(16, 16, args.shape)
+    trainer, digest, updates = build_trainer(args.shape, setting, rounds, args.bf16, lora)
+    impl = f"TRL GRPOTrainer G={GROUP_SIZE}" + (", bf16 mixed" if args.bf16 else "") + (", LoRA r=16" if lora else "")
 
     if args.serve:  # common.serve's protocol, driven from inside TRL's loop
         answer = lambda obj: print(common.PROTOCOL + json.dumps(obj), flush=True)  # noqa: E731

@@ -47,7 +47,7 @@ def lora_config(r: int, alpha: int, shape: str):
     q/k/v/o (as the real-model example)."""
     from peft import LoraConfig
 
-    if common.SHAPES[shape].real:
+    if common.SHAPES[shape].real or common.SHAPES[shape].config:
         return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True,
@@ -80,9 +80,12 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
         **({"advantage_estimator": estimator, "num_generations": group_size(estimator)} if estimator != "gae" else {}),
     )
     torch.manual_seed(setting.seed)  # the value head is initialised at load time
-    with tempfile.TemporaryDirectory() as model_dir:
-        common.build_model_dir(shape, model_dir, seed=setting.seed)
-        model = AutoModelForCausalLMWithValueHead.from_pretrained(model_dir)
+    if common.SHAPES[shape].config:  # GBs of weights: handed over in memory (from_pretrained takes a model too)
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(common.build_model(shape, seed=setting.seed))
+    else:
+        with tempfile.TemporaryDirectory() as model_dir:
+            common.build_model_dir(shape, model_dir, seed=setting.seed)
+            model = AutoModelForCausalLMWithValueHead.from_pretrained(model_dir)
     digest = common.weights_digest(model.pretrained_model)  # the base weights, before any adapter
     if lora is not None:
         model = AutoModelForCausalLMWithValueHead.from_pretrained(model.pretrained_model, peft_config=lora)
@@ -141,6 +144,7 @@ def run_step(trainer, step: int, vocab_size: int, setting: common.Setting, group
         "total_s": sum(t.s for t in timers),
         "cpu_s": sum(t.cpu_s for t in timers),
         "gen_tokens": sum(len(r) for r in responses),
+        "prompt_tokens": sum(len(q) for q in queries),
         "reward_mean": torch.stack(scores).mean().item(),
         "stats": {k: float(stats[k]) for k in STAT_KEYS if k in stats},
     }

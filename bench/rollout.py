@@ -1,0 +1,144 @@
+"""Rollout engines side by side: how fast each samples a step's responses, and whether they give the same tokens.
+
+The engines, each on the same model, prompts and sampling (the seed's kwargs, EOS and PAD suppressed):
+  generate   HF `generate` with its dynamic KV cache, one left-padded batch: what ppo_core's `generate` runs today
+  static     HF `generate` with `cache_implementation="static"` (a preallocated cache; no compile)
+  cb         transformers' continuous batching (`generate_batch`, transformers >= 5.8; TRL 1.16's
+             `use_transformers_continuous_batching`): paged KV cache, prompts as ragged requests, no padding
+
+Interleaved: round r runs every engine once on round r's prompts, in an order that rotates each round; the table
+gives each engine's median seconds and generated tokens/s, its ratio to `generate` (median of per-round ratios), and
+how many sequences match `generate`'s token for token, greedy (do_sample=False: the kernels' agreement) and sampled
+from the same seed (whether the engine draws its random numbers in the same order).
+
+    .venv/bin/python bench/rollout.py --shape smollm2_135m --rounds 3                  # a CPU
+    python bench/rollout.py --shape qwen2.5_0.5b --bf16 --rounds 3 --out $OUT/rollout    # a GPU (gpu_real.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import common
+import torch
+
+ENGINES = ("generate", "static", "cb")
+
+
+def sample_kwargs(setting: common.Setting, greedy: bool) -> dict:
+    """The seed's sampling kwargs (common.gen_kwargs), or greedy decoding with the same length and suppression."""
+    kwargs = common.gen_kwargs(setting)
+    if greedy:
+        kwargs.update(do_sample=False, top_k=None, top_p=None)
+    kwargs.pop("min_length")
+    return kwargs
+
+
+def run_generate(model, queries: list, kwargs: dict, seed: int, static: bool = False) -> list:
+    """HF `generate` on the left-padded batch; the responses as lists of ids."""
+    input_ids, mask = common.left_pad(queries)
+    dev = model.device
+    torch.manual_seed(seed)
+    extra = {"cache_implementation": "static"} if static else {}
+    out = model.generate(input_ids=input_ids.to(dev), attention_mask=mask.to(dev), **kwargs, **extra)
+    return [row.tolist() for row in out[:, input_ids.shape[1]:].cpu()]
+
+
+def run_cb(model, queries: list, kwargs: dict, seed: int) -> list:
+    """transformers' continuous batching on the ragged prompts; the responses as lists of ids, in the prompts' order."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(**{k: v for k, v in kwargs.items() if k != "pad_token_id"}, pad_token_id=common.PAD_ID,
+                              eos_token_id=common.EOS_ID)
+    torch.manual_seed(seed)
+    out = model.generate_batch(inputs=[q.tolist() for q in queries], generation_config=config, progress_bar=False)
+    by_id = sorted(out.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
+    return [list(o.generated_tokens) for o in by_id]
+
+
+def engine_fn(name: str):
+    return {"generate": run_generate, "static": lambda *a: run_generate(*a, static=True), "cb": run_cb}[name]
+
+
+def same(a: list, b: list) -> int:
+    """How many of the sequences in `a` equal those of `b`, token for token."""
+    return sum(x == y for x, y in zip(a, b))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="smollm2_135m", choices=sorted(common.SHAPES))
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds, after one of warmup")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="under bf16 autocast over float32 weights, as ppo_core")
+    parser.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    args = parser.parse_args()
+    common.set_threads(args.threads)
+    setting, vocab = common.setting_for(args.shape), common.SHAPES[args.shape].vocab_size
+    model = common.build_model(args.shape, seed=setting.seed).to(common.device())
+    autocast = (torch.autocast(common.device().type, dtype=torch.bfloat16) if args.bf16
+                else contextlib.nullcontext())
+
+    rounds, errors = [], {}
+    engines = list(args.engines)
+    for r in range(1 + args.rounds):
+        queries = common.make_queries(r, vocab, setting)
+        order = engines[r % len(engines):] + engines[:r % len(engines)]
+        this = {}
+        for name in order:
+            try:
+                with autocast, torch.no_grad(), common.Timer() as t:
+                    tokens = engine_fn(name)(model, queries, sample_kwargs(setting, greedy=False), 1000 + r)
+                this[name] = {"s": t.s, "tokens": sum(len(x) for x in tokens), "sampled": tokens}
+            except Exception as exc:  # noqa: BLE001  (an engine this transformers or device lacks: a row saying why)
+                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                engines.remove(name)
+        print(f"  {'warmup' if r == 0 else 'round'} {r}: " + ", ".join(f"{k} {v['s']:.2f} s" for k, v in this.items()),
+              flush=True)
+        if r:
+            rounds.append(this)
+    # agreement with `generate`, on the last round's prompts: greedy, and sampled from one seed
+    queries, agree = common.make_queries(0, vocab, setting), {}
+    with autocast, torch.no_grad():
+        greedy = {name: engine_fn(name)(model, queries, sample_kwargs(setting, greedy=True), 0) for name in engines}
+    for name in engines:
+        agree[name] = {"greedy": same(greedy[name], greedy["generate"]),
+                       "sampled": same(rounds[-1][name]["sampled"], rounds[-1]["generate"]["sampled"])}
+
+    m = common.machine_info()
+    lines = [f"Rollout engines, {args.shape} ({setting.batch_size} prompts of {setting.query_len_min}-"
+             f"{setting.query_len_max} tokens, {setting.max_new_tokens} new tokens), "
+             f"{'bf16 autocast' if args.bf16 else 'float32'}, on {m['gpu'] or m['cpu']}; torch {m['torch']}, "
+             f"transformers {m['transformers']}; {args.rounds} interleaved rounds after 1 warmup.", "",
+             "| engine | median s | generated tokens/s | ratio to generate (s) | same tokens as generate: greedy "
+             "| sampled, same seed |", "|---|---:|---:|---:|---:|---:|"]
+    for name in args.engines:
+        if name in errors:
+            lines.append(f"| {name} | failed: {errors[name]} | | | | |")
+            continue
+        secs = [rnd[name]["s"] for rnd in rounds]
+        tps = statistics.median(rnd[name]["tokens"] / rnd[name]["s"] for rnd in rounds)
+        ratio = statistics.median(rnd[name]["s"] / rnd["generate"]["s"] for rnd in rounds)
+        n = setting.batch_size
+        agreement = ("(the reference) | (the reference)" if name == "generate" else
+                     f"{agree[name]['greedy']}/{n} | {agree[name]['sampled']}/{n}")
+        lines.append(f"| {name} | {statistics.median(secs):.2f} | {tps:.0f} | {ratio:.2f} | {agreement} |")
+    report = "\n".join(lines) + "\n"
+    print("\n" + report)
+    if args.out:
+        Path(args.out + ".md").write_text(report)
+        Path(args.out + ".json").write_text(json.dumps(
+            {"machine": m, "shape": args.shape, "bf16": args.bf16, "errors": errors, "agree": agree,
+             "rounds": [{k: {"s": v["s"], "tokens": v["tokens"]} for k, v in rnd.items()} for rnd in rounds]},
+            indent=1))
+    sys.exit(1 if "generate" in errors else 0)
+
+
+if __name__ == "__main__":
+    main()
