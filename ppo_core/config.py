@@ -214,7 +214,13 @@ class PPOConfig:
                     f"({self.mini_batch_size} * {self.gradient_accumulation_steps} = {self.backward_batch_size})",
                     self.batch_size % self.backward_batch_size == 0, "change batch_size or mini_batch_size")
         self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
-        _resolve_estimator(self)
+        resolve(self)  # checked now, before any model loads; the fields stay as given (``resolved``)
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        """What this config trains with: its fields as given, each None filled from the estimator (:func:`resolve`),
+        worked out from the fields as they are now."""
+        return resolve(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PPOConfig:
@@ -262,70 +268,131 @@ class RunSizes:
 
 def run_config(config: PPOConfig, sizes: RunSizes, is_encoder_decoder: bool, is_peft_model: bool) -> PPOConfig:
     """A copy of ``config`` with the legacy fields of the run filled (``world_size``, ``global_batch_size``,
-    ``global_backward_batch_size``, ``is_encoder_decoder``, ``is_peft_model``): what ``trainer.config`` holds, as legacy
-    user code reads them there. The caller's ``config`` is left as it was built."""
+    ``global_backward_batch_size``, ``is_encoder_decoder``, ``is_peft_model``) and the estimator's settings resolved
+    into the fields left None (``RESOLVED_FIELDS``): what ``trainer.config`` holds, as legacy user code reads them
+    there (``trainer.config.init_kl_coef`` is 0.2 for PPO, as legacy TRL's). The caller's ``config`` is left as it was
+    built, so ``dataclasses.replace`` on it still means what it says."""
     run = copy.copy(config)
     run.world_size = sizes.num_processes
     run.global_batch_size = sizes.global_batch_size
     run.global_backward_batch_size = sizes.global_backward_batch_size
     run.is_encoder_decoder, run.is_peft_model = is_encoder_decoder, is_peft_model
+    resolved = resolve(config)
+    for name in RESOLVED_FIELDS:
+        setattr(run, name, getattr(resolved, name))
     return run
 
 
-def _resolve_estimator(config: PPOConfig) -> None:
-    """Fill the estimator settings left None from the estimator's registry entry, and check what they imply."""
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What a config trains with, every default its estimator gives applied: worked out once from the user's fields
+    as given (:func:`resolve`; ``PPOConfig.resolved``), never written back into them, so a config built by
+    ``dataclasses.replace`` resolves as the same fields given at construction do. The trainer reads it (its
+    ``trainer.resolved``; ``trainer.config``, the legacy copy, holds these values in its fields), the checkpoint and the
+    ppo stage's metrics record it (``to_dict``)."""
+
+    advantage_estimator: str
+    uses_critic: bool
+    """the value head trains (GAE's critic); critic-free estimators leave it alone"""
+    kl_in: Literal["reward", "loss"]
+    init_kl_coef: float
+    """the KL's coefficient in the rewards (where the controller starts); 0 where the KL goes to the loss"""
+    kl_penalty: str
+    """the per-token estimate the rewards are shaped with"""
+    kl_loss_coef: float
+    """the KL loss term's coefficient; 0 where the KL goes to the reward"""
+    kl_estimator: str
+    """the loss term's per-token estimate"""
+    loss_aggregation: str
+    policy_loss: str
+    """'clip' (PPO's clipped surrogate, DAPO's decoupled clip) or 'cispo'"""
+    cliprange: float
+    """the clip's lower eps"""
+    epsilon_high: float
+    """the clip's upper eps; with CISPO's loss the cap on its importance weight"""
+    importance_sampling_level: Literal["token", "sequence"]
+    dynamic_sampling: bool
+    overlong_buffer_len: int
+    """DAPO's L_cache in tokens (0: no overlong shaping)"""
+    max_completion_length: int | None
+    """Dr. GRPO's constant normaliser and DAPO's L_max; None: the max_new_tokens generate() was called with"""
+    scale_rewards: str
+    num_generations: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# The PPOConfig fields a resolution fills when left None (the legacy copy of the trainer holds them filled).
+RESOLVED_FIELDS = ("kl_in", "init_kl_coef", "kl_loss_coef", "loss_aggregation", "cliprange", "epsilon_high",
+                   "importance_sampling_level", "dynamic_sampling", "overlong_buffer_len")
+
+
+def resolve(config: PPOConfig) -> ResolvedConfig:
+    """``config``'s estimator settings, each the user's field where given, else the estimator's registry entry's
+    (``ppo_core.algo.registry``), checked for what they imply together; a ``ConfigError`` naming the field otherwise.
+    Pure: ``config`` is left as it is."""
     try:
         entry = get_estimator(config.advantage_estimator)
     except ValueError as err:  # worded for the config or the params file, as every other bad value
         raise ConfigError("advantage_estimator", "{key}" + _literal(str(err).partition(":")[2])) from None
-    config.kl_in = config.kl_in or entry.kl_in
+    kl_in = config.kl_in or entry.kl_in
     check_range("kl_loss_coef", config.kl_loss_coef, f"unset (or 0) when the KL is in the reward (kl_in "
-                f"{config.kl_in!r}, whose coefficient is init_kl_coef)",
-                config.kl_in == "loss" or not config.kl_loss_coef, "set kl_in: 'loss' for a KL loss term")
-    if config.kl_loss_coef is None:
-        config.kl_loss_coef = entry.kl_coef if config.kl_in == "loss" else 0.0
-    if config.init_kl_coef is None:
-        config.init_kl_coef = entry.kl_coef if config.kl_in == "reward" else 0.0
-    _resolve_loss(config, entry)
-    config.cliprange = entry.cliprange if config.cliprange is None else config.cliprange
-    config.epsilon_high = next(e for e in (config.epsilon_high, _default_epsilon_high(config, entry), config.cliprange)
-                               if e is not None)
-    config.importance_sampling_level = config.importance_sampling_level or entry.importance_sampling_level
-    config.dynamic_sampling = entry.dynamic_sampling if config.dynamic_sampling is None else config.dynamic_sampling
-    if config.overlong_buffer_len is None:
-        config.overlong_buffer_len = int(entry.overlong_buffer_fraction * (config.max_completion_length or 0))
-    check_range("overlong_buffer_len", config.overlong_buffer_len, f"<= max_completion_length "
+                f"{kl_in!r}, whose coefficient is init_kl_coef)",
+                kl_in == "loss" or not config.kl_loss_coef, "set kl_in: 'loss' for a KL loss term")
+    kl_loss_coef = config.kl_loss_coef if config.kl_loss_coef is not None else \
+        entry.kl_coef if kl_in == "loss" else 0.0
+    init_kl_coef = config.init_kl_coef if config.init_kl_coef is not None else \
+        entry.kl_coef if kl_in == "reward" else 0.0
+    loss_aggregation, policy_loss = _resolve_loss(config, entry)
+    cliprange = entry.cliprange if config.cliprange is None else config.cliprange
+    epsilon_high = next(e for e in (config.epsilon_high, _default_epsilon_high(policy_loss, entry), cliprange)
+                        if e is not None)
+    dynamic_sampling = entry.dynamic_sampling if config.dynamic_sampling is None else config.dynamic_sampling
+    overlong_buffer_len = config.overlong_buffer_len
+    if overlong_buffer_len is None:
+        overlong_buffer_len = int(entry.overlong_buffer_fraction * (config.max_completion_length or 0))
+    check_range("overlong_buffer_len", overlong_buffer_len, f"<= max_completion_length "
                 f"({config.max_completion_length}), which overlong shaping needs",
-                not config.overlong_buffer_len or config.overlong_buffer_len <= (config.max_completion_length or 0))
+                not overlong_buffer_len or overlong_buffer_len <= (config.max_completion_length or 0))
     group = config.num_generations
     check_range("num_generations", group, ">= 2 for advantage_estimator " + config.advantage_estimator,
                 group >= 2 or not entry.needs_groups, "the estimator compares the samples of a prompt")
-    check_range("dynamic_sampling", config.dynamic_sampling, "false with num_generations 1 (it drops groups of one "
-                "score, and a group of one sample always has one)", group >= 2 or not config.dynamic_sampling)
+    check_range("dynamic_sampling", dynamic_sampling, "false with num_generations 1 (it drops groups of one "
+                "score, and a group of one sample always has one)", group >= 2 or not dynamic_sampling)
     for name in ("batch_size", "mini_batch_size"):
         value = getattr(config, name)
         check_range(name, value, f"a multiple of num_generations ({group})", value % group == 0,
                     "a prompt's samples must not straddle two batches")
+    return ResolvedConfig(
+        advantage_estimator=entry.name, uses_critic=entry.uses_critic, kl_in=kl_in, init_kl_coef=float(init_kl_coef),
+        kl_penalty=config.kl_penalty, kl_loss_coef=float(kl_loss_coef), kl_estimator=config.kl_estimator,
+        loss_aggregation=loss_aggregation, policy_loss=policy_loss, cliprange=float(cliprange),
+        epsilon_high=float(epsilon_high),
+        importance_sampling_level=config.importance_sampling_level or entry.importance_sampling_level,
+        dynamic_sampling=bool(dynamic_sampling), overlong_buffer_len=int(overlong_buffer_len),
+        max_completion_length=config.max_completion_length, scale_rewards=config.scale_rewards,
+        num_generations=group)
 
 
-def _default_epsilon_high(config: PPOConfig, entry) -> float | None:
+def _default_epsilon_high(policy_loss: str, entry) -> float | None:
     """The estimator's epsilon_high, but where the policy loss is CISPO's and the estimator's is not (``loss_type:
     cispo`` with grpo, say): CISPO's cap on its weight (5.0), not the clip's upper eps (cliprange's 0.2 would cap every
     importance weight at 0.2)."""
-    kind = LOSS_TYPES[config.loss_type][1] if config.loss_type is not None else entry.policy_loss
-    if kind == "cispo" and entry.policy_loss != "cispo":
+    if policy_loss == "cispo" and entry.policy_loss != "cispo":
         return get_estimator("cispo").epsilon_high
     return entry.epsilon_high
 
 
-def _resolve_loss(config: PPOConfig, entry) -> None:
-    """The loss aggregation: loss_type's (TRL's name for an aggregation and a loss), else the estimator's."""
-    if config.loss_type is not None:
-        implied = LOSS_TYPES[config.loss_type][0]
-        check_range("loss_aggregation", config.loss_aggregation, f"{implied!r}, as loss_type {config.loss_type!r} "
-                    "implies (or unset)", config.loss_aggregation in (None, implied), "set one of the two")
-        config.loss_aggregation = implied
-    config.loss_aggregation = config.loss_aggregation or entry.loss_aggregation
+def _resolve_loss(config: PPOConfig, entry) -> tuple[str, str]:
+    """(the loss aggregation, the policy loss): loss_type's (TRL's name for an aggregation and a loss), else the
+    estimator's."""
+    if config.loss_type is None:
+        return config.loss_aggregation or entry.loss_aggregation, entry.policy_loss
+    implied, policy_loss = LOSS_TYPES[config.loss_type]
+    check_range("loss_aggregation", config.loss_aggregation, f"{implied!r}, as loss_type {config.loss_type!r} "
+                "implies (or unset)", config.loss_aggregation in (None, implied), "set one of the two")
+    return implied, policy_loss
 
 
 # TRL GRPOConfig's and RLOOConfig's names for fields that legacy PPOConfig names otherwise

@@ -30,8 +30,8 @@ from .algo.estimators import check_prompt_groups
 from .algo.functional import convert_to_scalar, entropy_from_logits, flatten_dict
 from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacement, RunningMoments, scale_scores
 from .algo.ppo_math import Advantages, Divisors, ShapedRewards
-from .algo.registry import get_estimator, policy_loss_kind
-from .config import PPOConfig, RunSizes, run_config
+from .algo.registry import get_estimator
+from .config import PPOConfig, RunSizes, resolve, run_config
 from .legacy import LegacyMethods, check_arguments, hooked_advantages, overridden_step_hooks, push_to_hub_if_best
 from .models.cpu_attention import scoring_precision
 from .models.generation import check_group_sampling, generate_batched
@@ -69,9 +69,11 @@ class PPOTrainer(LegacyMethods):
     Args: as the legacy class. ``model`` is an :class:`AutoModelForCausalLMWithValueHead` or an
     :class:`AutoModelForSeq2SeqLMWithValueHead`. Without ``ref_model``, the reference is the policy with its adapter
     disabled when it is a PEFT model (one copy of the base weights; only the adapter and the value head train), else
-    a frozen copy sharing its first ``num_shared_layers`` layers. ``config`` is left as built: ``trainer.config`` is
-    a copy with legacy's run fields filled (``world_size``, ``is_peft_model``, ...), ``trainer.sizes`` the run's
-    batch sizes (:class:`~ppo_core.config.RunSizes`), worked out once.
+    a frozen copy sharing its first ``num_shared_layers`` layers. ``config`` is left as built: ``trainer.resolved`` is
+    what the run trains with (:class:`~ppo_core.config.ResolvedConfig`: the estimator's defaults applied to the fields
+    left None), ``trainer.config`` a copy with those and legacy's run fields filled (``world_size``,
+    ``is_peft_model``, ...), ``trainer.sizes`` the run's batch sizes (:class:`~ppo_core.config.RunSizes`), each worked
+    out once.
 
     Process-wide effects: it seeds the global RNGs (legacy; ``seed + process_index`` under N processes); alone, it
     resets accelerate's process-wide state left by an earlier ``Accelerator`` (``runtime.distributed``); on the CPU
@@ -92,6 +94,7 @@ class PPOTrainer(LegacyMethods):
         # 1. accelerator, the run's sizes, the other processes
         self.accelerator = accelerator_for(config)
         self.sizes = RunSizes.of(config, self.accelerator.num_processes)
+        self.resolved = resolve(config)  # what the run trains with, from the user's fields as given
         self.config = config = run_config(config, self.sizes, model.is_encoder_decoder, model.is_peft_model)
         self.is_distributed = self.accelerator.num_processes > 1
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None  # steps inside accelerator.backward
@@ -151,7 +154,7 @@ class PPOTrainer(LegacyMethods):
         config = self.config
         self.estimator = get_estimator(config.advantage_estimator)  # what the step computes (algo.registry)
         self._kl = KLPlacement.of(config)  # where the KL goes, with which estimate and coefficient
-        self._policy_loss = policy_loss_kind(config)  # "clip" or "cispo"
+        self._policy_loss = self.resolved.policy_loss  # "clip" or "cispo"
         prepare_for_training(model, self.tokenizer, config.disable_dropout, config.gradient_checkpointing,
                              self.estimator.uses_critic)
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
@@ -405,7 +408,8 @@ class PPOTrainer(LegacyMethods):
         processes = self._group.gather_object({"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()})
         state = {"kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
                  "current_step": self.current_step, "step_count": self.step_count,
-                 "config": flatten_dict(self.config.to_dict()), "extra": extra or {}, "processes": processes,
+                 "config": flatten_dict(self.config.to_dict()), "resolved": self.resolved.to_dict(),
+                 "extra": extra or {}, "processes": processes,
                  "overflows": self._updates.overflows.state_dict()}
         checkpoint.save(path, state, self._checkpointed_engine(), self.accelerator, tag=str(self.step_count))
 

@@ -72,7 +72,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
         if main:  # only the main process writes
             record(root, step, rollouts, tables)
         progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
-        warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.dynamic_sampling)
+        warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.resolved.dynamic_sampling)
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
             save_run_checkpoint(trainer, root, step + 1, tables)

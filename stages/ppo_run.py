@@ -120,8 +120,8 @@ def publish(trainer: PPOTrainer, root: Path, tables: StepTables, tokenizer) -> N
                 save_policy(root / PPO_MODEL, policy, tokenizer)
         if main:
             last = tables.curves[-1]
-            write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"},
-                       root / PPO_METRICS)
+            write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"}
+                       | {"resolved": trainer.resolved.to_dict()}, root / PPO_METRICS)  # what the run trained with
     if main:  # for the report: which results the timings are of (the curves, once in place)
         write_json({"curves_sha256": sha256_file(root / PPO_CURVES)}, root / PPO_TIMINGS_RUN)
     trainer.accelerator.wait_for_everyone()

@@ -19,7 +19,7 @@ from .estimators import (
 )
 from .kl_control import KLPlacement
 from .ppo_math import Advantages, Divisors, ShapedRewards, aggregate, gae_advantages, kl_penalty, shape_rewards
-from .registry import StepBatch, get_estimator
+from .registry import StepBatch, get_estimator, settings
 
 
 def step_advantages(config, scores: torch.Tensor, kls: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -36,9 +36,10 @@ def step_advantages(config, scores: torch.Tensor, kls: torch.Tensor, values: tor
 
 def overlong_penalties(config, mask: torch.Tensor) -> torch.Tensor | None:
     """``(B,)`` DAPO's overlong penalties of the responses (``mask`` ``(B, R)``), or None where shaping is off."""
-    if not config.overlong_buffer_len:
+    buffer_len = settings(config).overlong_buffer_len
+    if not buffer_len:
         return None
-    return soft_overlong_penalty(mask.sum(dim=1), config.max_completion_length, config.overlong_buffer_len,
+    return soft_overlong_penalty(mask.sum(dim=1), config.max_completion_length, buffer_len,
                                  config.overlong_penalty_factor)
 
 
@@ -51,12 +52,13 @@ def loss_mask(config, mask: torch.Tensor, scores: torch.Tensor, truncated: torch
     """``(B, R)`` the tokens the loss trains on: ``mask`` less the responses cut at the length limit
     (``mask_truncated_completions``; ``truncated`` ``(B,)`` bool, needed only then) and the groups whose samples all
     scored the same (``dynamic_sampling``: no learning signal in them). ``mask`` itself where neither is set."""
-    if not (config.mask_truncated_completions or config.dynamic_sampling):
+    dynamic_sampling = settings(config).dynamic_sampling
+    if not (config.mask_truncated_completions or dynamic_sampling):
         return mask
     keep = torch.ones_like(scores, dtype=mask.dtype)
     if config.mask_truncated_completions:
         keep = keep * (~truncated).to(mask.dtype)
-    if config.dynamic_sampling:
+    if dynamic_sampling:
         informative = 1 - zero_std_groups(scores, config.num_generations)  # (P,)
         keep = keep * informative.repeat_interleave(config.num_generations).to(mask.dtype)
     return mask * keep[:, None]
@@ -69,7 +71,7 @@ def norm_length(config, mask: torch.Tensor, group, generated: int | None = None)
     ``max_completion_length``, the paper's "generation budget"). Where neither is known (responses generated outside
     the trainer, and no ``max_completion_length``), the global batch's longest response, as before (the trainer warns
     once)."""
-    if config.loss_aggregation != "seq-mean-token-sum-norm":
+    if settings(config).loss_aggregation != "seq-mean-token-sum-norm":
         return None
     constant = config.max_completion_length or generated
     return constant if constant is not None else group.gather(mask.sum(dim=1)).max()
@@ -79,11 +81,12 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]  # a (b, R) per-token loss -> it
 
 
 def loss_reduction(config, mask: torch.Tensor, divisors: Divisors, norm_length: int) -> Reduce | None:
-    """How the policy loss averages its ``(b, R)`` tokens (``config.loss_aggregation``, over ``divisors``); None: the
+    """How the policy loss averages its ``(b, R)`` tokens (the resolved loss aggregation, over ``divisors``); None: the
     token mean of ``ppo_math.policy_loss`` itself (PPO's, bit for bit)."""
-    if config.loss_aggregation == "token-mean":
+    aggregation = settings(config).loss_aggregation
+    if aggregation == "token-mean":
         return None
-    return lambda loss: aggregate(loss, mask, config.loss_aggregation, norm_length=norm_length,
+    return lambda loss: aggregate(loss, mask, aggregation, norm_length=norm_length,
                                   n_tokens=divisors.tokens, n_sequences=divisors.sequences)
 
 
@@ -95,8 +98,8 @@ def kl_loss(config, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, m
     if not placement.in_loss_term() or ref_logprobs is None:
         return None
     per_token = kl_penalty(logprobs, ref_logprobs, placement.estimator)
-    return aggregate(per_token, mask, config.loss_aggregation, norm_length=norm_length, n_tokens=divisors.tokens,
-                     n_sequences=divisors.sequences)
+    return aggregate(per_token, mask, settings(config).loss_aggregation, norm_length=norm_length,
+                     n_tokens=divisors.tokens, n_sequences=divisors.sequences)
 
 
 # ---- the built-in estimators' advantage functions: (batch, config, group) -> (shaped rewards, advantages) ----------

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from .registry import settings
+
 
 class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Preferences".
@@ -55,9 +57,12 @@ class KLPlacement(NamedTuple):
 
     @classmethod
     def of(cls, config) -> KLPlacement:
-        if config.kl_in == "loss":
-            return cls(True, config.kl_estimator, float(config.kl_loss_coef or 0.0))
-        return cls(False, config.kl_penalty, 0.0)
+        """From a ``PPOConfig`` (its ``resolved`` settings: the estimator's where a field is None) or a
+        ``ResolvedConfig``."""
+        resolved = settings(config)
+        if resolved.kl_in == "loss":
+            return cls(True, resolved.kl_estimator, float(resolved.kl_loss_coef))
+        return cls(False, resolved.kl_penalty, 0.0)
 
     def reward_coef(self, controller) -> float:
         """The coefficient the rewards are shaped with: the controller's, or 0 where the KL is in the loss."""

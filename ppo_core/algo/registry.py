@@ -3,8 +3,9 @@
 An :class:`Estimator` says in one place whether it uses the critic (the value head), whether it compares the samples
 of a prompt (``num_generations >= 2``), where its KL to the reference goes (``kl_in``) and with which coefficient,
 how its loss averages tokens, which policy loss it takes (PPO's clip or CISPO's), its clip range and importance
-ratio level, and its advantage function. ``PPOConfig`` fills the fields a user leaves unset from the entry of
-``advantage_estimator``; the trainer reads the entry; no other module compares an estimator's name.
+ratio level, and its advantage function. ``PPOConfig.resolved`` takes the fields a user leaves unset from the entry
+of ``advantage_estimator`` (``ppo_core.config.resolve``: the fields themselves stay as given); the trainer reads the
+entry; no other module compares an estimator's name.
 
 A user's own estimator is one decorated function, selectable by name once its module is imported
 (``PPOConfig(advantage_estimator="best_of_group")``), or as ``"module:name"``, which imports it
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from .choices import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS, LOSS_TYPES, POLICY_LOSSES
+from .choices import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
 if TYPE_CHECKING:  # annotations only: checking a config loads neither torch nor the math
     import torch
@@ -135,19 +136,18 @@ def get_estimator(name: str) -> Estimator:
                          "'module:name' imports its module).") from None
 
 
-def policy_loss_kind(config) -> str:
-    """The policy loss a config trains with: its ``loss_type``'s, else its estimator's."""
-    if config.loss_type is not None:
-        return LOSS_TYPES[config.loss_type][1]
-    return get_estimator(config.advantage_estimator).policy_loss
+def settings(config):
+    """What ``config`` trains with: a ``PPOConfig``'s ``resolved`` settings (its fields as given, each None filled from
+    its estimator), or the object itself where it holds them by name (a ``ResolvedConfig``, a namespace in a test)."""
+    return getattr(config, "resolved", config)
 
 
 # ---- the built-in estimators: their functions are in ppo_core.algo.advantages, named here by path so that checking a
 # config (every stage builds one from params.yaml) does not load the math --------------------------------------------
 
 
-def _builtin(name: str, function: str, **settings) -> None:
-    ESTIMATORS[name] = Estimator(name=name, advantages=f"ppo_core.algo.advantages:{function}", **settings)
+def _builtin(name: str, function: str, **entry) -> None:
+    ESTIMATORS[name] = Estimator(name=name, advantages=f"ppo_core.algo.advantages:{function}", **entry)
 
 
 _builtin(LEGACY_ESTIMATOR, "gae", uses_critic=True, kl_coef=0.2)

@@ -23,6 +23,7 @@ import torch
 from ..algo.advantages import kl_loss, loss_reduction
 from ..algo.kl_control import KLPlacement
 from ..algo.ppo_math import Divisors, policy_loss, value_loss
+from ..algo.registry import settings
 from ..runtime.distributed import raise_if_any
 from ..runtime.precision import OverflowGuard, loss_scaled
 from .stats import minibatch_stats, non_finite_count, non_finite_stat
@@ -64,17 +65,17 @@ def ppo_loss(config, uses_critic: bool, policy_loss_kind: str, group, old_logpro
     the mini-batch. Under N processes the token means are this process's shares of the global window's (the stats
     too, the variances excepted); the step averages them into the global values.
     """
-    cfg = config
+    cfg, resolved = config, settings(config)
     divisors = window_divisors(mask, group, 1) if divisors is None else divisors
     n_tokens = divisors.tokens
-    if n_tokens is None and (cfg.mask_truncated_completions or cfg.dynamic_sampling):  # a mini-batch may be empty
+    if n_tokens is None and (cfg.mask_truncated_completions or resolved.dynamic_sampling):  # a mini-batch may be empty
         n_tokens = mask.sum()
         n_tokens = torch.where(n_tokens > 0, n_tokens, torch.ones_like(n_tokens))
         divisors = divisors._replace(tokens=n_tokens)
     norm_length = mask.shape[1] if norm_length is None else norm_length
-    pg = policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, n_tokens,
-                     loss_reduction(cfg, mask, divisors, norm_length), cliprange_high=cfg.epsilon_high,
-                     level=cfg.importance_sampling_level, kind=policy_loss_kind)
+    pg = policy_loss(logprobs, old_logprobs, advantages, mask, resolved.cliprange, n_tokens,
+                     loss_reduction(cfg, mask, divisors, norm_length), cliprange_high=resolved.epsilon_high,
+                     level=resolved.importance_sampling_level, kind=policy_loss_kind)
     vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens) if uses_critic else None
     kl = kl_loss(cfg, logprobs, ref_logprobs, mask, divisors, norm_length)
     with torch.no_grad():
@@ -84,7 +85,7 @@ def ppo_loss(config, uses_critic: bool, policy_loss_kind: str, group, old_logpro
         # by the window's count)
         stats["policy/tokens"] = mask.sum().to(pg.ratio_mean.dtype)
         stats["policy/ratio_sum"] = pg.ratio_mean * (stats["policy/tokens"] if n_tokens is None else n_tokens)
-    loss_p = pg.loss if kl is None else pg.loss + KLPlacement.of(cfg).loss_coef * kl
+    loss_p = pg.loss if kl is None else pg.loss + KLPlacement.of(resolved).loss_coef * kl
     return loss_p, (cfg.vf_coef * vf.loss if uses_critic else torch.zeros_like(pg.loss)), stats
 
 

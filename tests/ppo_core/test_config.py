@@ -46,8 +46,11 @@ def test_every_seed_field_exists_with_the_seed_default():
         assert field_default(fields[name]) == default, name
         assert type(field_default(fields[name])) in (type(default), float), name
     assert "exp_name" in fields
-    config = PPOConfig()  # the estimator is PPO's (gae): every seed default holds once the config is built
+    config = PPOConfig()  # the estimator is PPO's (gae): every seed default holds once the config is resolved
     for name, default in SEED_SIGNATURE_DEFAULTS.items():
+        if name in BY_ESTIMATOR:  # left as given (None), the seed's value in what the config trains with
+            assert getattr(config, name) is None and getattr(config.resolved, name) == default, name
+            continue
         assert getattr(config, name) == DERIVED.get(name, default), name
     assert config.total_ppo_epochs == 157  # ceil(20000 / 128)
 
@@ -233,3 +236,60 @@ def test_building_a_trainer_leaves_the_caller_s_config_as_it_was():
     assert config.to_dict() == before
     assert trainer.config is not config and trainer.config.global_batch_size == trainer.sizes.global_batch_size == 4
     assert trainer.config.is_peft_model is False
+
+
+# ---- the resolved config: the estimator's defaults applied once, the user's fields left as given -------------------
+RESOLVED = {  # estimator: (kl_in, init_kl_coef, kl_loss_coef, loss_aggregation, policy_loss, cliprange, epsilon_high,
+    #                       importance_sampling_level, dynamic_sampling, overlong_buffer_len with max_completion_length 20)
+    "gae": ("reward", 0.2, 0.0, "token-mean", "clip", 0.2, 0.2, "token", False, 0),
+    "grpo": ("loss", 0.0, 0.04, "seq-mean-token-mean", "clip", 0.2, 0.2, "token", False, 0),
+    "dr_grpo": ("loss", 0.0, 0.0, "seq-mean-token-sum-norm", "clip", 0.2, 0.2, "token", False, 0),
+    "rloo": ("reward", 0.05, 0.0, "token-mean", "clip", 0.2, 0.2, "token", False, 0),
+    "reinforce_plus_plus": ("reward", 0.01, 0.0, "token-mean", "clip", 0.2, 0.2, "token", False, 0),
+    "reinforce_plus_plus_baseline": ("loss", 0.0, 0.001, "token-mean", "clip", 0.2, 0.2, "token", False, 0),
+    "dapo": ("loss", 0.0, 0.0, "token-mean", "clip", 0.2, 0.28, "token", True, 4),
+    "gspo": ("loss", 0.0, 0.0, "seq-mean-token-mean", "clip", 3e-4, 4e-4, "sequence", False, 0),
+    "cispo": ("loss", 0.0, 0.0, "token-mean", "cispo", 0.2, 5.0, "token", False, 0),
+}
+RESOLVED_KEYS = ("kl_in", "init_kl_coef", "kl_loss_coef", "loss_aggregation", "policy_loss", "cliprange",
+                 "epsilon_high", "importance_sampling_level", "dynamic_sampling", "overlong_buffer_len")
+
+
+def sized(estimator: str) -> dict:
+    return {"advantage_estimator": estimator, "num_generations": 1 if estimator in ("gae", "reinforce_plus_plus") else 4,
+            "batch_size": 8, "mini_batch_size": 4, "max_completion_length": 20}
+
+
+@pytest.mark.parametrize("estimator", sorted(RESOLVED))
+def test_each_estimator_resolves_to_its_pinned_settings_and_leaves_the_fields_as_given(estimator):
+    config = PPOConfig(**sized(estimator))
+    resolved = config.resolved
+    assert tuple(getattr(resolved, key) for key in RESOLVED_KEYS) == RESOLVED[estimator]
+    assert (resolved.advantage_estimator, resolved.uses_critic) == (estimator, estimator == "gae")
+    assert (resolved.kl_penalty, resolved.kl_estimator, resolved.max_completion_length) == ("kl", "k3", 20)
+    from ppo_core.config import RESOLVED_FIELDS
+
+    assert all(getattr(config, name) is None for name in RESOLVED_FIELDS)  # nothing written back
+    assert set(RESOLVED_FIELDS) <= set(resolved.to_dict())
+
+
+@pytest.mark.parametrize("estimator", sorted(RESOLVED))
+def test_replace_gives_the_run_that_the_same_fields_at_construction_give(estimator):
+    """dataclasses.replace copies every field: resolved values written into them would pass for the user's choices
+    (the run after `replace(PPOConfig(), advantage_estimator="grpo")` was GAE's: KL in the reward at 0.2)."""
+    assert dataclasses.replace(PPOConfig(), **sized(estimator)).resolved == PPOConfig(**sized(estimator)).resolved
+    grpo = dataclasses.replace(PPOConfig(**sized(estimator)), **sized("grpo"))
+    assert grpo.resolved == PPOConfig(**sized("grpo")).resolved
+
+
+def test_a_field_given_is_kept_through_replace_and_the_trainer_copy_holds_the_resolved_values():
+    from ppo_core import PPOTrainer
+    from tests.tiny import tiny_tokenizer, tiny_value_model
+
+    config = dataclasses.replace(PPOConfig(cliprange=0.1), **sized("grpo"))
+    assert config.cliprange == 0.1 and config.resolved.cliprange == 0.1 and config.resolved.kl_in == "loss"
+    trainer = PPOTrainer(config, tiny_value_model("gpt2"), tokenizer=tiny_tokenizer())
+    assert trainer.resolved == config.resolved and config.kl_in is None  # the caller's config untouched
+    assert (trainer.config.kl_in, trainer.config.kl_loss_coef, trainer.config.init_kl_coef) == ("loss", 0.04, 0.0)
+    assert (trainer.config.loss_aggregation, trainer.config.cliprange) == ("seq-mean-token-mean", 0.1)
+    assert trainer.config.resolved == trainer.resolved  # the filled copy resolves to the same settings

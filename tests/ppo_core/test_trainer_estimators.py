@@ -268,11 +268,11 @@ def test_cispo_s_loss_with_another_estimator_caps_the_weight_at_cispo_s_cap_not_
     upper eps (which falls back to cliprange, 0.2: every weight capped at 0.2, the ratio's gradient signal gone)."""
     config = PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
                        loss_type="cispo")
-    assert config.epsilon_high == 5.0 and config.cliprange == 0.2
+    assert config.resolved.epsilon_high == 5.0 and config.resolved.cliprange == 0.2
     assert PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
-                     loss_type="cispo", epsilon_high=2.0).epsilon_high == 2.0  # the user's cap
+                     loss_type="cispo", epsilon_high=2.0).resolved.epsilon_high == 2.0  # the user's cap
     assert PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
-                     loss_type="dapo").epsilon_high == 0.2  # the clip's: cliprange
+                     loss_type="dapo").resolved.epsilon_high == 0.2  # the clip's: cliprange
 
 
 def test_a_window_without_a_token_makes_no_optimizer_step_and_says_so():

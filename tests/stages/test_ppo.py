@@ -35,7 +35,10 @@ def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_param
     assert "time/ppo/total" in pd.read_csv(tiny_run / PPO_TIMINGS).columns
     curves = pd.read_csv(tiny_run / PPO_CURVES)
     assert {"step", "reward_mean", "gold_mean", "kl", "entropy", "loss_value"} <= set(curves.columns)
-    assert json.loads((tiny_run / PPO_METRICS).read_text())["steps"] == steps
+    metrics = json.loads((tiny_run / PPO_METRICS).read_text())
+    assert metrics["steps"] == steps
+    assert metrics["resolved"] == tiny_params.ppo_config.resolved.to_dict()  # what the run trained with, recorded
+    assert metrics["resolved"]["kl_in"] == "reward" and metrics["resolved"]["policy_loss"] == "clip"
     model = AutoModelForCausalLM.from_pretrained(tiny_run / PPO_MODEL)  # plain transformers, no value head class
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_run / SFT_MODEL).config.vocab_size
 

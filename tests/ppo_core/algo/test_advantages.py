@@ -174,7 +174,7 @@ def test_kl_loss_is_k3_reduced_as_the_policy_loss_and_only_where_the_kl_is_in_th
     # k3 = exp(-d) - 1 + d, d = log p - log p_ref: 0 at d = 0; 1/2 - 1 + ln 2 at d = ln 2; 2 - 1 - ln 2 at d = -ln 2
     k3 = [0.0, math.log(2.0) - 0.5, 1 - math.log(2.0)]
     grpo = PPOConfig(advantage_estimator="grpo", num_generations=2, batch_size=2, mini_batch_size=2)
-    assert (grpo.kl_in, grpo.loss_aggregation) == ("loss", "seq-mean-token-mean")  # GRPO's defaults
+    assert (grpo.resolved.kl_in, grpo.resolved.loss_aggregation) == ("loss", "seq-mean-token-mean")  # GRPO's
     got = kl_loss(grpo, logprobs, ref, mask, Divisors(torch.tensor(4.0), None), norm_length=2)
     assert got.item() == pytest.approx(((k3[0] + k3[1]) / 2 + k3[2]) / 2)  # the mean of the two responses' means
     by_token = PPOConfig(advantage_estimator="grpo", num_generations=2, batch_size=2, mini_batch_size=2,

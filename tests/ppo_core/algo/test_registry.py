@@ -15,7 +15,7 @@ import torch
 from ppo_core import PPOConfig, PPOTrainer
 from ppo_core.algo.advantages import sequence_advantages, shaped_group_scores
 from ppo_core.algo.ppo_math import policy_loss
-from ppo_core.algo.registry import ESTIMATORS, get_estimator, policy_loss_kind, register_estimator
+from ppo_core.algo.registry import ESTIMATORS, get_estimator, register_estimator
 from tests.tiny import tiny_tokenizer, tiny_value_model
 
 torch.set_num_threads(1)
@@ -42,25 +42,25 @@ def test_every_built_in_has_its_reference_settings_and_a_config_takes_them(name)
     assert (e.uses_critic, e.needs_groups, e.kl_in, e.kl_coef, e.loss_aggregation, e.policy_loss, e.cliprange,
             e.epsilon_high, e.importance_sampling_level, e.dynamic_sampling) == REFERENCE[name]
     size = 4 if e.needs_groups else 1
-    config = PPOConfig(advantage_estimator=name, num_generations=size, batch_size=8, mini_batch_size=4)
+    config = PPOConfig(advantage_estimator=name, num_generations=size, batch_size=8, mini_batch_size=4).resolved
     coef = config.init_kl_coef if e.kl_in == "reward" else config.kl_loss_coef
     assert (config.kl_in, coef, config.loss_aggregation, config.cliprange, config.importance_sampling_level,
             config.dynamic_sampling) == (e.kl_in, e.kl_coef, e.loss_aggregation, e.cliprange,
                                          e.importance_sampling_level, e.dynamic_sampling)
     assert config.epsilon_high == (e.epsilon_high if e.epsilon_high is not None else config.cliprange)
     assert (config.init_kl_coef if e.kl_in == "loss" else config.kl_loss_coef) == 0.0  # nothing on the other side
-    assert policy_loss_kind(config) == e.policy_loss
+    assert config.policy_loss == e.policy_loss
     assert sorted(ESTIMATORS) >= sorted(REFERENCE)
 
 
 def test_a_field_set_by_the_user_wins_over_the_estimator_s_default():
     config = PPOConfig(advantage_estimator="gspo", num_generations=2, batch_size=4, mini_batch_size=2,
-                       cliprange=0.1, importance_sampling_level="token", loss_type="cispo")
+                       cliprange=0.1, importance_sampling_level="token", loss_type="cispo").resolved
     # epsilon_high: CISPO's cap on its weight (5.0), not GSPO's clip eps (4e-4 would cap every weight at 0.0004)
     assert (config.cliprange, config.epsilon_high, config.importance_sampling_level) == (0.1, 5.0, "token")
-    assert config.loss_aggregation == "token-mean" and policy_loss_kind(config) == "cispo"  # loss_type: TRL's meaning
+    assert config.loss_aggregation == "token-mean" and config.policy_loss == "cispo"  # loss_type: TRL's meaning
     assert PPOConfig(advantage_estimator="rloo", num_generations=2, batch_size=4, mini_batch_size=2,
-                     init_kl_coef=0.2).init_kl_coef == 0.2
+                     init_kl_coef=0.2).resolved.init_kl_coef == 0.2
 
 
 def test_trl_names_and_conflicts_are_refused_in_one_line():
@@ -100,7 +100,7 @@ def test_a_user_estimator_is_selected_by_name_and_trains(best_of_group):
     config = PPOConfig(advantage_estimator="best_of_group", num_generations=2, batch_size=4, mini_batch_size=4,
                        ppo_epochs=1, learning_rate=1e-3)
     trainer = PPOTrainer(config, tiny_value_model("gpt2"), tokenizer=tiny_tokenizer())
-    assert trainer.estimator.advantage_function() is best_of_group and config.kl_in == "reward"
+    assert trainer.estimator.advantage_function() is best_of_group and config.resolved.kl_in == "reward"
     queries = [torch.tensor([5, 6])] * 2 + [torch.tensor([7])] * 2
     responses = [torch.tensor([9, 10]), torch.tensor([11]), torch.tensor([12]), torch.tensor([13, 14])]
     stats = trainer.step(queries, responses, [torch.tensor(x) for x in (1.0, 3.0, 2.0, 2.0)])

@@ -84,6 +84,7 @@ def test_a_checkpoint_is_one_directory_swapped_in_whole(tmp_path):
     state = torch.load(path / "trainer.pt", weights_only=True)
     assert state["zero_stage"] is None and state["step_count"] == 1 and state["extra"] == {"at": 1}
     assert len(state["processes"]) == 1 and {"shuffle", "rng"} <= state["processes"][0].keys()
+    assert state["resolved"] == trainer.resolved.to_dict()  # what the run trains with, beside the legacy copy
     engine = torch.load(path / "engine" / "state.pt", weights_only=True)
     assert engine.keys() == {"model", "optimizer", "lr_scheduler"}
     assert make_trainer().load_checkpoint(str(path)) == {"at": 1}
