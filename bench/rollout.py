@@ -11,7 +11,7 @@ gives each engine's median seconds and generated tokens/s, its ratio to `generat
 how many sequences match `generate`'s token for token, greedy (do_sample=False: the kernels' agreement) and sampled
 from the same seed (whether the engine draws its random numbers in the same order).
 
-    .venv/bin/python bench/rollout.py --shape smollm2_135m --rounds 3                  # a CPU
+    .venv/bin/python bench/rollout.py --shape smollm2_135m --batch 16 --new-tokens 64 --rounds 3   # a 2-core CPU
     python bench/rollout.py --shape qwen2.5_0.5b --bf16 --rounds 3 --out $OUT/rollout    # a GPU (gpu_real.sh)
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -77,10 +78,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds, after one of warmup")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="under bf16 autocast over float32 weights, as ppo_core")
+    parser.add_argument("--batch", type=int, default=None, help="prompts per round (default: the shape's work)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per response (default: the shape's)")
     parser.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = parser.parse_args()
     common.set_threads(args.threads)
     setting, vocab = common.setting_for(args.shape), common.SHAPES[args.shape].vocab_size
+    setting = dataclasses.replace(setting, batch_size=args.batch or setting.batch_size,
+                                  max_new_tokens=args.new_tokens or setting.max_new_tokens)
     model = common.build_model(args.shape, seed=setting.seed).to(common.device())
     autocast = (torch.autocast(common.device().type, dtype=torch.bfloat16) if args.bf16
                 else contextlib.nullcontext())
