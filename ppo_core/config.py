@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .algo.choices import LOSS_TYPES
-from .algo.registry import get_estimator
+from .algo.registry import get_estimator, get_policy_loss
 from .fields import ConfigError, _literal, check_keys, check_range, checked
 
 # Fields derived from the others (on construction) or from the run (by the trainer), and what from: kept for the
@@ -177,9 +177,16 @@ class PPOConfig:
     """(ppo_core) TRL GRPOConfig's loss_type: the loss aggregation and policy loss in one name (grpo: per-sequence
     means; bnpo, dapo: token mean; dr_grpo: constant normaliser; cispo: CISPO's loss, token mean); None: the
     estimator's"""
+    policy_loss: str | None = None
+    """(ppo_core) a registered policy loss (``ppo_core.algo.registry``): 'clip' (PPO's, DAPO's decoupled clip), 'gspo'
+    (the clip of the sequence-level ratio), 'cispo', or one of your own (``register_policy_loss``; 'module:name'
+    imports it); None: loss_type's, else the estimator's"""
+    policy_loss_kwargs: dict = field(default_factory=dict)
+    """(ppo_core) the policy loss's own parameters, over its defaults (CISPO's ``cap`` on its importance weight: 5.0)"""
     epsilon_high: float | None = None
-    """(ppo_core) the clip's upper eps, decoupled from cliprange (DAPO's clip-higher: 0.28); with CISPO's loss the cap
-    on its importance weight (5.0); None: the estimator's, else cliprange"""
+    """(ppo_core) the clip's upper eps, decoupled from cliprange (DAPO's clip-higher: 0.28); None: the estimator's (or
+    the policy loss's, where that is not the estimator's own), else cliprange. With CISPO's loss and no ``cap`` in
+    policy_loss_kwargs, TRL's meaning: the cap on the importance weight"""
     importance_sampling_level: Literal["token", "sequence"] | None = None
     """(ppo_core) the importance ratio per token (PPO) or per sequence (GSPO); None: the estimator's"""
     mask_truncated_completions: bool = False
@@ -305,11 +312,13 @@ class ResolvedConfig:
     """the loss term's per-token estimate"""
     loss_aggregation: str
     policy_loss: str
-    """'clip' (PPO's clipped surrogate, DAPO's decoupled clip) or 'cispo'"""
+    """a registered policy loss: 'clip' (PPO's clipped surrogate, DAPO's decoupled clip), 'gspo', 'cispo', a user's"""
+    policy_loss_kwargs: dict
+    """its own parameters, its defaults under the user's (CISPO's cap)"""
     cliprange: float
     """the clip's lower eps"""
     epsilon_high: float
-    """the clip's upper eps; with CISPO's loss the cap on its importance weight"""
+    """the clip's upper eps"""
     importance_sampling_level: Literal["token", "sequence"]
     dynamic_sampling: bool
     overlong_buffer_len: int
@@ -324,8 +333,8 @@ class ResolvedConfig:
 
 
 # The PPOConfig fields a resolution fills when left None (the legacy copy of the trainer holds them filled).
-RESOLVED_FIELDS = ("kl_in", "init_kl_coef", "kl_loss_coef", "loss_aggregation", "cliprange", "epsilon_high",
-                   "importance_sampling_level", "dynamic_sampling", "overlong_buffer_len")
+RESOLVED_FIELDS = ("kl_in", "init_kl_coef", "kl_loss_coef", "loss_aggregation", "policy_loss", "policy_loss_kwargs",
+                   "cliprange", "epsilon_high", "importance_sampling_level", "dynamic_sampling", "overlong_buffer_len")
 
 
 def resolve(config: PPOConfig) -> ResolvedConfig:
@@ -345,9 +354,23 @@ def resolve(config: PPOConfig) -> ResolvedConfig:
     init_kl_coef = config.init_kl_coef if config.init_kl_coef is not None else \
         entry.kl_coef if kl_in == "reward" else 0.0
     loss_aggregation, policy_loss = _resolve_loss(config, entry)
-    cliprange = entry.cliprange if config.cliprange is None else config.cliprange
-    epsilon_high = next(e for e in (config.epsilon_high, _default_epsilon_high(policy_loss, entry), cliprange)
-                        if e is not None)
+    try:
+        loss = get_policy_loss(policy_loss)
+    except ValueError as err:
+        raise ConfigError("policy_loss", "{key}" + _literal(str(err).partition(":")[2])) from None
+    # the clip and the ratio's level: the user's, else the estimator's; a loss that is not the estimator's own (GSPO's
+    # with grpo, say) brings its own where it has them
+    own = loss.name == entry.policy_loss
+    defaults = entry if own else _Fallback(loss, entry)
+    cliprange = defaults.cliprange if config.cliprange is None else config.cliprange
+    epsilon_high = next(e for e in (config.epsilon_high, defaults.epsilon_high, cliprange) if e is not None)
+    level = config.importance_sampling_level or defaults.importance_sampling_level
+    unknown = sorted(set(config.policy_loss_kwargs) - set(loss.params))
+    check_range("policy_loss_kwargs", config.policy_loss_kwargs, f"parameters of policy loss {loss.name!r} (one of "
+                f"{sorted(loss.params) or 'none'}; not {unknown})", not unknown)
+    params = {**loss.params, **config.policy_loss_kwargs}
+    if "cap" in loss.params and "cap" not in config.policy_loss_kwargs and config.epsilon_high is not None:
+        params["cap"] = config.epsilon_high  # TRL's meaning of epsilon_high with CISPO's loss
     dynamic_sampling = entry.dynamic_sampling if config.dynamic_sampling is None else config.dynamic_sampling
     overlong_buffer_len = config.overlong_buffer_len
     if overlong_buffer_len is None:
@@ -367,31 +390,32 @@ def resolve(config: PPOConfig) -> ResolvedConfig:
     return ResolvedConfig(
         advantage_estimator=entry.name, uses_critic=entry.uses_critic, kl_in=kl_in, init_kl_coef=float(init_kl_coef),
         kl_penalty=config.kl_penalty, kl_loss_coef=float(kl_loss_coef), kl_estimator=config.kl_estimator,
-        loss_aggregation=loss_aggregation, policy_loss=policy_loss, cliprange=float(cliprange),
-        epsilon_high=float(epsilon_high),
-        importance_sampling_level=config.importance_sampling_level or entry.importance_sampling_level,
+        loss_aggregation=loss_aggregation, policy_loss=loss.name, policy_loss_kwargs=params,
+        cliprange=float(cliprange), epsilon_high=float(epsilon_high), importance_sampling_level=level,
         dynamic_sampling=bool(dynamic_sampling), overlong_buffer_len=int(overlong_buffer_len),
         max_completion_length=config.max_completion_length, scale_rewards=config.scale_rewards,
         num_generations=group)
 
 
-def _default_epsilon_high(policy_loss: str, entry) -> float | None:
-    """The estimator's epsilon_high, but where the policy loss is CISPO's and the estimator's is not (``loss_type:
-    cispo`` with grpo, say): CISPO's cap on its weight (5.0), not the clip's upper eps (cliprange's 0.2 would cap every
-    importance weight at 0.2)."""
-    if policy_loss == "cispo" and entry.policy_loss != "cispo":
-        return get_estimator("cispo").epsilon_high
-    return entry.epsilon_high
+class _Fallback:
+    """A policy loss's clip and ratio level, the estimator's where the loss has none."""
+
+    def __init__(self, loss, entry):
+        for name in ("cliprange", "epsilon_high", "importance_sampling_level"):
+            own = getattr(loss, name)
+            setattr(self, name, getattr(entry, name) if own is None else own)
 
 
 def _resolve_loss(config: PPOConfig, entry) -> tuple[str, str]:
-    """(the loss aggregation, the policy loss): loss_type's (TRL's name for an aggregation and a loss), else the
-    estimator's."""
+    """(the loss aggregation, the policy loss's name): the user's fields, else loss_type's (TRL's name for an
+    aggregation and a loss), else the estimator's."""
     if config.loss_type is None:
-        return config.loss_aggregation or entry.loss_aggregation, entry.policy_loss
+        return config.loss_aggregation or entry.loss_aggregation, config.policy_loss or entry.policy_loss
     implied, policy_loss = LOSS_TYPES[config.loss_type]
     check_range("loss_aggregation", config.loss_aggregation, f"{implied!r}, as loss_type {config.loss_type!r} "
                 "implies (or unset)", config.loss_aggregation in (None, implied), "set one of the two")
+    check_range("policy_loss", config.policy_loss, f"{policy_loss!r}, as loss_type {config.loss_type!r} implies (or "
+                "unset)", config.policy_loss in (None, policy_loss), "set one of the two")
     return implied, policy_loss
 
 

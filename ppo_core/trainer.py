@@ -154,7 +154,7 @@ class PPOTrainer(LegacyMethods):
         config = self.config
         self.estimator = get_estimator(config.advantage_estimator)  # what the step computes (algo.registry)
         self._kl = KLPlacement.of(config)  # where the KL goes, with which estimate and coefficient
-        self._policy_loss = self.resolved.policy_loss  # "clip" or "cispo"
+        self._policy_loss = self.resolved.policy_loss  # a registered policy loss's name
         prepare_for_training(model, self.tokenizer, config.disable_dropout, config.gradient_checkpointing,
                              self.estimator.uses_critic)
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 # distributions (reward side only: see ppo_core.models.logprobs.full_kl).
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "k3", "full")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # PPOConfig.loss_aggregation's
-POLICY_LOSSES = ("clip", "cispo")  # PPO's clipped surrogate (DAPO's decoupled clip too), CISPO's
+POLICY_LOSSES = ("clip", "gspo", "cispo")  # the built-in policy losses (registry.POLICY_LOSS_REGISTRY holds users' too)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # PPO's ratio per token, GSPO's per sequence
 
 # TRL GRPOConfig's loss_type: the loss aggregation and the policy loss it stands for (TRL's "bnpo" takes the token

@@ -13,8 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from .choices import IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_AGGREGATIONS, POLICY_LOSSES
+from .choices import IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_AGGREGATIONS
 from .functional import SumAcross, clip_by_value, masked_mean, masked_whiten
+from .registry import get_policy_loss  # torch-free: it names the surrogates below by path
 
 K3_MAX = 10.0  # the cap on the k3 estimate of one token's KL
 
@@ -221,33 +222,48 @@ def importance_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mas
     raise ValueError(f"importance_log_ratio: level must be one of {IMPORTANCE_SAMPLING_LEVELS} (got {level!r}).")
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor, low: float,
+                      high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, ``(b, R)``, and where the clip took over (DAPO's decoupled clip with
+    ``high != low``; GSPO's with the sequence-level ratio).
+
+    # L_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - low, 1 + high))
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return torch.max(unclipped, clipped), clipped > unclipped
+
+
+def cispo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor, low: float, high: float,
+                    cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO's loss per token (MiniMax-M1 2025), ``(b, R)``, and where the cap took over: the importance weight capped
+    at ``cap`` (its own parameter, 5.0 as TRL's; None: ``high``, as a direct call of older versions passed it) with its
+    gradient stopped, so every token keeps a REINFORCE gradient.
+
+    # L_t = -sg(min(ratio_t, cap)) * A_t * log p_t
+    """
+    cap = high if cap is None else cap
+    return -ratio.clamp(max=cap).detach() * advantages * logprobs, ratio > cap
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cliprange: float, n_tokens: torch.Tensor | float | None = None,
                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, cliprange_high: float | None = None,
-                level: str = "token", kind: str = "clip") -> PolicyLoss:
+                level: str = "token", kind: str = "clip", **params) -> PolicyLoss:
     """The policy loss, all inputs ``(B, R)``; every ``E_mask`` is a :func:`token_mean`.
 
     # ratio = exp(log p_new - log p_old)   (per sequence with level="sequence": :func:`importance_log_ratio`)
     # clip:  L = E_mask[ max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) ]   PPO; DAPO's decoupled clip
-    # cispo: L = E_mask[ -sg(min(ratio, eps_high)) * A * log p_new ]                       CISPO (MiniMax-M1 2025)
+    # cispo: L = E_mask[ -sg(min(ratio, cap)) * A * log p_new ]                            CISPO (MiniMax-M1 2025)
 
-    ``cliprange`` is eps_low, ``cliprange_high`` eps_high (None: ``cliprange``, PPO's symmetric clip). CISPO caps the
-    importance weight itself at ``cliprange_high`` (TRL's meaning of ``epsilon_high`` there, 5.0 recommended) and
-    stops its gradient, so every token keeps a REINFORCE gradient. ``reduce`` replaces the loss's token mean (the
-    per-sequence means of :func:`aggregate`); the statistics stay token means.
+    ``kind`` names a registered policy loss (``registry.POLICY_LOSS_REGISTRY``: ``clip``, ``gspo``, ``cispo``, or a
+    user's), ``params`` its own parameters (CISPO's ``cap``). ``cliprange`` is eps_low, ``cliprange_high`` eps_high
+    (None: ``cliprange``, PPO's symmetric clip). ``reduce`` replaces the loss's token mean (the per-sequence means of
+    :func:`aggregate`); the statistics stay token means.
     """
     high = cliprange if cliprange_high is None else cliprange_high
     ratio = torch.exp(importance_log_ratio(logprobs, old_logprobs, mask, level))
-    if kind == "clip":
-        unclipped = -advantages * ratio
-        clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
-        per_token = torch.max(unclipped, clipped)
-        was_clipped = clipped > unclipped
-    elif kind == "cispo":
-        per_token = -ratio.clamp(max=high).detach() * advantages * logprobs
-        was_clipped = ratio > high
-    else:
-        raise ValueError(f"policy_loss: kind must be one of {POLICY_LOSSES} (got {kind!r}).")
+    per_token, was_clipped = get_policy_loss(kind).function()(ratio, advantages, logprobs, cliprange, high, **params)
     loss = token_mean(per_token, mask, n_tokens) if reduce is None else reduce(per_token)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs

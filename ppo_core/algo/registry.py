@@ -21,6 +21,10 @@ stage)::
         groups = scores.view(-1, config.num_generations)  # (prompts, G): a prompt's samples are consecutive
         return shaped, sequence_advantages((groups - groups.max(dim=1, keepdim=True).values).reshape(-1), batch.mask)
 
+Policy losses are a registry of their own (:class:`PolicyLoss`, ``register_policy_loss``): PPO's clip, GSPO's clip
+of the sequence ratio, CISPO's capped weight, or a user's function of the ratio, the advantages and the log-probs,
+with its own parameters (``PPOConfig.policy_loss_kwargs``); an estimator entry names its default one.
+
 The built-in entries and their references: PPO with GAE (legacy TRL: KL in the reward, 0.2), GRPO (DeepSeekMath: k3
 KL loss, 0.04, per-sequence means), Dr. GRPO (no KL, no std, a constant normaliser), RLOO (TRL's RLOOConfig: KL in
 the reward, ``kl_coef`` 0.05), REINFORCE++ (OpenRLHF's example script: ``--init_kl_coef 0.01`` in the reward) and
@@ -37,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from .choices import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from .choices import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
 
 if TYPE_CHECKING:  # annotations only: checking a config loads neither torch nor the math
     import torch
@@ -71,7 +75,7 @@ class Estimator:
     kl_in: str = "reward"  # where the KL goes: "reward" (per-token shaping) or "loss" (a loss term)
     kl_coef: float = 0.0  # its coefficient there (init_kl_coef, or kl_loss_coef)
     loss_aggregation: str = "token-mean"  # ppo_math.LOSS_AGGREGATIONS
-    policy_loss: str = "clip"  # ppo_math.POLICY_LOSSES
+    policy_loss: str = "clip"  # its default policy loss: a name in POLICY_LOSS_REGISTRY
     cliprange: float = 0.2  # eps_low (and eps_high, unless epsilon_high)
     epsilon_high: float | None = None  # the clip's upper eps (CISPO: the cap on the weight); None: cliprange
     importance_sampling_level: str = "token"  # "sequence": GSPO's ratio
@@ -79,8 +83,8 @@ class Estimator:
     overlong_buffer_fraction: float = 0.0  # DAPO's L_cache / L_max (its paper's 4096 / 20480), of max_completion_length
 
     def __post_init__(self):
-        checks = [("kl_in", self.kl_in, ("reward", "loss")), ("loss_aggregation", self.loss_aggregation,
-                  LOSS_AGGREGATIONS), ("policy_loss", self.policy_loss, POLICY_LOSSES),
+        checks = [("kl_in", self.kl_in, ("reward", "loss")),
+                  ("loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS),
                   ("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)]
         for field, value, choices in checks:
             if value not in choices:
@@ -121,19 +125,86 @@ def get_estimator(name: str) -> Estimator:
     """The registered estimator ``name``, or with ``"module:name"`` the one ``module`` registers as ``name`` (imported
     here: how a params file selects an estimator of the user's own, e.g. ``rewards.estimators:best_of_group``); a
     ValueError naming the registered ones otherwise."""
-    if isinstance(name, str) and name not in ESTIMATORS and ":" in name:
+    return _lookup(ESTIMATORS, name, "advantage_estimator", "estimator", "register_estimator")
+
+
+def _lookup(table: dict, name: str, field: str, what: str, register: str):
+    """``table[name]``, importing ``module`` first for ``"module:name"``; else a ValueError worded for ``field``."""
+    if isinstance(name, str) and name not in table and ":" in name:
         module, _, short = name.partition(":")
         try:
             importlib.import_module(module)
         except ImportError as err:
-            raise ValueError(f"advantage_estimator: {name!r}: cannot import {module!r} ({err}).") from None
+            raise ValueError(f"{field}: {name!r}: cannot import {module!r} ({err}).") from None
         name = short
     try:
-        return ESTIMATORS[name]
+        return table[name]
     except (KeyError, TypeError):
-        raise ValueError(f"advantage_estimator: {name!r} is not a registered estimator; one of "
-                         f"{', '.join(ESTIMATORS)}, or one of your own (ppo_core.algo.registry.register_estimator; "
-                         "'module:name' imports its module).") from None
+        raise ValueError(f"{field}: {name!r} is not a registered {what}; one of {', '.join(table)}, or one of your "
+                         f"own (ppo_core.algo.registry.{register}; 'module:name' imports its module).") from None
+
+
+# ---- the policy losses: how a token's loss follows from its importance ratio and advantage --------------------------
+
+PolicyLossFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+"""``(ratio, advantages, logprobs, low, high, **params) -> (per-token loss, was_clipped)``, all ``(b, R)``: ``ratio``
+the importance ratio (per token, or the sequence's at each of its tokens), ``low``/``high`` the clip's eps, ``params``
+the loss's own parameters; the engine reduces the loss (the run's aggregation, over its accumulation window) and
+takes the statistics (``was_clipped``'s mean is ``ppo/policy/clipfrac``)."""
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """One policy loss, beside the estimators (veRL keeps ``adv_estimator`` and ``policy_loss.loss_mode`` apart): its
+    per-token function, its own parameters with their defaults (``PPOConfig.policy_loss_kwargs`` overrides them), and
+    the clip and ratio level it takes where it is not the estimator's own loss (None: the estimator's)."""
+
+    name: str
+    per_token: PolicyLossFn | str  # the function, or "module:function" (the built-ins': imported on first use)
+    params: dict = dataclasses.field(default_factory=dict)
+    cliprange: float | None = None
+    epsilon_high: float | None = None
+    importance_sampling_level: str | None = None
+
+    def __post_init__(self):
+        level = self.importance_sampling_level
+        if level is not None and level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"policy loss {self.name!r}: importance_sampling_level must be one of "
+                             f"{IMPORTANCE_SAMPLING_LEVELS} (got {level!r}).")
+
+    def function(self) -> PolicyLossFn:
+        """The per-token function (a ``"module:function"`` path imported here)."""
+        if not isinstance(self.per_token, str):
+            return self.per_token
+        module, _, name = self.per_token.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+POLICY_LOSS_REGISTRY: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, **settings) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register the decorated per-token function as policy loss ``name`` with the :class:`PolicyLoss` ``settings``
+    (``params``: its own parameters and their defaults); chosen by ``PPOConfig(policy_loss=name)``, or from a params
+    file as ``"module:name"``. A name already taken raises; ``replace=True`` replaces."""
+    replace = settings.pop("replace", False)
+    unknown = set(settings) - {f.name for f in dataclasses.fields(PolicyLoss)}
+    if unknown:
+        raise TypeError(f"register_policy_loss({name!r}): unknown settings {sorted(unknown)}.")
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSS_REGISTRY and not replace:
+            raise ValueError(f"register_policy_loss: {name!r} is registered already (replace=True replaces it).")
+        POLICY_LOSS_REGISTRY[name] = PolicyLoss(name=name, per_token=fn, **settings)
+        return fn
+
+    return register
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The registered policy loss ``name`` (``"module:name"`` imports ``module`` first); a ValueError naming the
+    registered ones otherwise."""
+    return _lookup(POLICY_LOSS_REGISTRY, name, "policy_loss", "policy loss", "register_policy_loss")
 
 
 def settings(config):
@@ -162,6 +233,15 @@ _builtin("reinforce_plus_plus_baseline", "reinforce_plus_plus_baseline", needs_g
 _builtin("dapo", "group_normalized_advantages", needs_groups=True, kl_in="loss", epsilon_high=0.28,
          dynamic_sampling=True, overlong_buffer_fraction=0.2)
 _builtin("gspo", "group_normalized_advantages", needs_groups=True, kl_in="loss", loss_aggregation="seq-mean-token-mean",
-         cliprange=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence")
-_builtin("cispo", "group_normalized_advantages", needs_groups=True, kl_in="loss", policy_loss="cispo",
-         epsilon_high=5.0)
+         policy_loss="gspo", cliprange=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence")
+_builtin("cispo", "group_normalized_advantages", needs_groups=True, kl_in="loss", policy_loss="cispo")
+
+# The built-in policy losses (ppo_math's surrogates): PPO's clip (DAPO's decoupled clip with epsilon_high), GSPO's (the
+# clip of the sequence-level ratio, at its paper's 3e-4 / 4e-4), CISPO's (a stop-gradient weight capped at `cap`: 5.0,
+# TRL's; its own parameter, not the clip's epsilon_high).
+for _name, _function, _settings in (
+        ("clip", "clipped_surrogate", {}),
+        ("gspo", "clipped_surrogate",
+         {"cliprange": 3e-4, "epsilon_high": 4e-4, "importance_sampling_level": "sequence"}),
+        ("cispo", "cispo_surrogate", {"params": {"cap": 5.0}})):
+    POLICY_LOSS_REGISTRY[_name] = PolicyLoss(name=_name, per_token=f"ppo_core.algo.ppo_math:{_function}", **_settings)

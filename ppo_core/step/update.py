@@ -75,7 +75,8 @@ def ppo_loss(config, uses_critic: bool, policy_loss_kind: str, group, old_logpro
     norm_length = mask.shape[1] if norm_length is None else norm_length
     pg = policy_loss(logprobs, old_logprobs, advantages, mask, resolved.cliprange, n_tokens,
                      loss_reduction(cfg, mask, divisors, norm_length), cliprange_high=resolved.epsilon_high,
-                     level=resolved.importance_sampling_level, kind=policy_loss_kind)
+                     level=resolved.importance_sampling_level, kind=policy_loss_kind,
+                     **getattr(resolved, "policy_loss_kwargs", {}))
     vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens) if uses_critic else None
     kl = kl_loss(cfg, logprobs, ref_logprobs, mask, divisors, norm_length)
     with torch.no_grad():

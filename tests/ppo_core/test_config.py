@@ -239,8 +239,9 @@ def test_building_a_trainer_leaves_the_caller_s_config_as_it_was():
 
 
 # ---- the resolved config: the estimator's defaults applied once, the user's fields left as given -------------------
-RESOLVED = {  # estimator: (kl_in, init_kl_coef, kl_loss_coef, loss_aggregation, policy_loss, cliprange, epsilon_high,
-    #                       importance_sampling_level, dynamic_sampling, overlong_buffer_len with max_completion_length 20)
+# estimator: (kl_in, init_kl_coef, kl_loss_coef, loss_aggregation, policy_loss, cliprange, epsilon_high,
+#             importance_sampling_level, dynamic_sampling, overlong_buffer_len with max_completion_length 20)
+RESOLVED = {
     "gae": ("reward", 0.2, 0.0, "token-mean", "clip", 0.2, 0.2, "token", False, 0),
     "grpo": ("loss", 0.0, 0.04, "seq-mean-token-mean", "clip", 0.2, 0.2, "token", False, 0),
     "dr_grpo": ("loss", 0.0, 0.0, "seq-mean-token-sum-norm", "clip", 0.2, 0.2, "token", False, 0),
@@ -248,16 +249,17 @@ RESOLVED = {  # estimator: (kl_in, init_kl_coef, kl_loss_coef, loss_aggregation,
     "reinforce_plus_plus": ("reward", 0.01, 0.0, "token-mean", "clip", 0.2, 0.2, "token", False, 0),
     "reinforce_plus_plus_baseline": ("loss", 0.0, 0.001, "token-mean", "clip", 0.2, 0.2, "token", False, 0),
     "dapo": ("loss", 0.0, 0.0, "token-mean", "clip", 0.2, 0.28, "token", True, 4),
-    "gspo": ("loss", 0.0, 0.0, "seq-mean-token-mean", "clip", 3e-4, 4e-4, "sequence", False, 0),
-    "cispo": ("loss", 0.0, 0.0, "token-mean", "cispo", 0.2, 5.0, "token", False, 0),
+    "gspo": ("loss", 0.0, 0.0, "seq-mean-token-mean", "gspo", 3e-4, 4e-4, "sequence", False, 0),
+    "cispo": ("loss", 0.0, 0.0, "token-mean", "cispo", 0.2, 0.2, "token", False, 0),
 }
 RESOLVED_KEYS = ("kl_in", "init_kl_coef", "kl_loss_coef", "loss_aggregation", "policy_loss", "cliprange",
                  "epsilon_high", "importance_sampling_level", "dynamic_sampling", "overlong_buffer_len")
 
 
 def sized(estimator: str) -> dict:
-    return {"advantage_estimator": estimator, "num_generations": 1 if estimator in ("gae", "reinforce_plus_plus") else 4,
-            "batch_size": 8, "mini_batch_size": 4, "max_completion_length": 20}
+    group = 1 if estimator in ("gae", "reinforce_plus_plus") else 4
+    return {"advantage_estimator": estimator, "num_generations": group, "batch_size": 8, "mini_batch_size": 4,
+            "max_completion_length": 20}
 
 
 @pytest.mark.parametrize("estimator", sorted(RESOLVED))
@@ -267,9 +269,11 @@ def test_each_estimator_resolves_to_its_pinned_settings_and_leaves_the_fields_as
     assert tuple(getattr(resolved, key) for key in RESOLVED_KEYS) == RESOLVED[estimator]
     assert (resolved.advantage_estimator, resolved.uses_critic) == (estimator, estimator == "gae")
     assert (resolved.kl_penalty, resolved.kl_estimator, resolved.max_completion_length) == ("kl", "k3", 20)
+    assert resolved.policy_loss_kwargs == ({"cap": 5.0} if estimator == "cispo" else {})  # CISPO's own cap
     from ppo_core.config import RESOLVED_FIELDS
 
-    assert all(getattr(config, name) is None for name in RESOLVED_FIELDS)  # nothing written back
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(PPOConfig)}
+    assert all(getattr(config, name) == defaults[name] for name in RESOLVED_FIELDS)  # nothing written back
     assert set(RESOLVED_FIELDS) <= set(resolved.to_dict())
 
 

@@ -264,13 +264,24 @@ def test_the_kl_coefficients_reported_are_those_applied(estimator, kl_in, coef):
 
 
 def test_cispo_s_loss_with_another_estimator_caps_the_weight_at_cispo_s_cap_not_the_clip_range():
-    """`loss_type: cispo` with grpo: epsilon_high unset is CISPO's cap on the importance weight (5.0), not the clip's
+    """`loss_type: cispo` with grpo: the cap on the importance weight is CISPO's own parameter (5.0), not the clip's
     upper eps (which falls back to cliprange, 0.2: every weight capped at 0.2, the ratio's gradient signal gone)."""
-    config = PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
-                       loss_type="cispo")
-    assert config.resolved.epsilon_high == 5.0 and config.resolved.cliprange == 0.2
-    assert PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
-                     loss_type="cispo", epsilon_high=2.0).resolved.epsilon_high == 2.0  # the user's cap
+    from ppo_core.algo.ppo_math import policy_loss
+
+    def cap_of(**options):
+        resolved = PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
+                             **options).resolved
+        old = torch.zeros(1, 4)
+        logprobs = old + torch.log(torch.tensor([1.5, 3.0, 4.5, 6.0]))  # ratios 1.5 .. 6
+        loss = policy_loss(logprobs, old, torch.ones(1, 4), torch.ones(1, 4), resolved.cliprange,
+                           cliprange_high=resolved.epsilon_high, kind=resolved.policy_loss,
+                           **resolved.policy_loss_kwargs)
+        return resolved.policy_loss_kwargs["cap"], loss.clipfrac.item()
+
+    assert cap_of(loss_type="cispo") == (5.0, 0.25)  # only the ratio of 6 is capped
+    assert cap_of(policy_loss="cispo") == (5.0, 0.25)
+    assert cap_of(loss_type="cispo", policy_loss_kwargs={"cap": 2.0}) == (2.0, 0.75)  # its own parameter
+    assert cap_of(loss_type="cispo", epsilon_high=4.0) == (4.0, 0.5)  # TRL's meaning of epsilon_high there
     assert PPOConfig(batch_size=8, mini_batch_size=4, advantage_estimator="grpo", num_generations=2,
                      loss_type="dapo").resolved.epsilon_high == 0.2  # the clip's: cliprange
 

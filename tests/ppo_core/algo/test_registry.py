@@ -31,8 +31,8 @@ REFERENCE = {
     "reinforce_plus_plus": (False, False, "reward", 0.01, "token-mean", "clip", 0.2, None, "token", False),
     "reinforce_plus_plus_baseline": (False, True, "loss", 0.001, "token-mean", "clip", 0.2, None, "token", False),
     "dapo": (False, True, "loss", 0.0, "token-mean", "clip", 0.2, 0.28, "token", True),
-    "gspo": (False, True, "loss", 0.0, "seq-mean-token-mean", "clip", 3e-4, 4e-4, "sequence", False),
-    "cispo": (False, True, "loss", 0.0, "token-mean", "cispo", 0.2, 5.0, "token", False),
+    "gspo": (False, True, "loss", 0.0, "seq-mean-token-mean", "gspo", 3e-4, 4e-4, "sequence", False),
+    "cispo": (False, True, "loss", 0.0, "token-mean", "cispo", 0.2, None, "token", False),  # its cap: the loss's own
 }
 
 
@@ -56,8 +56,9 @@ def test_every_built_in_has_its_reference_settings_and_a_config_takes_them(name)
 def test_a_field_set_by_the_user_wins_over_the_estimator_s_default():
     config = PPOConfig(advantage_estimator="gspo", num_generations=2, batch_size=4, mini_batch_size=2,
                        cliprange=0.1, importance_sampling_level="token", loss_type="cispo").resolved
-    # epsilon_high: CISPO's cap on its weight (5.0), not GSPO's clip eps (4e-4 would cap every weight at 0.0004)
-    assert (config.cliprange, config.epsilon_high, config.importance_sampling_level) == (0.1, 5.0, "token")
+    # CISPO's cap on its weight is its own parameter (5.0), not GSPO's clip eps (4e-4 would cap every weight at 0.0004)
+    assert (config.cliprange, config.importance_sampling_level) == (0.1, "token")
+    assert config.policy_loss_kwargs == {"cap": 5.0}
     assert config.loss_aggregation == "token-mean" and config.policy_loss == "cispo"  # loss_type: TRL's meaning
     assert PPOConfig(advantage_estimator="rloo", num_generations=2, batch_size=4, mini_batch_size=2,
                      init_kl_coef=0.2).resolved.init_kl_coef == 0.2
@@ -264,3 +265,89 @@ def test_a_direct_loss_call_uses_its_own_sizes_never_the_last_step_s():
     args = (zeros, zeros, None, zeros, zeros, mask, torch.ones(2, 3), zeros)  # ratio 1, advantage 1 at 6 tokens
     assert trainer.loss(*args)[0].item() == pytest.approx(-6 / (2 * 3))  # the mini-batch's width, 3
     assert trainer.loss(*args, norm_length=6)[0].item() == pytest.approx(-6 / (2 * 6))
+
+
+# ---- the policy losses: a registry of their own, beside the estimators ----------------------------------------------
+@pytest.fixture
+def reinforce_loss():
+    """A user's policy loss, registered by a decorator: plain REINFORCE (-A * log p, no ratio, nothing clipped), with a
+    parameter of its own."""
+    from ppo_core.algo.registry import POLICY_LOSS_REGISTRY, register_policy_loss
+
+    @register_policy_loss("reinforce", params={"scale": 1.0})
+    def reinforce(ratio, advantages, logprobs, low, high, scale):
+        return -scale * advantages * logprobs, torch.zeros_like(ratio, dtype=torch.bool)
+
+    yield reinforce
+    POLICY_LOSS_REGISTRY.pop("reinforce")
+
+
+def test_a_user_policy_loss_is_chosen_by_name_with_its_own_parameters_and_trains(reinforce_loss):
+    config = PPOConfig(advantage_estimator="grpo", num_generations=2, batch_size=4, mini_batch_size=4, ppo_epochs=1,
+                       learning_rate=1e-3, policy_loss="reinforce", policy_loss_kwargs={"scale": 2.0})
+    assert (config.resolved.policy_loss, config.resolved.policy_loss_kwargs) == ("reinforce", {"scale": 2.0})
+    trainer = PPOTrainer(config, tiny_value_model("gpt2"), tokenizer=tiny_tokenizer())
+    queries = [torch.tensor([5, 6])] * 2 + [torch.tensor([7])] * 2
+    responses = [torch.tensor([9, 10]), torch.tensor([11]), torch.tensor([12]), torch.tensor([13, 14])]
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    stats = trainer.step(queries, responses, [torch.tensor(x) for x in (1.0, 3.0, 2.0, 0.0)])
+    assert stats["ppo/policy/clipfrac"] == 0 and np.isfinite(stats["ppo/loss/policy"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    with pytest.raises(ValueError, match="registered already"):
+        from ppo_core.algo.registry import register_policy_loss
+
+        register_policy_loss("clip")(reinforce_loss)
+
+
+def test_the_user_loss_s_gradient_is_its_own(reinforce_loss):
+    """The engine hands the loss the ratio, the advantages and the log-probs, and reduces what it returns."""
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss = policy_loss(logprobs, logprobs.detach(), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2,
+                       kind="reinforce", scale=3.0)
+    loss.loss.backward()
+    assert loss.loss.item() == pytest.approx(-3.0 * (-1.0 - 2.0) / 2)
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.5, -1.5]]))  # -scale * A / tokens
+
+
+def test_a_policy_loss_of_the_user_in_a_params_file_is_module_colon_name(tmp_path, monkeypatch):
+    from ppo_core.algo.registry import POLICY_LOSS_REGISTRY
+    from stages.params import load_params
+    from tests.conftest import write_params
+
+    (tmp_path / "my_losses.py").write_text(
+        "import torch\n"
+        "from ppo_core.algo.registry import register_policy_loss\n\n"
+        "@register_policy_loss('sign_loss')\n"
+        "def sign_loss(ratio, advantages, logprobs, low, high):\n"
+        "    return -advantages.sign() * ratio, torch.zeros_like(ratio, dtype=torch.bool)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        path = write_params(tmp_path, {"ppo.policy_loss": "my_losses:sign_loss"})
+        config = load_params(path).ppo_config
+        assert config.policy_loss == "my_losses:sign_loss" and config.resolved.policy_loss == "sign_loss"
+    finally:
+        POLICY_LOSS_REGISTRY.pop("sign_loss", None)
+        sys.modules.pop("my_losses", None)
+
+
+def test_a_policy_loss_brings_its_own_clip_and_level_where_it_is_not_the_estimator_s():
+    gspo_on_grpo = PPOConfig(advantage_estimator="grpo", num_generations=2, batch_size=4, mini_batch_size=4,
+                             policy_loss="gspo").resolved
+    assert (gspo_on_grpo.cliprange, gspo_on_grpo.epsilon_high, gspo_on_grpo.importance_sampling_level) == \
+        (3e-4, 4e-4, "sequence")
+    clip_on_gspo = PPOConfig(advantage_estimator="gspo", num_generations=2, batch_size=4, mini_batch_size=4,
+                             policy_loss="clip").resolved  # the clip brings none of its own: the estimator's
+    assert (clip_on_gspo.cliprange, clip_on_gspo.importance_sampling_level) == (3e-4, "sequence")
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"policy_loss": "nope"}, r"^PPOConfig.policy_loss 'nope' is not a registered policy loss; one of clip, gspo, "
+     r"cispo, or one of your own"),
+    ({"policy_loss": "cispo", "policy_loss_kwargs": {"cp": 5.0}}, r"policy_loss_kwargs.*parameters of policy loss "
+     r"'cispo' \(one of \['cap'\]; not \['cp'\]\)"),
+    ({"policy_loss": "clip", "loss_type": "cispo"}, r"policy_loss.*'cispo', as loss_type 'cispo' implies"),
+])
+def test_a_bad_policy_loss_is_one_clear_line(options, message):
+    with pytest.raises(ValueError, match=message) as err:
+        PPOConfig(**options)
+    assert "\n" not in str(err.value)
