@@ -92,10 +92,15 @@ class Estimator:
 
     def advantage_function(self) -> AdvantageFn:
         """The advantage function (a ``"module:function"`` path imported here)."""
-        if not isinstance(self.advantages, str):
-            return self.advantages
-        module, _, name = self.advantages.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.advantages)
+
+
+def _imported(function: Callable | str) -> Callable:
+    """``function`` itself, or the function a ``"module:function"`` path names (imported on first use)."""
+    if not isinstance(function, str):
+        return function
+    module, _, name = function.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 ESTIMATORS: dict[str, Estimator] = {}
@@ -107,15 +112,21 @@ def register_estimator(name: str, **settings) -> Callable[[AdvantageFn], Advanta
 
     A name already taken raises (no silent replacement of a built-in); ``replace=True`` in ``settings`` replaces.
     """
-    replace = settings.pop("replace", False)
-    unknown = set(settings) - {f.name for f in dataclasses.fields(Estimator)}
-    if unknown:
-        raise TypeError(f"register_estimator({name!r}): unknown settings {sorted(unknown)}.")
+    return _registrar(ESTIMATORS, Estimator, "advantages", "register_estimator", name, settings)
 
-    def register(fn: AdvantageFn) -> AdvantageFn:
-        if name in ESTIMATORS and not replace:
-            raise ValueError(f"register_estimator: {name!r} is registered already (replace=True replaces it).")
-        ESTIMATORS[name] = Estimator(name=name, advantages=fn, **settings)
+
+def _registrar(table: dict, entry: type, function_field: str, caller: str, name: str, settings: dict) -> Callable:
+    """The decorator that puts ``entry(name=name, <function_field>=fn, **settings)`` into ``table``; unknown settings
+    raise here, a name already taken at decoration (unless ``replace=True``)."""
+    replace = settings.pop("replace", False)
+    unknown = set(settings) - {f.name for f in dataclasses.fields(entry)}
+    if unknown:
+        raise TypeError(f"{caller}({name!r}): unknown settings {sorted(unknown)}.")
+
+    def register(fn):
+        if name in table and not replace:
+            raise ValueError(f"{caller}: {name!r} is registered already (replace=True replaces it).")
+        table[name] = entry(name=name, **{function_field: fn}, **settings)
         return fn
 
     return register
@@ -174,10 +185,7 @@ class PolicyLoss:
 
     def function(self) -> PolicyLossFn:
         """The per-token function (a ``"module:function"`` path imported here)."""
-        if not isinstance(self.per_token, str):
-            return self.per_token
-        module, _, name = self.per_token.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.per_token)
 
 
 POLICY_LOSS_REGISTRY: dict[str, PolicyLoss] = {}
@@ -187,18 +195,7 @@ def register_policy_loss(name: str, **settings) -> Callable[[PolicyLossFn], Poli
     """Register the decorated per-token function as policy loss ``name`` with the :class:`PolicyLoss` ``settings``
     (``params``: its own parameters and their defaults); chosen by ``PPOConfig(policy_loss=name)``, or from a params
     file as ``"module:name"``. A name already taken raises; ``replace=True`` replaces."""
-    replace = settings.pop("replace", False)
-    unknown = set(settings) - {f.name for f in dataclasses.fields(PolicyLoss)}
-    if unknown:
-        raise TypeError(f"register_policy_loss({name!r}): unknown settings {sorted(unknown)}.")
-
-    def register(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSS_REGISTRY and not replace:
-            raise ValueError(f"register_policy_loss: {name!r} is registered already (replace=True replaces it).")
-        POLICY_LOSS_REGISTRY[name] = PolicyLoss(name=name, per_token=fn, **settings)
-        return fn
-
-    return register
+    return _registrar(POLICY_LOSS_REGISTRY, PolicyLoss, "per_token", "register_policy_loss", name, settings)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
