@@ -31,7 +31,10 @@ case "${1:-}" in
       "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
         "${platforms[@]}" -d "$WHL/$peer" "${pins[@]}"
     done
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    # keep the default .whl/ out of git, where this is a checkout with its own .git/info (a CI copy may have none)
+    if [ "$WHL" = .whl ] && [ -d .git/info ]; then
+      grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    fi
     du -sh "$WHL"/* ;;
   install)
     dest=${2:?usage: bench/peers.sh install DIR}
