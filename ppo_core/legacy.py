@@ -1,7 +1,8 @@
 """TRL 0.11's ``PPOTrainer`` API beyond the loop, kept thin: the legacy-named methods its users call or override,
 each over the functions ``PPOTrainer.step`` calls itself (``step`` calls none of these methods, but the hooks a
-subclass overrides: ``compute_rewards``, ``_kl_penalty``, ``compute_advantages``, through :func:`hooked_advantages`),
-and what the legacy constructor starts from: the checks of its arguments and of a subclass's hooks.
+user overrides: ``compute_rewards``, ``_kl_penalty``, ``compute_advantages`` through :func:`hooked_advantages`,
+``train_minibatch`` and ``loss`` through :func:`legacy_train_minibatch` and :func:`legacy_loss`), and what the legacy
+constructor starts from: the checks of its arguments and of a subclass's hooks.
 
 :class:`LegacyMethods` is mixed into :class:`~ppo_core.trainer.PPOTrainer`; the attributes it reads are declared on
 it (set by ``PPOTrainer.__init__``). The legacy methods ppo_core does not keep, and why, are listed in the README
@@ -39,8 +40,17 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from .algo.functional import entropy_from_logits
 from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacement
-from .algo.ppo_math import Advantages, ShapedRewards, full_kl_penalty, gae_advantages, kl_penalty, shape_rewards
+from .algo.ppo_math import (
+    Advantages,
+    Divisors,
+    ShapedRewards,
+    full_kl_penalty,
+    gae_advantages,
+    kl_penalty,
+    shape_rewards,
+)
 from .algo.registry import LEGACY_ESTIMATOR
 from .config import PPOConfig
 from .models.modeling import PreTrainedModelWrapper
@@ -52,8 +62,9 @@ from .runtime.utils import timed
 from .runtime.zero import gathered
 from .step import data
 from .step.inputs import build_response_masks, checked_step_inputs
-from .step.rollout import policy_outputs
+from .step.rollout import PolicyOutputs, Rollout, policy_outputs
 from .step.stats import lengths, mean_over_processes, reward_stats, step_stats, warn_if_negative_kl
+from .step.update import ppo_loss
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -107,6 +118,55 @@ def overridden_step_hooks(cls: type, cfg: PPOConfig) -> tuple[str, ...]:
     return hooks
 
 
+# Legacy ``step`` called these once per mini-batch: an override (a subclass's method, or one set on an instance) is
+# called in legacy's argument order, with the keywords ppo_core adds only where its signature takes them.
+MINIBATCH_HOOKS = ("train_minibatch", "loss")
+
+
+def overrides(trainer: LegacyMethods, name: str) -> bool:
+    """Whether ``trainer.<name>`` is a user's (a subclass's override, or a function set on the instance) rather than
+    :class:`LegacyMethods`' own."""
+    method = getattr(trainer, name)
+    return getattr(method, "__func__", method) is not getattr(LegacyMethods, name)
+
+
+def _taken(function: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``kwargs`` that ``function`` takes by name (all of them where it takes ``**kwargs``)."""
+    params = inspect.signature(function).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def legacy_train_minibatch(trainer: LegacyMethods, mb: Rollout, out: PolicyOutputs, index: int,
+                           divisors: Divisors | None) -> dict[str, torch.Tensor]:
+    """``trainer.train_minibatch`` (a user's override) on the mini-batch ``mb`` and its training pass ``out``, in
+    legacy's order ``(old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns)``, all ``(b, R)``;
+    ``logits`` is None (the pass never materialises them: the ``entropy`` keyword has the per-token entropy)."""
+    extra = dict(entropy=out.entropy, ref_logprobs=mb.ref_logprobs, norm_length=mb.norm_length, minibatch_index=index,
+                 divisors=divisors)
+    return trainer.train_minibatch(mb.old_logprobs, mb.old_values, out.logprobs, None, out.values, mb.mask,
+                                   mb.advantages, mb.returns, **_taken(trainer.train_minibatch, extra))
+
+
+def legacy_loss(trainer: LegacyMethods, mb: Rollout, out: PolicyOutputs, divisors: Divisors | None):
+    """``trainer.loss`` (a user's override) on the mini-batch ``mb`` and its training pass ``out``, in legacy's order
+    ``(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)``; ``logits`` is None, as in
+    :func:`legacy_train_minibatch`. Returns what it returns: ``(policy loss, value loss, stats)``."""
+    extra = dict(entropy=out.entropy, ref_logprobs=mb.ref_logprobs, norm_length=mb.norm_length, divisors=divisors)
+    return trainer.loss(mb.old_logprobs, mb.old_values, None, out.values, out.logprobs, mb.mask, mb.advantages,
+                        mb.returns, **_taken(trainer.loss, extra))
+
+
+def as_minibatch(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, entropy, ref_logprobs,
+                 norm_length) -> tuple[Rollout, PolicyOutputs]:
+    """Legacy's loose ``(b, R)`` tensors as the engine's mini-batch and training pass (no inputs: the loss reads
+    none)."""
+    return (Rollout(None, mask, old_logprobs, values, ref_logprobs, advantages, returns, norm_length),
+            PolicyOutputs(logprobs, vpreds, entropy, None))
+
+
 def hooked_advantages(trainer: LegacyMethods, scores: torch.Tensor, logprobs: torch.Tensor,
                       ref_logprobs: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                       timing: dict[str, float]) -> tuple[ShapedRewards, Advantages]:
@@ -152,6 +212,7 @@ class LegacyMethods:
     _model_inputs: Callable
     _sample: Callable
     whole_policy: Callable[[], contextlib.AbstractContextManager]
+    _update_minibatch: Callable[..., dict[str, torch.Tensor]]
 
     def prepare_dataloader(self, dataset, data_collator=None) -> DataLoader:
         """Shuffled ``DataLoader`` of ``batch_size`` rows per process (last ragged batch dropped): see
@@ -220,6 +281,34 @@ class LegacyMethods:
                     "decoder_input_ids": inputs.input_ids, "decoder_attention_mask": attention_mask.long()}
         return {"input_ids": inputs.input_ids, "attention_mask": attention_mask.long(),
                 "query_lens": inputs.query_lens, "response_lens": inputs.response_lens}
+
+    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns,
+                        entropy=None, ref_logprobs=None, norm_length=None, minibatch_index: int = 0,
+                        divisors: Divisors | None = None) -> dict[str, torch.Tensor]:
+        """Loss (``self.loss``), backward, clipping and optimizer step of one mini-batch, legacy's signature (all
+        tensors ``(b, R)``; ``logits`` ``(b, R, V)`` or None) over the engine's ``PPOTrainer._update_minibatch``.
+        ``minibatch_index``: its place in the step (for the error a failure raises); ``divisors``: its accumulation
+        window's (None: the mini-batch is the window)."""
+        if entropy is None and logits is not None:
+            entropy = entropy_from_logits(logits)
+        mb, out = as_minibatch(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, entropy,
+                               ref_logprobs, norm_length)
+        return self._update_minibatch(mb, out, minibatch_index, divisors)
+
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
+             ref_logprobs=None, norm_length=None, divisors: Divisors | None = None):
+        """``(policy loss, value loss, stats)`` of a mini-batch, legacy's signature over ``step.update.ppo_loss``.
+
+        ``logits`` (``(b, R, V)``) gives the entropy where ``entropy`` (``(b, R)``) is not given. ``norm_length``: Dr.
+        GRPO's constant (the step's ``Rollout.norm_length``; None: the mini-batch's width); ``divisors``: what its
+        means divide by, its accumulation window's (``step.update.window_divisors``; None: the mini-batch alone is
+        the window), as TRL 0.11's loss divided.
+        """
+        if entropy is None and logits is not None:
+            entropy = entropy_from_logits(logits)
+        mb, out = as_minibatch(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, entropy,
+                               ref_logprobs, norm_length)
+        return ppo_loss(self.config, self._group, mb, out, divisors)
 
     @quiet_deepspeed_collectives
     def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,

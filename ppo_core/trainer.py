@@ -1,8 +1,9 @@
 """``PPOTrainer``: the legacy TRL user-loop API (``generate`` -> score anything -> ``step``) on accelerate.
 
 The loop itself: building the trainer, ``generate``, ``step`` in numbered steps, its PPO epochs over mini-batches
-(``train_minibatch``, ``loss``) and the checkpoints. What they call lives in the layers below (README, "ppo_core's
-layout"); the legacy methods ``step`` does not need are thin shims in ``legacy``.
+(``_update_minibatch``: each ``Rollout`` mini-batch to ``step.update``) and the checkpoints. What they call lives in
+the layers below (README, "ppo_core's layout"); the legacy methods are thin shims in ``legacy``, mapped on top of the
+engine: ``step`` calls one only where a user overrides it.
 
 Under N processes (``accelerate launch``, DDP or DeepSpeed ZeRO-2/3) ``step`` on each process's ``batch_size``
 samples gives what one process gives on the global batch, process 0's first, up to float rounding, whenever the
@@ -27,12 +28,21 @@ from transformers import PreTrainedTokenizerBase
 
 from .algo.advantages import loss_mask, norm_length, overlong_penalties, step_advantages, truncated
 from .algo.estimators import check_prompt_groups
-from .algo.functional import convert_to_scalar, entropy_from_logits, flatten_dict
+from .algo.functional import convert_to_scalar, flatten_dict
 from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacement, RunningMoments, scale_scores
 from .algo.ppo_math import Advantages, Divisors, ShapedRewards
 from .algo.registry import get_estimator
 from .config import PPOConfig, RunSizes, resolve, run_config
-from .legacy import LegacyMethods, check_arguments, hooked_advantages, overridden_step_hooks, push_to_hub_if_best
+from .legacy import (
+    LegacyMethods,
+    check_arguments,
+    hooked_advantages,
+    legacy_loss,
+    legacy_train_minibatch,
+    overridden_step_hooks,
+    overrides,
+    push_to_hub_if_best,
+)
 from .models.cpu_attention import scoring_precision
 from .models.generation import check_group_sampling, generate_batched
 from .models.modeling import PreTrainedModelWrapper, decoder_start_token_id
@@ -154,7 +164,6 @@ class PPOTrainer(LegacyMethods):
         config = self.config
         self.estimator = get_estimator(config.advantage_estimator)  # what the step computes (algo.registry)
         self._kl = KLPlacement.of(config)  # where the KL goes, with which estimate and coefficient
-        self._policy_loss = self.resolved.policy_loss  # a registered policy loss's name
         prepare_for_training(model, self.tokenizer, config.disable_dropout, config.gradient_checkpointing,
                              self.estimator.uses_critic)
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
@@ -355,40 +364,27 @@ class PPOTrainer(LegacyMethods):
                     self.model.train()
                     with self._forward_precision():
                         out = policy_outputs(self.model, mb.inputs, with_entropy=True)
-                    stats = self.train_minibatch(mb.old_logprobs, mb.old_values, out.logprobs, None, out.values,
-                                                 mb.mask, mb.advantages, mb.returns, entropy=out.entropy,
-                                                 ref_logprobs=mb.ref_logprobs, norm_length=mb.norm_length,
-                                                 minibatch_index=len(all_stats), divisors=divisors)
+                    if overrides(self, "train_minibatch"):  # a user's, called in legacy's argument order
+                        stats = legacy_train_minibatch(self, mb, out, len(all_stats), divisors)
+                    else:
+                        stats = self._update_minibatch(mb, out, len(all_stats), divisors)
                 all_stats.append(stats)
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
         return all_stats
 
-    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns,
-                        entropy=None, ref_logprobs=None, norm_length=None, minibatch_index: int = 0,
-                        divisors: Divisors | None = None) -> dict[str, torch.Tensor]:
-        """Loss, backward, clipping and optimizer step of one mini-batch (all tensors ``(b, R)``): the
-        ``minibatch_index``-th of its step (for the error a failure raises); see ``step.update.Updates.apply``.
-        ``divisors``: its accumulation window's (None: the mini-batch is the window)."""
-        loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
-                                          entropy=entropy, ref_logprobs=ref_logprobs, norm_length=norm_length,
-                                          divisors=divisors)
-        failed = functools.partial(minibatch_failure, self.step_count + 1, minibatch_index)
+    def _update_minibatch(self, mb: Rollout, out: PolicyOutputs, index: int,
+                          divisors: Divisors | None) -> dict[str, torch.Tensor]:
+        """Loss, backward, clipping and optimizer step of the mini-batch ``mb`` (``Rollout.minibatch``, ``(b, R)``)
+        under its training pass ``out``: the ``index``-th of its step (for the error a failure raises), its means
+        divided by ``divisors`` (its accumulation window's; None: the mini-batch is the window). The loss is
+        ``step.update.ppo_loss`` (or a user's override of the legacy ``loss``), the rest ``Updates.apply``."""
+        if overrides(self, "loss"):
+            loss_p, loss_v, stats = legacy_loss(self, mb, out, divisors)
+        else:
+            loss_p, loss_v, stats = ppo_loss(self.config, self._group, mb, out, divisors)
+        failed = functools.partial(minibatch_failure, self.step_count + 1, index)
         return self._updates.apply(loss_p + loss_v, stats, self.config.ratio_threshold, self._group, failed)
-
-    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
-             ref_logprobs=None, norm_length=None, divisors: Divisors | None = None):
-        """``(policy loss, value loss, stats)`` of a mini-batch, legacy's signature over ``step.update.ppo_loss``.
-
-        ``logits`` (``(b, R, V)``) is accepted for API compatibility; the trainer passes the per-token ``entropy``
-        instead, computed without materialising the logits. ``norm_length``: Dr. GRPO's constant (the step's
-        ``Rollout.norm_length``; None: the mini-batch's width); ``divisors``: what its means divide by, its
-        accumulation window's (``step.update.window_divisors``; None: the mini-batch alone is the window).
-        """
-        if entropy is None and logits is not None:
-            entropy = entropy_from_logits(logits)
-        return ppo_loss(self.config, self.estimator.uses_critic, self._policy_loss, self._group, old_logprobs, values,
-                        vpreds, logprobs, mask, advantages, returns, entropy, ref_logprobs, norm_length, divisors)
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
         """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""

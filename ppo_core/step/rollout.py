@@ -95,7 +95,7 @@ class Rollout(NamedTuple):
     ``R`` is the longest response; every ``(B, R)`` tensor is zero (or ignored) past a sample's response.
     """
 
-    inputs: ModelInputs  # the (query, response) sequences, (B, T)
+    inputs: ModelInputs | None  # the (query, response) sequences, (B, T); None in a legacy loss call
     mask: torch.Tensor  # (B, R) float, 1 = response token the loss trains on (dynamic sampling and
     # mask_truncated_completions leave whole responses out)
     old_logprobs: torch.Tensor  # (B, R) log-probabilities of the response tokens under the rollout policy

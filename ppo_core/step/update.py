@@ -26,6 +26,7 @@ from ..algo.ppo_math import Divisors, policy_loss, value_loss
 from ..algo.registry import settings
 from ..runtime.distributed import raise_if_any
 from ..runtime.precision import OverflowGuard, loss_scaled
+from .rollout import PolicyOutputs, Rollout
 from .stats import minibatch_stats, non_finite_count, non_finite_stat
 
 
@@ -54,40 +55,43 @@ def window_divisors(mask: torch.Tensor, group, accumulation_steps: int) -> Divis
     return Divisors(*torch.where(counts > 0, counts, torch.ones_like(counts)).unbind())
 
 
-def ppo_loss(config, uses_critic: bool, policy_loss_kind: str, group, old_logprobs, values, vpreds, logprobs, mask,
-             advantages, returns, entropy=None, ref_logprobs=None, norm_length=None, divisors: Divisors | None = None):
-    """``(policy loss, value loss, stats)`` of a mini-batch, all tensors ``(b, R)``: the clipped policy loss (plus
-    ``kl_loss_coef`` times the KL loss term with ``kl_in="loss"``) and ``vf_coef`` times the clipped value loss (zero
-    without a critic, and no ``val/*`` stats). ``norm_length``: Dr. GRPO's constant (None: the mini-batch's width).
+def ppo_loss(config, group, mb: Rollout, out: PolicyOutputs,
+             divisors: Divisors | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``(policy loss, value loss, stats)`` of the mini-batch ``mb`` (its ``(b, R)`` tensors, from
+    :meth:`Rollout.minibatch`) under the training pass's ``out`` (``(b, R)`` log-probabilities, values and entropies):
+    the registered policy loss (plus ``kl_loss_coef`` times the KL loss term with the KL in the loss) and ``vf_coef``
+    times the clipped value loss (zero without a critic, and no ``val/*`` stats). What it trains with is
+    ``config``'s resolved settings (``algo.registry.settings``). ``mb.inputs`` is not read: a legacy call has none.
 
     ``divisors``: what its token and sequence means divide by, its accumulation window's (:func:`window_divisors`;
     the trainer's PPO epochs pass them). None, for a mini-batch alone (legacy's ``loss`` called by hand): the window is
     the mini-batch. Under N processes the token means are this process's shares of the global window's (the stats
     too, the variances excepted); the step averages them into the global values.
     """
-    cfg, resolved = config, settings(config)
+    cfg, resolved, mask = config, settings(config), mb.mask
     divisors = window_divisors(mask, group, 1) if divisors is None else divisors
     n_tokens = divisors.tokens
     if n_tokens is None and (cfg.mask_truncated_completions or resolved.dynamic_sampling):  # a mini-batch may be empty
         n_tokens = mask.sum()
         n_tokens = torch.where(n_tokens > 0, n_tokens, torch.ones_like(n_tokens))
         divisors = divisors._replace(tokens=n_tokens)
-    norm_length = mask.shape[1] if norm_length is None else norm_length
-    pg = policy_loss(logprobs, old_logprobs, advantages, mask, resolved.cliprange, n_tokens,
+    norm_length = mask.shape[1] if mb.norm_length is None else mb.norm_length  # Dr. GRPO's constant
+    pg = policy_loss(out.logprobs, mb.old_logprobs, mb.advantages, mask, resolved.cliprange, n_tokens,
                      loss_reduction(cfg, mask, divisors, norm_length), cliprange_high=resolved.epsilon_high,
-                     level=resolved.importance_sampling_level, kind=policy_loss_kind,
-                     **getattr(resolved, "policy_loss_kwargs", {}))
-    vf = value_loss(vpreds, values, returns, mask, cfg.cliprange_value, n_tokens) if uses_critic else None
-    kl = kl_loss(cfg, logprobs, ref_logprobs, mask, divisors, norm_length)
+                     level=resolved.importance_sampling_level, kind=resolved.policy_loss,
+                     **resolved.policy_loss_kwargs)
+    critic = resolved.uses_critic
+    vf = value_loss(out.values, mb.old_values, mb.returns, mask, cfg.cliprange_value, n_tokens) if critic else None
+    kl = kl_loss(cfg, out.logprobs, mb.ref_logprobs, mask, divisors, norm_length)
     with torch.no_grad():
-        stats = minibatch_stats(pg, vf, cfg.vf_coef, mask, advantages, returns, vpreds, values, entropy, n_tokens,
-                                group, kl)
+        stats = minibatch_stats(pg, vf, cfg.vf_coef, mask, mb.advantages, mb.returns, out.values, mb.old_values,
+                                out.entropy, n_tokens, group, kl)
         # what the skip decision reads: the mini-batch's own token count and its ratio's sum share (the stat divides
         # by the window's count)
         stats["policy/tokens"] = mask.sum().to(pg.ratio_mean.dtype)
         stats["policy/ratio_sum"] = pg.ratio_mean * (stats["policy/tokens"] if n_tokens is None else n_tokens)
     loss_p = pg.loss if kl is None else pg.loss + KLPlacement.of(resolved).loss_coef * kl
-    return loss_p, (cfg.vf_coef * vf.loss if uses_critic else torch.zeros_like(pg.loss)), stats
+    return loss_p, (cfg.vf_coef * vf.loss if critic else torch.zeros_like(pg.loss)), stats
 
 
 def minibatch_failure(step: int, done: int, what: str, advice: str = "") -> FloatingPointError:

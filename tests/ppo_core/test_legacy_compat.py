@@ -557,6 +557,63 @@ def test_step_calls_a_subclass_s_compute_rewards_and_compute_advantages_as_legac
     assert token_level["ppo/returns/mean"] > base["ppo/returns/mean"] + 0.4  # +0.5 on every token, discounted
 
 
+class LegacyLoss(PPOTrainer):
+    """TRL 0.11's exact signature, as a subclass written for it has: none of the keywords ppo_core adds."""
+
+    calls: list = []
+
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
+        type(self).calls.append((logits, tuple(mask.shape)))
+        loss_p, loss_v, stats = super().loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages,
+                                             returns)
+        return loss_p, 0.0 * loss_v, stats  # the value loss off: the value head does not train
+
+
+class LegacyTrainMinibatch(PPOTrainer):
+    calls: list = []
+
+    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
+        type(self).calls.append(tuple(mask.shape))
+        return super().train_minibatch(old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns)
+
+
+def test_step_calls_a_loss_or_train_minibatch_override_with_legacy_s_signature():
+    """A subclass written for TRL 0.11 overrides ``loss`` or ``train_minibatch`` with its eight positional arguments:
+    ``step`` calls it once per mini-batch in legacy's order (``logits`` None: the pass never materialises them)."""
+    base, base_stats = step_with(PPOTrainer)
+    LegacyTrainMinibatch.calls.clear()
+    via_override, stats = step_with(LegacyTrainMinibatch)
+    assert [shape[0] for shape in LegacyTrainMinibatch.calls] == [2, 2]  # 4 samples, mini-batches of 2, one epoch
+    for (name, p), q in zip(via_override.model.named_parameters(), base.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)  # the same update, bit for bit
+    # the same stats, but the entropy: a legacy signature takes no per-token entropy, and logits are None
+    assert set(base_stats) - set(stats) == {"ppo/policy/entropy"}
+    assert stats["ppo/loss/total"] == base_stats["ppo/loss/total"]
+    LegacyLoss.calls.clear()
+    trainer, _ = step_with(LegacyLoss)
+    assert [logits for logits, _ in LegacyLoss.calls] == [None, None]
+    start = dict(tiny_value_model("gpt2").named_parameters())  # trainer_for's model, before the step
+    moved = {n: not torch.equal(p, start[n]) for n, p in trainer.model.named_parameters()}
+    base_moved = {n: not torch.equal(p, start[n]) for n, p in base.model.named_parameters()}
+    assert base_moved["v_head.summary.weight"] and not moved["v_head.summary.weight"]  # the override's loss trained
+    assert moved["pretrained_model.transformer.h.1.mlp.c_proj.weight"]  # the policy loss did
+
+
+def test_the_step_s_mini_batches_go_to_the_engine_not_through_the_legacy_methods(monkeypatch):
+    """Without an override, ``step`` hands each ``Rollout`` mini-batch to ``step.update.ppo_loss``: the legacy
+    ``train_minibatch``, ``loss`` and ``batched_forward_pass`` are never called (a direct call still works)."""
+    from unittest import mock
+
+    from ppo_core.legacy import LegacyMethods
+
+    called = {name: mock.Mock(side_effect=AssertionError(name)) for name in
+              ("train_minibatch", "loss", "batched_forward_pass", "compute_rewards", "compute_advantages")}
+    for name, fake in called.items():
+        monkeypatch.setattr(LegacyMethods, name, fake)
+    _, stats = step_with(PPOTrainer)
+    assert stats["ppo/loss/total"] is not None and not any(fake.called for fake in called.values())
+
+
 def test_step_hooks_that_step_cannot_call_are_said():
     with pytest.raises(ValueError, match=r"TokenLevelRewards overrides compute_rewards, which step\(\) calls as legacy "
                                          r"did only with advantage_estimator='gae'"):

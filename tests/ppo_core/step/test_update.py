@@ -181,6 +181,7 @@ def test_the_stats_of_a_user_s_own_loss_decide_as_legacy_s_did():
 def one_token_loss(config, log_ratio: list[list[float]], advantages: list[list[float]], mask=None, **tensors):
     """`ppo_loss` of a (b, R) mini-batch whose log-probabilities are ``log_ratio`` above the rollout's: (policy loss,
     value loss, stats), in float64, alone (the mini-batch is its window)."""
+    from ppo_core.step.rollout import PolicyOutputs, Rollout
     from ppo_core.step.update import ppo_loss
 
     log_ratio = torch.tensor(log_ratio, dtype=torch.float64)
@@ -189,9 +190,8 @@ def one_token_loss(config, log_ratio: list[list[float]], advantages: list[list[f
     values, vpreds, returns = (torch.tensor(tensors.get(k, zeros.tolist()), dtype=torch.float64)
                                for k in ("values", "vpreds", "returns"))
     ref = torch.tensor(tensors["ref"], dtype=torch.float64) if "ref" in tensors else None
-    return ppo_loss(config, "vpreds" in tensors, "clip" if config.loss_type != "cispo" else "cispo", ALONE, zeros,
-                    values, vpreds, log_ratio, mask, torch.tensor(advantages, dtype=torch.float64), returns,
-                    ref_logprobs=ref)
+    mb = Rollout(None, mask, zeros, values, ref, torch.tensor(advantages, dtype=torch.float64), returns)
+    return ppo_loss(config, ALONE, mb, PolicyOutputs(log_ratio, vpreds, None, None))
 
 
 def test_the_clip_s_low_side_is_cliprange_and_its_high_side_epsilon_high():
