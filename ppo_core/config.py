@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import sys
@@ -216,6 +217,10 @@ class PPOConfig:
                           FutureWarning, stacklevel=3)
             self.optimize_device_cache = self.optimize_cuda_cache
         _check_ranges(self)
+        if self.log_with is not None and not any(importlib.util.find_spec(m) for m in TRACKER_MODULES[self.log_with]):
+            raise ConfigError("log_with", f"{{key}} is {self.log_with!r}, but {TRACKER_MODULES[self.log_with][0]} is "
+                              f"not installed (pip install {TRACKER_MODULES[self.log_with][0]}), so nothing would be "
+                              "logged; install it or set log_with to None")
         self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
         check_range("batch_size", self.batch_size, f"a multiple of mini_batch_size * gradient_accumulation_steps "
                     f"({self.mini_batch_size} * {self.gradient_accumulation_steps} = {self.backward_batch_size})",
@@ -425,6 +430,12 @@ OTHER_NAMES = {"epsilon": "TRL's epsilon is legacy PPOConfig's cliprange",
                "kl_coef": "TRL RLOOConfig's kl_coef is init_kl_coef here (the KL in the reward)"}
 _HINTS = typing.get_type_hints(PPOConfig)
 _FIELD_NAMES = [f.name for f in dataclasses.fields(PPOConfig)]
+DEPRECATED = {"forward_batch_size": "mini_batch_size", "optimize_cuda_cache": "optimize_device_cache"}  # -> the new
+# what a user sets, as error messages offer them: not the fields worked out from others, nor the deprecated names
+SETTABLE = [name for name in _FIELD_NAMES if name not in DERIVED and name not in DEPRECATED]
+# log_with's trackers: the modules accelerate needs for each (any one of them)
+TRACKER_MODULES = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX"), "dvclive": ("dvclive",),
+                   "comet_ml": ("comet_ml",), "mlflow": ("mlflow",), "aim": ("aim",), "clearml": ("clearml",)}
 
 
 def _reject_unknown_keys(init):
@@ -432,7 +443,7 @@ def _reject_unknown_keys(init):
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
-        check_keys(kwargs, _FIELD_NAMES, renamed=OTHER_NAMES)
+        check_keys(kwargs, _FIELD_NAMES, renamed=OTHER_NAMES, settable=SETTABLE)
         init(self, *args, **kwargs)
 
     return checked_init

@@ -45,18 +45,20 @@ def _got(value: Any) -> str:
 
 
 def check_keys(values: Iterable[str], known: Iterable[str], key_prefix: str = "", required: bool = False,
-               renamed: dict[str, str] | None = None) -> None:
-    """Raise a ConfigError for the first key of ``values`` not in ``known`` (suggesting the closest known key, or
-    listing them; ``renamed``: another library's name for a known key, and what to write instead), and with
-    ``required`` for the first key of ``known`` missing from ``values``."""
+               renamed: dict[str, str] | None = None, settable: Iterable[str] | None = None) -> None:
+    """Raise a ConfigError for the first key of ``values`` not in ``known`` (suggesting the closest key of
+    ``settable``, default ``known``, or listing those: a key a user may not set is neither suggested nor listed;
+    ``renamed``: another library's name for a known key, and what to write instead), and with ``required`` for the
+    first key of ``known`` missing from ``values``."""
     values, known = list(values), list(known)
+    offered = known if settable is None else list(settable)
     for key in values:
         if key in (renamed or {}):
             raise ConfigError(key_prefix + key, "unknown key '{key}'; " + renamed[key])
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+            close = difflib.get_close_matches(key, offered, n=1)
             hint = (f"did you mean '{{prefix}}{_literal(key_prefix + close[0])}'?" if close
-                    else f"the keys here are {_literal([key_prefix + k for k in known])}")
+                    else f"the keys here are {_literal([key_prefix + k for k in offered])}")
             raise ConfigError(key_prefix + key, "unknown key '{key}'; " + hint)
     if required:
         for key in known:

@@ -164,6 +164,12 @@ class PPOTrainer(LegacyMethods):
         config = self.config
         self.estimator = get_estimator(config.advantage_estimator)  # what the step computes (algo.registry)
         self._kl = KLPlacement.of(config)  # where the KL goes, with which estimate and coefficient
+        if config.num_generations > 1 and not self.estimator.needs_groups:
+            warnings.warn(f"PPOTrainer: num_generations={config.num_generations} with advantage_estimator "
+                          f"{config.advantage_estimator!r}, which does not compare a prompt's samples (each has its "
+                          f"own baseline): every prompt is only repeated {config.num_generations} times, each step "
+                          "seeing fewer prompts; set num_generations=1, or an estimator that compares them (grpo, "
+                          "rloo, ...).", UserWarning, stacklevel=4)
         prepare_for_training(model, self.tokenizer, config.disable_dropout, config.gradient_checkpointing,
                              self.estimator.uses_critic)
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None

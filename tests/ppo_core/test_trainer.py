@@ -693,3 +693,14 @@ def test_the_legacy_trainer_api_is_all_there(tmp_path):
     assert checked[2].shape == (4,) and checked[3] is None
     trainer.create_model_card(str(tmp_path), model_name="tiny")
     assert "# tiny" in (tmp_path / "README.md").read_text()
+
+
+def test_num_generations_with_an_estimator_that_does_not_compare_them_is_warned_about():
+    """GAE gives each sample its own baseline: num_generations=4 only repeats every prompt 4 times."""
+    with pytest.warns(UserWarning, match=r"num_generations=4 with advantage_estimator 'gae', which does not compare "
+                                         r"a prompt's samples"):
+        make_trainer(batch_size=8, mini_batch_size=4, num_generations=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="PPOTrainer: no dataset")
+        make_trainer(batch_size=8, mini_batch_size=4, num_generations=4, advantage_estimator="grpo")
