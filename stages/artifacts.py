@@ -260,8 +260,17 @@ def read_table(path: Path, columns: Sequence[str]):
                              "rerun the stage that writes it")
         return pq.read_table(path, columns=list(columns)).to_pandas()
     except (pa.ArrowException, OSError) as err:  # empty, truncated or not Parquet at all
-        raise StageError(f"{path}: not a readable Parquet file ({reason(err)}); rerun the stage that writes it "
-                         f"(`dvc repro -f {writer_of(path)}`, or `dvc checkout` for the last good one)") from None
+        raise StageError(f"{path}: not a readable Parquet file ({reason(err)}); {restore_hint(path)}") from None
+
+
+def read_prompts(path: Path):
+    """The tokenize stage's prompts (``query``, ``input_ids``), every row holding at least one token id."""
+    prompts = read_table(path, ["query", "input_ids"])
+    empty = [i for i, ids in enumerate(prompts["input_ids"]) if ids is None or len(ids) == 0]
+    if empty:
+        raise StageError(f"{path}: {len(empty)} rows have no input_ids (the first: row {empty[0]}); "
+                         f"{restore_hint(path)}")
+    return prompts
 
 
 # The files of a saved tokenizer (whichever of them a tokenizer has): what its token ids mean.
@@ -324,6 +333,47 @@ def writer_of(path: Path) -> str:
         if any(f"/{out.rstrip('/')}/" in where for out in spec.outs):  # relative or under a project root
             return spec.name
     return "<stage>"
+
+
+def restore_hint(path: Path) -> str:
+    """How to get a damaged or missing artifact back: rerun the stage that writes it, or check out its last good one
+    (DVC's cache); for a path no stage writes (a user's own model), to check it."""
+    stage = writer_of(path)
+    if stage == "<stage>":
+        return "check the files there"
+    return f"rerun the stage that writes it (`dvc repro -f {stage}`), or `dvc checkout {stage}` for the last good one"
+
+
+@contextmanager
+def loading(path: Path) -> Iterator[None]:
+    """Around a ``from_pretrained`` of the saved model at ``path``: a library's error reading it (truncated weights, a
+    damaged config) becomes one line naming the directory, what is wrong and how to restore it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except StageError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as err:
+        raise StageError(f"{path}: the saved model could not be read ({reason(err)}); {restore_hint(path)}") from None
+
+
+def read_json(path: Path, required: Sequence[str] = ()) -> dict:
+    """A JSON object an earlier stage wrote (metrics), holding the ``required`` keys; a StageError naming the file, what
+    is wrong with it and how to restore it when it is missing, damaged (cut short, not JSON) or lacks a key."""
+    path = Path(path)
+    if not path.exists():
+        raise StageError(f"{path}: not found; run the stage that writes it first (`dvc repro` runs them in order)")
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, OSError) as err:  # cut short, not JSON, not UTF-8
+        raise StageError(f"{path}: not valid JSON ({reason(err)}); {restore_hint(path)}") from None
+    if not isinstance(value, dict):
+        raise StageError(f"{path}: expected a JSON object, got {type(value).__name__}; {restore_hint(path)}")
+    missing = [key for key in required if key not in value]
+    if missing:
+        raise StageError(f"{path}: no '{missing[0]}' in it; {restore_hint(path)}")
+    return value
 
 
 def require_dir(path: Path) -> Path:

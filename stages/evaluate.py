@@ -39,7 +39,7 @@ from stages.artifacts import (
     check_tokenized_with,
     evaluation_metrics,
     publishing,
-    read_table,
+    read_prompts,
     require_dir,
     write_json,
     write_parquet,
@@ -47,7 +47,7 @@ from stages.artifacts import (
 from stages.models import is_encoder_decoder, load_float32
 from stages.params import Params
 from stages.runtime import device, note
-from stages.scoring import build_scorer, load_callable, scored
+from stages.scoring import build_scorer, load_callable, scored, scorer_texts
 from stages.synthetic import gold_score
 
 
@@ -59,7 +59,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
 def compare_policies(params: Params, root: Path) -> str:
     """Sample, score and measure both policies on the held-out prompts; write the samples and the metrics."""
     set_seed(params.seed)
-    prompts = read_table(root / TOKENIZED_EVAL, ["query", "input_ids"])
+    prompts = read_prompts(root / TOKENIZED_EVAL)
     if params.evaluate.n_prompts is not None and params.evaluate.n_prompts > len(prompts):
         note(f"evaluate: evaluate.n_prompts is {params.evaluate.n_prompts}, but {TOKENIZED_EVAL} holds {len(prompts)} "
              f"held-out prompts: evaluating all {len(prompts)}")
@@ -88,7 +88,8 @@ def compare_policies(params: Params, root: Path) -> str:
             kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
                              logprob_sums(policies["sft"], query_ids, response_ids, bs))
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
-                "score": scores_of(score, texts, params, name), "kl_to_sft": kl.tolist(),
+                "score": scores_of(score, scorer_texts(params, queries, responses), params, name),
+                "kl_to_sft": kl.tolist(),
                 "response_tokens": [len(r) for r in response_ids]}
         for judge, fn in judges.items():
             rows[judge] = scores_of(fn, texts, params, name, who=f"judge {judge}")

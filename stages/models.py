@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from stages.artifacts import require_dir
+from stages.artifacts import loading, require_dir
 from stages.runtime import StageError, device, reason
 
 # Notices about what the stages do on purpose, a line or two each at every LoRA run: peft saves the embeddings of a
@@ -78,7 +78,16 @@ def load_float32(model_class, path, **kwargs):
     bf16 compute is mixed precision (autocast) over these float32 weights."""
     import torch
 
-    return model_class.from_pretrained(path, dtype=torch.float32, **kwargs)
+    with loading(path):
+        return model_class.from_pretrained(path, dtype=torch.float32, **kwargs)
+
+
+def check_mixed_precision(params) -> None:
+    """Refuse `model.mixed_precision: fp16` where no CUDA GPU is visible: autocast to float16 is a GPU's, and on a CPU
+    the stages would compute in float32, byte for byte what `null` gives, while the params say fp16."""
+    if params.model.mixed_precision == "fp16" and device() == "cpu":
+        raise StageError(f"{params.path}: model.mixed_precision is fp16, which needs a CUDA GPU and none is visible: "
+                         "on a CPU the run would compute in float32 (the same as null); set bf16 or null")
 
 
 def autocast_args(mixed_precision: str | None) -> dict[str, bool]:

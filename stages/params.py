@@ -29,6 +29,21 @@ if TYPE_CHECKING:
     from ppo_core.config import PPOConfig
 
 SYNTHETIC = "synthetic"
+MIN_TEXTS_FROM_SCRATCH = 500  # SFT texts below which a model trained from scratch learns no language (sft and the
+# report say so)
+# Each dataset's columns (what data.<name>.columns maps to the source's; synthetic data makes them itself).
+COLUMNS = {"sft": ("text",), "pairs": ("prompt", "chosen", "rejected"), "prompts": ("query",)}
+# Legacy PPOConfig fields that only label a run: the pipeline decides what they name, so a value of a user's own
+# would read as if it acted. Each: the artifact the ppo stage reads, the param that picks what it holds (a label
+# naming either is right), and what the stage does.
+PIPELINE_LABELS = {
+    "model_name": ("data/models/sft", "model.name_or_path", "starts from the sft stage's model (model.name_or_path "
+                   "picks what sft starts from)"),
+    "reward_model": ("data/models/reward", "scorer.name", "scores with scorer.source (its reward model is the "
+                     "reward stage's)"),
+    "query_dataset": ("data/tokenized/train.parquet", "data.prompts.source", "draws its prompts from the tokenize "
+                      "stage's (data.prompts.source picks them)"),
+}
 
 
 @dataclass(frozen=True)
@@ -136,7 +151,10 @@ class RewardParams:
 @dataclass(frozen=True)
 class TokenizeParams:
     max_query_tokens: int
-    """Queries longer than this are truncated (the start is kept)."""
+    """The most tokens a query may have (query plus response must fit the model's context)."""
+    truncation: Literal["refuse", "keep_start", "keep_end", "drop"]
+    """A query over max_query_tokens: "refuse" (stop, saying how many), "keep_start" / "keep_end" (its first / last
+    tokens, maybe cutting a word: the stage says how many), "drop" (left out, counted)."""
     min_query_tokens: int
     """Queries shorter than this (after truncation) are dropped."""
 
@@ -152,6 +170,9 @@ class ScorerParams:
     """pipeline only: the label whose raw score (function_to_apply="none") is the reward, as in the seed."""
     batch_size: int
     """Texts per scoring forward pass."""
+    input: Literal["query_response", "response"] = "query_response"
+    """What the scorer is given: "query_response" (the prompt and the response as one text, as the seed scores and
+    the reward model is trained) or "response" (the response alone). Judges and the gold score see both."""
 
     @property
     def title(self) -> str:
@@ -296,6 +317,16 @@ def load_params(path: str | Path) -> Params:
     return params
 
 
+def defaulted_ppo_keys(params: Params) -> dict[str, Any]:
+    """The `ppo` keys the file leaves out, each with the PPOConfig default the run takes instead (the keys the
+    pipeline fills itself, and the derived ones, aside)."""
+    from ppo_core.config import SETTABLE
+
+    filled = {"seed", "max_completion_length", *PIPELINE_LABELS}
+    config = params.ppo_config
+    return {key: getattr(config, key) for key in SETTABLE if key not in params.ppo and key not in filled}
+
+
 def _build_ppo_config(params: Params) -> PPOConfig:
     """`Params.ppo_config`'s value (see there)."""
     from ppo_core.config import DERIVED, PPOConfig
@@ -304,6 +335,13 @@ def _build_ppo_config(params: Params) -> PPOConfig:
     if derived is not None:
         raise ParamsError(f"{params.path}: ppo.{derived} is derived ({DERIVED[derived]}), not set; remove it")
     kwargs = dict(params.ppo)
+    for key, (path, picker, what) in PIPELINE_LABELS.items():
+        given, picked = kwargs.get(key), functools.reduce(getattr, picker.split("."), params)
+        if given is None:
+            kwargs[key] = path
+        elif str(given) not in (path, str(picked)):
+            raise ParamsError(f"{params.path}: ppo.{key} is {given!r}, but the ppo stage {what}; remove ppo.{key} "
+                              f"or set it to {path}")
     if kwargs.get("seed") is None:
         kwargs["seed"] = params.seed
     if kwargs.get("max_completion_length") is None:
@@ -351,6 +389,13 @@ def _check_values(p: Params) -> None:
         *generation_checks(p.generation),
         ("scorer.name", p.scorer.name, f"set for scorer.source {p.scorer.source}",
          p.scorer.source == "reward_model" or bool(p.scorer.name)),
+        ("scorer.name", p.scorer.name, "null with scorer.source reward_model (the reward stage's model scores; a "
+         "function goes with scorer.source: callable, a classifier with pipeline)",
+         p.scorer.source != "reward_model" or p.scorer.name is None),
+        *((f"data.{name}.columns", spec.columns, f"{{{', '.join(f'{c}: {c}' for c in COLUMNS[name])}}} with "
+           f"data.{name}.source {SYNTHETIC} (it makes its own columns)",
+           spec.source != SYNTHETIC or spec.columns == {c: c for c in COLUMNS[name]})
+          for name, spec in (("sft", p.data.sft), ("pairs", p.data.pairs), ("prompts", p.data.prompts))),
         ("evaluate.n_prompts", p.evaluate.n_prompts, "null or >= 1",
          p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1),
         *((f"evaluate.judges.{name}", value, "a 'module:function'", ":" in value and value.partition(":")[2] != "")

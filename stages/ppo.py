@@ -28,29 +28,32 @@ from stages.artifacts import (
     SFT_MODEL,
     TOKENIZED_TRAIN,
     check_tokenized_with,
-    read_table,
+    loading,
+    read_prompts,
     require_dir,
 )
-from stages.models import is_encoder_decoder, lora_config, model_context
-from stages.params import Params
+from stages.models import check_mixed_precision, is_encoder_decoder, lora_config, model_context
+from stages.params import Params, defaulted_ppo_keys
 from stages.ppo_run import publish, record, resume_run, save_run_checkpoint
 from stages.ppo_tables import StepTables, gather_columns, rollout_table
 from stages.runtime import Progress, StageError, note, process_state, warning
-from stages.scoring import build_scorer, reward_adapter, scored
+from stages.scoring import build_scorer, reward_adapter, scored, scorer_texts
 from stages.synthetic import gold_score
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
     """Check what can be checked before the models load, build the loop, resume it if a checkpoint of the same run
     is there, run its steps (recording each, checkpointing some) and publish; returns the summary line."""
+    check_mixed_precision(params)
     set_seed(params.seed)
     config = params.ppo_config
-    prompts = read_table(root / TOKENIZED_TRAIN, ["query", "input_ids"])
+    prompts = read_prompts(root / TOKENIZED_TRAIN)
     state = process_state()
     sizes = RunSizes.of(config, state.num_processes)  # under `accelerate launch`: ppo.batch_size is per process
     check_prompts_fill_a_step(len(prompts), sizes, params.path)
     if state.is_main_process:
         note_steps_rounded_up(config)
+        note_defaulted_keys(params)
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     check_tokenized_with(root / TOKENIZED_TRAIN, root / SFT_MODEL)
     seq2seq = is_encoder_decoder(root / SFT_MODEL)
@@ -80,6 +83,16 @@ def run(params: Params, root: Path = Path(".")) -> str:
     progress.close()
     publish(trainer, root, tables, tokenizer)  # the run has finished
     return summary(tables, start)
+
+
+def note_defaulted_keys(params: Params) -> None:
+    """Say once which `ppo` keys the params file leaves out, and the PPOConfig defaults they take (legacy TRL's,
+    which may differ from the shipped params.yaml's: without batch_size a run takes 128 rollouts a step)."""
+    defaulted = defaulted_ppo_keys(params)
+    if defaulted:
+        values = ", ".join(f"{key}={value!r}" for key, value in defaulted.items())
+        note(f"{params.path}: {len(defaulted)} ppo key{'s' if len(defaulted) > 1 else ''} not set, so PPOConfig's "
+             f"default{'s' if len(defaulted) > 1 else ''}: {values}")
 
 
 def check_prompts_fill_a_step(n_prompts: int, sizes: RunSizes, params_path: Path) -> None:
@@ -133,7 +146,8 @@ def build_loop(params: Params, config: PPOConfig, prompts, tokenizer, seq2seq: b
     shared = reward_adapter(params, root, seq2seq)  # LoRA: the reward model is an adapter on the policy's base too
     if shared is not None:
         adapter["reward_adapter"] = str(shared)
-    model = policy_class.from_pretrained(root / SFT_MODEL, **adapter)
+    with loading(root / SFT_MODEL):
+        model = policy_class.from_pretrained(root / SFT_MODEL, **adapter)
     # before the trainer: under ZeRO-3, models built after it come out sharded
     score = build_scorer(params, root, model if shared is not None else None)
     with warnings.catch_warnings():  # no dataset, on purpose: the stage batches the prompts itself (query_batches)
@@ -158,14 +172,15 @@ def one_step(loop: Loop, step: int, idx: list[int], params: Params, root: Path) 
     generated = time.perf_counter()
     # 2. score
     texts = [q + r for q, r in zip(queries, responses)]
-    scores = scored(loop.score, texts, params, f"PPO step {step + 1}")
+    scores = scored(loop.score, scorer_texts(params, queries, responses), params, f"PPO step {step + 1}")
     seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
     # 3. optimise
     try:
         stats = trainer.step(query_tensors, response_tensors, [torch.tensor(s, dtype=torch.float) for s in scores])
     except FloatingPointError as err:  # raised before the update: the last checkpoint is intact
-        raise StageError(f"{str(err).rstrip('.')}; the checkpoint in {root / PPO_CHECKPOINTS} (if any) is intact "
-                         "and a rerun resumes from it") from None
+        raise StageError(f"{str(err).rstrip('.')}; {likely_cause(scores)}; the checkpoint in "
+                         f"{root / PPO_CHECKPOINTS} (if any) is intact: a rerun resumes from it once that is "
+                         "changed") from None
     # 4. every process's rollouts, in process order (as step() gathers its per-sample stats, the KL among them)
     gold = [gold_score(t) for t in texts] if params.data.is_synthetic else None
     gathered = gather_columns({
@@ -175,6 +190,19 @@ def one_step(loop: Loop, step: int, idx: list[int], params: Params, root: Path) 
         "response_ids": [r.tolist() for r in response_ids],
     } | ({"gold": gold} if gold else {}), trainer.accelerator)
     return stats | seconds, rollout_table(gathered, stats["objective/kl_dist"])
+
+
+HUGE_SCORE = 1e4  # scores past this overflow float32 in the value loss and its gradients long before 3.4e38
+
+
+def likely_cause(scores: list[float]) -> str:
+    """Why a step's loss or gradients were not finite, from its scores' range: their scale, or else the update's."""
+    low, high = min(scores), max(scores)
+    span = f"this step's scores range from {low:.3g} to {high:.3g}"
+    if max(abs(low), abs(high)) > HUGE_SCORE:
+        return (f"{span}, a scale that overflows float32 in the loss: scale the scorer's output down (scores of a "
+                "few units train best)")
+    return f"{span}; lower ppo.learning_rate or set ppo.max_grad_norm"
 
 
 def summary(tables: StepTables, start: int) -> str:

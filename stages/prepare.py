@@ -12,10 +12,9 @@ from pathlib import Path
 from ppo_core.runtime.utils import set_seed
 from stages import synthetic
 from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
-from stages.params import SYNTHETIC, DatasetSpec, Params
+from stages.params import COLUMNS, SYNTHETIC, DatasetSpec, Params
 from stages.runtime import StageError, note, reason, untracked_hint
 
-COLUMNS = {"sft": ("text",), "pairs": ("prompt", "chosen", "rejected"), "prompts": ("query",)}
 LOCAL_READERS = {".parquet": "read_parquet", ".jsonl": "read_json", ".json": "read_json", ".csv": "read_csv"}
 
 
@@ -113,7 +112,9 @@ def read_source(spec: DatasetSpec, name: str):
                          f"give one of those, a Hugging Face dataset id, or '{SYNTHETIC}'")
     if path.suffix.lower() == ".jsonl":
         return read_jsonl(path)
-    kwargs = {"read_json": {"dtype": False}, "read_csv": {"dtype": str}}.get(reader, {})
+    # utf-8-sig: a byte-order mark would otherwise begin the first column's name
+    kwargs = {"read_json": {"dtype": False, "encoding": "utf-8-sig"},
+              "read_csv": {"dtype": str, "encoding": "utf-8-sig"}}.get(reader, {})
     try:
         return getattr(pd, reader)(path, **kwargs)
     except (ValueError, OSError) as err:
@@ -131,7 +132,7 @@ def read_jsonl(path: Path):
 
     rows = []
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8-sig") as fh:  # a byte-order mark (as some editors save) is not text
             for number, line in enumerate(fh, start=1):
                 if not line.strip():
                     continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -40,10 +41,11 @@ from stages.artifacts import (
     SFT_METRICS,
     atomic_path,
     policy_means,
+    read_json,
     read_table,
     sha256_file,
 )
-from stages.params import Params
+from stages.params import MIN_TEXTS_FROM_SCRATCH, Params
 from stages.runtime import StageError
 
 # curves.csv columns drawn together, one chart each: (title, [(column, label)], y label); {scorer}: the scorer's title
@@ -55,6 +57,7 @@ CHARTS = [
     ("Clipping and approximate KL", [("clipfrac", "policy clip fraction"), ("approxkl", "approx. KL")], ""),
     ("Response length", [("response_len", "tokens")], "tokens"),
 ]
+PARTIAL_TITLES = {"Reward (proxy) and gold score": "Reward (proxy)"}  # a chart's title without its missing curve
 TIMINGS_ID = "step-seconds"  # the element that links to the chart of wall-clock seconds per step
 TIME_PARTS = {"generate": "time/generate", "score": "time/score", "step()": "time/ppo/total"}
 STYLE = """body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1180px;color:#222}
@@ -69,7 +72,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     if curves is None or not (root / EVAL_METRICS).exists():
         raise StageError(f"{root / PPO_CURVES} or {root / EVAL_METRICS}: not found; run the ppo and evaluate stages "
                          "first (`dvc repro` runs them in order)")
-    evaluation = json.loads((root / EVAL_METRICS).read_text())
+    evaluation = read_json(root / EVAL_METRICS, ["win_rate", "reward", "sft"])
     scorer = params.scorer.title  # the scorer that gave the rewards (and the win rate): its name in every label
     judges = params.evaluate.judges  # the named ones (the synthetic gold is in the tables already)
     samples = read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS + list(judges))
@@ -96,11 +99,21 @@ def page(title: str, sections: list[tuple[str, str]]) -> str:
             f"<style>{STYLE}</style></head>\n<body><h1>{html.escape(title)}</h1>\n{body}</body></html>\n")
 
 
+def number(value: float) -> str:
+    """A float with 4 significant digits, trailing zeros kept (``-2.600``, ``0.4266``, ``15.20``: one format down a
+    column), in scientific notation past 1e4 or below 1e-3."""
+    if value != value or value in (math.inf, -math.inf):
+        return str(value)
+    if value != 0 and not 1e-3 <= abs(value) < 1e4:
+        return f"{value:.3e}"
+    return f"{value:#.4g}".rstrip(".")
+
+
 def table(rows: list[list], header: list[str]) -> str:
-    """An HTML table; numbers right-aligned with 4 significant digits, text escaped."""
+    """An HTML table; numbers right-aligned with 4 significant digits (:func:`number`), text escaped."""
     def cell(value) -> str:
         if isinstance(value, float):
-            return f'<td class="n">{value:.4g}</td>'
+            return f'<td class="n">{number(value)}</td>'
         if isinstance(value, int):
             return f'<td class="n">{value}</td>'
         return f"<td>{html.escape(str(value))}</td>"
@@ -156,6 +169,8 @@ def charts(curves: pd.DataFrame, scorer: str) -> str:
         present = [(c, label) for c, label in columns if c in curves]
         if not present:
             continue
+        if len(present) < len(columns):  # e.g. no gold score (a scorer of the user's own data): its title says so
+            title = PARTIAL_TITLES.get(title, title)
         fig, ax = figure(title, ylabel)
         for column, label in present:
             ax.plot(curves["step"], curves[column], marker=".", label=label.format(scorer=scorer))
@@ -214,15 +229,19 @@ def extremes(rollouts_dir: Path, curves: pd.DataFrame, n: int = 3) -> str:
         ranked = rollouts.sort_values("score", ascending=False, kind="stable")
         rows = [["best", r["query"], r["response"], float(r["score"])] for _, r in ranked.head(n).iterrows()]
         rows += [["worst", r["query"], r["response"], float(r["score"])] for _, r in ranked.tail(n).iterrows()]
-        out.append(f"<p>Step {step}</p>" + table(rows, ["", "prompt", "response", "score"]))
+        out.append(f"<p>Step {step}</p>" + table(rows, ["rank", "prompt", "response", "score"]))
     return "".join(out)
 
 
 def models(root: Path) -> str:
-    reward = json.loads((root / REWARD_METRICS).read_text()) if (root / REWARD_METRICS).exists() else {}
-    sft = json.loads((root / SFT_METRICS).read_text()) if (root / SFT_METRICS).exists() else {}
+    reward = read_json(root / REWARD_METRICS) if (root / REWARD_METRICS).exists() else {}
+    sft = read_json(root / SFT_METRICS) if (root / SFT_METRICS).exists() else {}
     rows = [[key, value] for key, value in sorted(reward.items()) if not isinstance(value, dict)]  # held-out
-    text = table(rows, ["reward model, held-out pairs", ""]) if rows else ""
+    caveat = ""
+    if sft.get("n_train", MIN_TEXTS_FROM_SCRATCH) < MIN_TEXTS_FROM_SCRATCH:
+        caveat = (f'<p class="note">SFT trained on {sft["n_train"]} texts: a model trained from scratch on so few '
+                  "learns no language, and the evaluation above then compares noise.</p>")
+    text = caveat + (table(rows, ["reward model, held-out pairs", "value"]) if rows else "")
     if (root / SFT_CURVE).exists():
         curve = pd.read_csv(root / SFT_CURVE)
         fig, ax = figure("SFT training loss", "loss", xlabel="optimiser step")

@@ -30,13 +30,22 @@ from stages.artifacts import (
     write_json,
     writing,
 )
-from stages.models import autocast_args, load_float32, merged, reward_inputs, reward_scores, with_lora
+from stages.models import (
+    autocast_args,
+    check_mixed_precision,
+    load_float32,
+    merged,
+    reward_inputs,
+    reward_scores,
+    with_lora,
+)
 from stages.params import Params
 from stages.resume import discard, trainer_callback, trainer_resume_point
 from stages.runtime import device, quiet_trainer, trainer_progress
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
+    check_mixed_precision(params)
     set_seed(params.seed)
     pairs = read_table(root / RAW_PAIRS, ["prompt", "chosen", "rejected"])
     chosen = (pairs["prompt"] + pairs["chosen"]).tolist()

@@ -69,6 +69,8 @@ def load_callable(name: str, key: str, params: Params) -> Callable[[list[str]], 
         raise StageError(f"{where}: {shown(err.filename)}:{err.lineno}: SyntaxError: {err.msg}") from err
     except Exception as err:  # anything the module's own code raises on import
         raise StageError(f"{where}: importing {module_name} raised {raised_at(err)}") from err
+    except SystemExit as err:
+        raise StageError(f"{where}: importing {module_name} called sys.exit({err.code!r}){raised_where(err)}") from err
     fn = getattr(module, attr, None) if attr else None
     if not callable(fn):
         raise StageError(f"{where} is not an importable 'module:function' ({module_name} has no function "
@@ -92,9 +94,13 @@ def reward_adapter(params: Params, root: Path, seq2seq: bool) -> Path | None:
 
 def raised_at(err: BaseException) -> str:
     """``Type: message (file:line)`` of an exception, at the innermost frame of its traceback (the user's code)."""
+    return f"{type(err).__name__}: {reason(err)}{raised_where(err)}"
+
+
+def raised_where(err: BaseException) -> str:
+    """`` (file:line)`` of the innermost frame of an exception's traceback, or nothing without one."""
     frames = traceback.extract_tb(err.__traceback__)
-    at = f" ({shown(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return f"{type(err).__name__}: {reason(err)}{at}"
+    return f" ({shown(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
 
 
 def shown(filename: str | None) -> str | None:
@@ -107,6 +113,13 @@ def shown(filename: str | None) -> str | None:
         return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
     except (ValueError, OSError):
         return filename
+
+
+def scorer_texts(params: Params, queries: list[str], responses: list[str]) -> list[str]:
+    """What `scorer.input` gives the scorer for each sample: its query and response as one text, or the response."""
+    if params.scorer.input == "response":
+        return list(responses)
+    return [q + r for q, r in zip(queries, responses)]
 
 
 def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, at: str,
@@ -122,6 +135,9 @@ def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: 
         raise
     except Exception as err:  # the user's function may raise anything
         raise StageError(f"{at}: {who} raised {raised_at(err)}") from err
+    except SystemExit as err:  # sys.exit() in a scorer would end the stage without a word
+        raise StageError(f"{at}: {who} called sys.exit({err.code!r}){raised_where(err)}; a scorer returns its scores, "
+                         "it does not end the process") from err
     return checked_scores(scores, len(texts), params, at, who)
 
 

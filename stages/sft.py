@@ -9,6 +9,7 @@ stop; the pad token is distinct from EOS, so EOS keeps its loss.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -41,10 +42,10 @@ from stages.artifacts import (
     write_json,
     writing,
 )
-from stages.models import autocast_args, check_model_source, load_float32, merged, with_lora
-from stages.params import ModelParams, Params
+from stages.models import autocast_args, check_mixed_precision, check_model_source, load_float32, merged, with_lora
+from stages.params import MIN_TEXTS_FROM_SCRATCH, ModelParams, Params
 from stages.resume import discard, trainer_callback, trainer_resume_point
-from stages.runtime import StageError, device, note, quiet_trainer, reason, trainer_progress
+from stages.runtime import StageError, device, note, quiet_trainer, reason, trainer_progress, warning
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 
@@ -52,6 +53,7 @@ EOS, PAD = "<|endoftext|>", "<pad>"
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
+    check_mixed_precision(params)
     set_seed(params.seed)
     texts = read_table(root / RAW_SFT, ["text"])["text"].tolist()
     tokenizer, model = build(params.model, texts)
@@ -63,6 +65,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
         examples = [{"input_ids": x + [tokenizer.eos_token_id]} for x in ids]
         collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
+    steps = math.ceil((len(examples) - n_eval) / params.sft.batch_size) * params.sft.num_train_epochs
+    too_few = too_little_data(len(examples) - n_eval, steps, params.model.name_or_path is None)
+    if too_few:
+        warning(f"sft: {too_few}")
     checkpoints = root / SFT_CHECKPOINTS
     resume_from = trainer_resume_point("sft", params, root, checkpoints,
                                        (root / SFT_MODEL.parent, root / SFT_METRICS.parent))
@@ -94,6 +100,23 @@ def run(params: Params, root: Path = Path(".")) -> str:
     if trainer.is_world_process_zero():  # published: the run is finished, and a rerun trains from the start
         discard(checkpoints)
     return f"{metrics['n_train']} texts, train loss {train_loss:.3f}, eval loss {eval_loss:.3f} -> {SFT_MODEL}"
+
+
+MIN_STEPS = 10  # optimiser steps below which a model barely moves
+
+
+def too_little_data(n_train: int, steps: float, from_scratch: bool) -> str | None:
+    """Why ``n_train`` texts in ``steps`` optimiser steps are too few to learn from (a model trained from scratch needs
+    hundreds of texts; any model a few steps), or None."""
+    if from_scratch and n_train < MIN_TEXTS_FROM_SCRATCH:
+        return (f"{n_train} training texts (data.sft.n) for a model trained from scratch: under "
+                f"{MIN_TEXTS_FROM_SCRATCH} it learns no language, and every later result (rewards, win rate) compares "
+                "noise; give more texts, or start from a pretrained model (model.name_or_path)")
+    if steps < MIN_STEPS:
+        return (f"{n_train} training texts make {steps:g} optimiser steps (of sft.batch_size, over "
+                f"sft.num_train_epochs): under "
+                f"{MIN_STEPS} the model barely moves from where it started; give more texts or epochs")
+    return None
 
 
 def seq2seq_examples(texts: list[str], tokenizer, params: Params) -> list[dict[str, list[int]]]:

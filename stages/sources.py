@@ -15,6 +15,7 @@ tracked), a scorer from an installed package by the package's version (`scorer_o
 from __future__ import annotations
 
 import importlib.util
+import json
 import sysconfig
 from importlib.metadata import packages_distributions, version
 from pathlib import Path
@@ -28,8 +29,7 @@ from stages.runtime import StageError, untracked_hint
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    records = {SOURCES_DATA: data_sources(params), SOURCES_MODEL: model_source(params),
-               SOURCES_SCORER: scorer_source(params)}
+    records = records_now(params)
     with publishing():  # all three or none
         for path, record in records.items():
             write_json(record, root / path)
@@ -37,6 +37,54 @@ def run(params: Params, root: Path = Path(".")) -> str:
     if not local:
         return f"no local data, model or scorer files in the params -> {SOURCES_DATA.parent}"
     return f"hashed {len(local)} local source{'s' * (len(local) > 1)} ({', '.join(local)}) -> {SOURCES_DATA.parent}"
+
+
+# What reads each record (and so reruns, with what follows it, when the record changes), and the params it records.
+READERS = {SOURCES_DATA: "prepare", SOURCES_MODEL: "sft", SOURCES_SCORER: "ppo and evaluate"}
+
+
+def records_now(params: Params) -> dict[Path, dict[str, Any]]:
+    """What each of data/sources/*.json would hold if the sources stage ran now."""
+    return {SOURCES_DATA: data_sources(params), SOURCES_MODEL: model_source(params),
+            SOURCES_SCORER: scorer_source(params)}
+
+
+def changes(params: Params, root: Path = Path(".")) -> list[str]:
+    """What differs between the material params.yaml names now and what the last run of the sources stage recorded
+    (what `dvc status` cannot see: DVC hashes these at `dvc repro`, in this stage), one line each, saying which stages
+    the next `dvc repro` reruns for it. Nothing: all as recorded."""
+    out = []
+    for path, record in records_now(params).items():
+        recorded = read_recorded(root / path)
+        now = json.loads(json.dumps(record))  # as written: tuples as lists
+        if recorded is None:
+            out.append(f"{path}: not recorded yet; the next `dvc repro` records it and runs {READERS[path]}")
+            continue
+        for key in sorted(now.keys() | recorded.keys()):
+            if now.get(key) != recorded.get(key):
+                out.append(f"{described(path, key, now, recorded)} changed since the last run: the next `dvc repro` "
+                           f"reruns {READERS[path]} and what follows")
+    return out
+
+
+def read_recorded(path: Path) -> dict[str, Any] | None:
+    """A record the sources stage wrote, or None where there is none (or it is damaged: the next run rewrites it)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def described(path: Path, key: str, now: dict[str, Any], recorded: dict[str, Any]) -> str:
+    """The param behind one entry of a record, with its value: "data.prompts.source (prompts.jsonl)"."""
+    if path == SOURCES_DATA:
+        return f"data.{key}.source ({(now.get(key) or recorded.get(key) or {}).get('source')})"
+    if path == SOURCES_MODEL:
+        return f"model.name_or_path ({now.get('source')})"
+    if key == "judges":
+        return "evaluate.judges"
+    return f"scorer ({now.get('source')} {now.get('name') or ''})".replace(" )", ")")
 
 
 def local_source(name: str | None) -> dict[str, Any]:

@@ -1,12 +1,15 @@
 """tokenize: the PPO prompts tokenized with the policy's tokenizer, as Parquet (`query`, `input_ids`).
 
-Queries longer than tokenize.max_query_tokens keep their first tokens; those shorter than min_query_tokens
-are dropped. `query` is the decoded kept tokens, so `query + response` is exactly the text the policy saw.
+A query longer than tokenize.max_query_tokens is refused (the default), cut to its first or its last tokens, or
+dropped, as tokenize.truncation says; the stage says how many were cut, by how much and how many mid-word. Those
+shorter than min_query_tokens are dropped. `query` is the decoded kept tokens, so `query + response` is exactly the
+text the policy saw.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from transformers import AutoTokenizer
 
@@ -25,8 +28,61 @@ from stages.artifacts import (
     write_parquet,
 )
 from stages.models import model_context
-from stages.params import Params
-from stages.runtime import StageError
+from stages.params import Params, TokenizeParams
+from stages.runtime import StageError, warning
+
+
+class Cut(NamedTuple):
+    """The queries a truncation cut: how many, by how many tokens at most, how many of them mid-word."""
+
+    count: int
+    most: int
+    mid_word: int
+
+    def describe(self, tokenize: TokenizeParams) -> str:
+        kept = {"keep_start": "first", "keep_end": "last"}[tokenize.truncation]
+        return (f"{self.count} cut to their {kept} {tokenize.max_query_tokens} tokens (tokenize.truncation: "
+                f"{tokenize.truncation}; by up to {self.most} tokens, {self.mid_word} mid-word)")
+
+
+def fitted(ids: list[list[int]], tokenize: TokenizeParams, tokenizer, source: str,
+           params_path: Path) -> tuple[list[list[int]], Cut]:
+    """The queries' token ids within ``tokenize.max_query_tokens`` as ``tokenize.truncation`` says: ``refuse`` raises
+    a StageError naming how many are longer, ``keep_start`` / ``keep_end`` keep their first / last tokens (a leading
+    special token, such as a BOS, stays first), ``drop`` leaves them out. Returns the ids and what was cut."""
+    limit, how = tokenize.max_query_tokens, tokenize.truncation
+    over = [x for x in ids if len(x) > limit]
+    if not over:
+        return ids, Cut(0, 0, 0)
+    if how == "refuse":
+        raise StageError(f"{source}: {len(over)} of {len(ids)} queries have more than tokenize.max_query_tokens="
+                         f"{limit} tokens (the longest {max(map(len, over))}); raise it in {params_path}, or set "
+                         "tokenize.truncation to keep_start, keep_end or drop")
+    if how == "drop":
+        return [x for x in ids if len(x) <= limit], Cut(0, 0, 0)
+    special = set(tokenizer.all_special_ids)
+    out, mid_word = [], 0
+    for x in ids:
+        if len(x) <= limit:
+            out.append(x)
+            continue
+        lead = 1 if x[0] in special and limit > 1 else 0  # a BOS stays where the model expects it
+        kept = x[:limit] if how == "keep_start" else x[:lead] + x[len(x) - (limit - lead):]
+        mid_word += splits_a_word(tokenizer, x, kept, how)
+        out.append(kept)
+    return out, Cut(len(over), max(len(x) for x in over) - limit, mid_word)
+
+
+def splits_a_word(tokenizer, ids: list[int], kept: list[int], how: str) -> bool:
+    """Whether cutting ``ids`` to ``kept`` cut through a word: no whitespace on either side of the cut."""
+    whole, part = (tokenizer.decode(x, skip_special_tokens=True) for x in (ids, kept))
+    if how == "keep_start":
+        if not whole.startswith(part) or not part or len(part) == len(whole):
+            return False
+        return not (part[-1].isspace() or whole[len(part)].isspace())
+    if not whole.endswith(part) or not part or len(part) == len(whole):
+        return False
+    return not (part[0].isspace() or whole[-len(part) - 1].isspace())
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -37,9 +93,11 @@ def run(params: Params, root: Path = Path(".")) -> str:
     kept, tables = {}, {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
         queries = read_table(root / source, ["query"])["query"].tolist()
-        ids = [x[:params.tokenize.max_query_tokens] for x in tokenizer(queries)["input_ids"]]
+        where = f"{source} (data.prompts.source's {target.stem} prompts)"
+        ids, cut = fitted(tokenizer(queries)["input_ids"], params.tokenize, tokenizer, where, params.path)
+        long = len(queries) - len(ids)
         ids = [x for x in ids if len(x) >= params.tokenize.min_query_tokens]
-        short = len(queries) - len(ids)
+        short = len(queries) - long - len(ids)
         if not ids:
             raise StageError(f"{source}: no query has tokenize.min_query_tokens={params.tokenize.min_query_tokens} "
                              f"tokens; lower it in {params.path}")
@@ -50,10 +108,15 @@ def run(params: Params, root: Path = Path(".")) -> str:
         too_long = len(ids) - len(fitting)
         ids = fitting
         tables[target] = {"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}
-        dropped = {f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,
+        dropped = {f"over tokenize.max_query_tokens={params.tokenize.max_query_tokens} (truncation: drop)": long,
+                   f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,
                    "filling the whole context": too_long}
         why = ", ".join(f"{n} {reason}" for reason, n in dropped.items() if n)
         kept[target.stem] = f"{len(ids)} of {len(queries)} queries kept" + (f" ({why})" if why else "")
+        if cut.count:
+            kept[target.stem] += f", {cut.describe(params.tokenize)}"
+            warning(f"{where}: {cut.describe(params.tokenize)}; the policy sees them cut (tokenize.truncation: "
+                    f"refuse stops instead, a larger tokenize.max_query_tokens keeps them whole)")
     with publishing():  # both or neither
         for target, columns in tables.items():
             write_parquet(columns, root / target, metadata={TOKENIZER_KEY: made_with})

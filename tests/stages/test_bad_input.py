@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -49,6 +51,10 @@ def nan_at_step_2(texts):
 def huge_at_step_2(texts):  # finite scores, but the value loss overflows: a non-finite loss, not a bad score
     CALLS.append(1)
     return [1e30 * (1 + t.count("e")) if len(CALLS) == 2 else 1.0 for t in texts]
+
+def exits(texts):
+    import sys
+    sys.exit(0)
 '''
 LONG_PROMPT = "the movie was long and the plot was slow and the cast was good but the music was loud " * 3
 
@@ -59,7 +65,8 @@ def project(tiny_run: Path, tmp_path: Path, upstream_of: str | None) -> Path:
     root.mkdir()
     keep = {None: [], "sft": ["raw"], "tokenize": ["raw", "models/sft"],
             "ppo": ["raw", "tokenized", "models/sft", "models/reward"],
-            "evaluate": ["raw", "tokenized", "models"]}[upstream_of]
+            "evaluate": ["raw", "tokenized", "models"],
+            "report": ["raw", "tokenized", "models", "ppo", "eval"]}[upstream_of]
     for part in keep:
         src = tiny_run / "data" / part
         shutil.copytree(src, root / "data" / part)
@@ -235,6 +242,11 @@ CASES = [
      None, "PPO step 2: scorer (callable scorers:nan_at_step_2) returned nan for text 0; scores must be finite"),
     ("loss-non-finite", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:huge_at_step_2"},
      None, "PPO step 2, mini-batch 1: non-finite ppo/"),
+    ("loss-non-finite-names-the-scale", "ppo", "ppo",
+     {"scorer.source": "callable", "scorer.name": "scorers:huge_at_step_2"},
+     None, "e+30, a scale that overflows float32 in the loss: scale the scorer's output down (scores of a few units "
+           "train best); the checkpoint in data/checkpoints/ppo (if any) is intact: a rerun resumes from it once that "
+           "is changed"),
     ("reward-not-a-list", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:one_number"},
      None, "PPO step 1: scorer (callable scorers:one_number) returned float, not a list"),
     ("scorer-not-importable", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:missing"},
@@ -301,6 +313,69 @@ CASES += [
     ("prompts-all-blank", "prepare", None, {"data.prompts.source": "blank.jsonl"},
      setup_blank_prompts, "blank.jsonl: every row's query is blank (empty or only whitespace) (data.prompts.source)"),
 ]
+
+
+def setup_metrics(text: str):
+    def setup(root):
+        (root / "data" / "eval" / "metrics.json").write_text(text)
+    return setup
+
+
+def setup_truncated_sft_weights(root):
+    path = root / "data" / "models" / "sft" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def setup_empty_prompt_rows(root):
+    path = root / "data" / "tokenized" / "train.parquet"
+    table = pq.read_table(path)
+    ids = table.column("input_ids").to_pylist()
+    ids[0] = ids[3] = []
+    pq.write_table(table.set_column(1, "input_ids", pa.array(ids, type=table.schema.field("input_ids").type)), path)
+
+
+# Inputs that acted silently or ended in a library's traceback (issue #35): each now one line, nothing written.
+RESTORE = "rerun the stage that writes it (`dvc repro -f {0}`), or `dvc checkout {0}` for the last good one"
+CASES += [
+    ("prompts-over-the-limit-refused", "tokenize", "tokenize", {"tokenize.truncation": "refuse"},
+     setup_long_prompts, "data/raw/prompts_train.parquet (data.prompts.source's train prompts): 4 of 4 queries have "
+                         "more than tokenize.max_query_tokens=8 tokens (the longest "),
+    ("ppo-reward-model-label", "prepare", None, {"ppo.reward_model": "/no/such"},
+     None, "params.yaml: ppo.reward_model is '/no/such', but the ppo stage scores with scorer.source (its reward "
+           "model is the reward stage's); remove ppo.reward_model or set it to data/models/reward"),
+    ("ppo-model-name-label", "ppo", "ppo", {"ppo.model_name": "gpt2"},
+     None, "params.yaml: ppo.model_name is 'gpt2', but the ppo stage starts from the sft stage's model"),
+    ("ppo-query-dataset-label", "prepare", None, {"ppo.query_dataset": "imdb"},
+     None, "params.yaml: ppo.query_dataset is 'imdb', but the ppo stage draws its prompts from the tokenize stage's"),
+    ("scorer-name-with-the-reward-model", "ppo", "ppo", {"scorer.name": "rewards.example:keyword_sentiment"},
+     None, "params.yaml: scorer.name must be null with scorer.source reward_model (the reward stage's model scores; "
+           "a function goes with scorer.source: callable, a classifier with pipeline), got "
+           "'rewards.example:keyword_sentiment'"),
+    ("columns-renamed-for-synthetic-data", "prepare", None, {"data.prompts.columns": {"qurey": "query"}},
+     None, "params.yaml: data.prompts.columns must be {query: query} with data.prompts.source synthetic (it makes its "
+           "own columns), got {'qurey': 'query'}"),
+    ("eval-metrics-empty", "report", "report", {},
+     setup_metrics("{}"), "data/eval/metrics.json: no 'win_rate' in it; " + RESTORE.format("evaluate")),
+    ("eval-metrics-cut-short", "report", "report", {},
+     setup_metrics('{"win_rate": 0.5, "rew'), "data/eval/metrics.json: not valid JSON ("),
+    ("sft-weights-truncated", "ppo", "ppo", {},
+     setup_truncated_sft_weights, "data/models/sft: the saved model could not be read ("),
+    ("tokenized-prompts-empty-rows", "ppo", "ppo", {},
+     setup_empty_prompt_rows, "data/tokenized/train.parquet: 2 rows have no input_ids (the first: row 0); "
+                              + RESTORE.format("tokenize")),
+    ("reward-calls-sys-exit", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:exits"},
+     None, "PPO step 1: scorer (callable scorers:exits) called sys.exit(0) (scorers.py:"),
+]
+
+
+if not torch.cuda.is_available():  # fp16 autocast is a GPU's: on a CPU the run would be float32's, byte for byte
+    CASES.append(("fp16-on-a-cpu", "sft", "sft", {"model.mixed_precision": "fp16"},
+                  None, "params.yaml: model.mixed_precision is fp16, which needs a CUDA GPU and none is visible: on a "
+                        "CPU the run would compute in float32 (the same as null); set bf16 or null"))
+if importlib.util.find_spec("wandb") is None:  # accelerate would only warn, and log nothing
+    CASES.append(("tracker-not-installed", "prepare", None, {"ppo.log_with": "wandb"},
+                  None, "params.yaml: ppo.log_with is 'wandb', but wandb is not installed (pip install wandb), so "
+                        "nothing would be logged; install it or set log_with to None"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -175,3 +175,34 @@ def test_mixed_precision_is_the_ppo_accelerator_s(tmp_path):
                               "from model.mixed_precision (bf16); set one of them")
     with pytest.raises(ParamsError, match=r"model.mixed_precision must be one of .*'bf16'.*got 'bf32'"):
         precision("bf32", {})
+
+
+def test_an_unknown_ppo_key_suggests_and_lists_only_keys_a_user_may_set(tmp_path):
+    """`dvc exp run -S +ppo.<key>=...` with a key nothing resembles: the list is what params.yaml may set, not the
+    fields PPOConfig derives (world_size, backward_batch_size, ...)."""
+    path = write_params(tmp_path, lambda p: p["ppo"].update({"zzzz": 1}))
+    with pytest.raises(ParamsError, match=r"unknown key 'ppo.zzzz'; the keys here are") as err:
+        load_params(path)
+    from ppo_core.config import DERIVED
+
+    assert "'learning_rate'" in str(err.value)
+    assert not [key for key in [*DERIVED, "forward_batch_size"] if f"'{key}'" in str(err.value)]
+    # close to a derived field only: that one is not suggested
+    path = write_params(tmp_path, lambda p: p["ppo"].update({"world_sise": 1}))
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert "world_size" not in str(err.value)
+
+
+def test_ppo_keys_left_out_are_named_once_with_the_defaults_they_take(tmp_path, capsys):
+    from stages.params import defaulted_ppo_keys
+    from stages.ppo import note_defaulted_keys
+
+    path = write_params(tmp_path, lambda p: (p["ppo"].pop("batch_size"), p["ppo"].pop("ppo_epochs")))
+    params = load_params(path)
+    assert defaulted_ppo_keys(params) == {"batch_size": 128, "ppo_epochs": 4}
+    (tmp_path / "all").mkdir()
+    assert defaulted_ppo_keys(load_params(write_params(tmp_path / "all", lambda p: None))) == {}
+    note_defaulted_keys(params)
+    assert capsys.readouterr().err == (f"note: {path}: 2 ppo keys not set, so PPOConfig's defaults: batch_size=128, "
+                                       "ppo_epochs=4\n")

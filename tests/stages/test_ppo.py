@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -182,3 +183,21 @@ def test_prompts_tokenized_by_another_tokenizer_are_refused(tiny_run, tiny_param
         ppo.run(tiny_params, root)
     tokenize.run(tiny_params, root)
     ppo.run(tiny_params, root)  # tokenized again: accepted
+
+
+def test_scorer_input_response_gives_the_scorer_the_responses_alone(tiny_run, tiny_params, tmp_path, monkeypatch):
+    """scorer.input: response: the scorer sees each response without its prompt (query_response, the default: both,
+    as the seed scores)."""
+    (tmp_path / "seen_scores.py").write_text("SEEN = []\ndef score(texts):\n    SEEN.extend(texts)\n"
+                                             "    return [float(len(t)) for t in texts]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "seen_scores", raising=False)
+    root = copy_for_ppo(tiny_run, tmp_path)
+    scorer = ScorerParams(source="callable", name="seen_scores:score", label="POSITIVE", batch_size=8,
+                          input="response")
+    ppo.run(dataclasses.replace(tiny_params, scorer=scorer), root)
+    rollouts = pd.read_parquet(root / PPO_ROLLOUTS)
+    import seen_scores
+
+    assert seen_scores.SEEN == rollouts["response"].tolist()  # the responses as generated, in order, no prompt
+    assert (rollouts["score"] == rollouts["response"].str.len()).all()

@@ -144,3 +144,16 @@ def test_a_malformed_jsonl_line_is_named_by_its_number(tiny_params, real_files):
     (real_files / "sft.jsonl").write_text('{"review": "fine"}\n["not", "a", "row"]\n')
     with pytest.raises(StageError, match=r"sft.jsonl:2: expected a JSON object \(one row\), got list; fix that line"):
         prepare.run(with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files)), real_files / "project")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".json"])
+def test_a_file_with_a_byte_order_mark_is_read_as_its_text(tiny_params, tmp_path, suffix):
+    """Editors on Windows save UTF-8 with a byte-order mark: the file reads as the same file without one."""
+    texts = [f"review number {i} was fine" for i in range(6)]
+    body = {".jsonl": "".join(json.dumps({"text": t}) + "\n" for t in texts),
+            ".csv": "text\n" + "".join(f"{t}\n" for t in texts),
+            ".json": json.dumps([{"text": t} for t in texts])}[suffix]
+    path = tmp_path / f"texts{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    spec = DatasetSpec(source=str(path), split="train", columns={"text": "text"}, n=None)
+    assert sorted(prepare.load(spec, "sft", tiny_params)["text"]) == sorted(texts)

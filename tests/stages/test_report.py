@@ -95,3 +95,24 @@ def test_the_report_renders_in_a_browser_with_no_request_leaving_the_machine(pag
     control = tmp_path / "control.html"
     control.write_text('<html><body><img src="http://127.0.0.1:9/x.png"></body></html>')
     assert page_requests(control, tmp_path / "control-profile")[1] == {"http://127.0.0.1:9/x.png"}
+
+
+def test_numbers_down_a_column_share_one_format_and_every_header_names_its_column(page):
+    from stages.report import number
+
+    assert [number(x) for x in (0.4266, -2.6, 1.38, 15.2, 0.0, 12345.6, 0.00012)] == \
+        ["0.4266", "-2.600", "1.380", "15.20", "0.000", "1.235e+04", "1.200e-04"]
+    text = page.read_text()
+    assert "<th></th>" not in text
+
+
+def test_a_chart_without_the_gold_score_is_not_titled_with_it():
+    import pandas as pd
+
+    from stages.report import charts
+
+    curves = pd.DataFrame({"step": [0, 1], "reward_mean": [0.1, 0.2]})
+    assert "Reward (proxy) and gold score" not in charts(curves, "callable my:score")
+    assert "Reward (proxy)" in charts(curves, "callable my:score")
+    curves["gold_mean"] = [0.0, 0.1]
+    assert "Reward (proxy) and gold score" in charts(curves, "reward model")

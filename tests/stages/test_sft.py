@@ -80,3 +80,24 @@ def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
                                          r"save_pretrained directory") as err:
         sft.run(dataclasses.replace(tiny_params, model=model), tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_too_little_sft_data_is_said():
+    """Nine texts for a model trained from scratch make byte garbage, and a win rate that compares noise: sft warns,
+    and the report's page says so beside the models (below)."""
+    assert sft.too_little_data(9, 2, from_scratch=True).startswith("9 training texts (data.sft.n) for a model trained "
+                                                                   "from scratch: under 500 it learns no language")
+    assert sft.too_little_data(9, 2, from_scratch=False).startswith("9 training texts make 2 optimiser steps")
+    assert sft.too_little_data(4000, 240, from_scratch=True) is None
+    assert sft.too_little_data(400, 26, from_scratch=False) is None
+
+
+def test_the_report_says_when_sft_had_too_few_texts(tmp_path):
+    from stages.artifacts import SFT_METRICS
+    from stages.report import models
+
+    (tmp_path / SFT_METRICS).parent.mkdir(parents=True)
+    (tmp_path / SFT_METRICS).write_text(json.dumps({"n_train": 9, "eval_loss": 5.0}))
+    assert "SFT trained on 9 texts: a model trained from scratch on so few learns no language" in models(tmp_path)
+    (tmp_path / SFT_METRICS).write_text(json.dumps({"n_train": 3800, "eval_loss": 2.0}))
+    assert "SFT trained on" not in models(tmp_path)

@@ -41,3 +41,29 @@ def test_a_pipeline_model_directory_is_an_input_of_the_fingerprint(tiny_params, 
     params = dataclasses.replace(tiny_params, scorer=dataclasses.replace(tiny_params.scorer, source="pipeline",
                                                                          name=str(model)))
     assert sources.scorer_origin(params) == {"inputs": {str(model): resume.digest(model)}}
+
+
+def test_status_says_which_local_source_changed_since_the_last_run(tiny_params, tmp_path, monkeypatch):
+    """`rlhf status`: what `dvc status` cannot see (a local data file edited since the last `dvc repro`), and which
+    stages the next run reruns for it; nothing written."""
+    from typer.testing import CliRunner
+
+    from stages.cli import app
+    from tests.conftest import write_params
+
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"query": "prompt {i} is"}}\n' for i in range(300)))
+    params = write_params(tmp_path, {"data.prompts.source": "prompts.jsonl"})
+    result = CliRunner().invoke(app, ["status", "--params", str(params)])
+    assert result.exit_code == 0 and "not recorded yet" in result.stdout  # no run yet
+    CliRunner().invoke(app, ["sources", "--params", str(params)])
+    before = {p: p.read_bytes() for p in (tmp_path / "data" / "sources").iterdir()}
+    result = CliRunner().invoke(app, ["status", "--params", str(params)])
+    assert result.stdout == "status: the local data, model and scorer are as the last run recorded them\n"
+    prompts.write_text(prompts.read_text() + '{"query": "one more prompt"}\n')
+    result = CliRunner().invoke(app, ["status", "--params", str(params)])
+    assert result.exit_code == 0 and result.stdout == (
+        "status: data.prompts.source (prompts.jsonl) changed since the last run: the next `dvc repro` reruns prepare "
+        "and what follows\n")
+    assert {p: p.read_bytes() for p in (tmp_path / "data" / "sources").iterdir()} == before

@@ -25,3 +25,65 @@ def test_tokenize_truncates_filters_and_round_trips(tiny_run, tiny_params):
 def test_missing_upstream_model_is_a_clear_error(tiny_params, tmp_path):
     with pytest.raises(StageError, match=r"data/models/sft: no saved model here; run the stage that writes it"):
         tokenize.run(tiny_params, tmp_path)
+
+
+def tokenize_params(how: str, limit: int = 4):
+    from stages.params import TokenizeParams
+
+    return TokenizeParams(max_query_tokens=limit, truncation=how, min_query_tokens=1)
+
+
+def test_a_query_over_the_limit_is_refused_by_default_saying_how_many_and_what_to_set(tiny_run):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
+    ids = tokenizer(["a short one", "my grandmother baked bread every single morning of the week"])["input_ids"]
+    limit = len(ids[0])
+    with pytest.raises(StageError, match=rf"^prompts.jsonl: 1 of 2 queries have more than tokenize.max_query_tokens="
+                                         rf"{limit} tokens \(the longest {len(ids[1])}\); raise it in params.yaml, or "
+                                         r"set tokenize.truncation to keep_start, keep_end or drop$"):
+        tokenize.fitted(ids, tokenize_params("refuse", limit), tokenizer, "prompts.jsonl", "params.yaml")
+
+
+def test_truncation_keeps_the_start_or_the_end_or_drops_and_counts_the_cuts(tiny_run):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
+    text = "my grandmother baked bread every single morning of the week"
+    ids = tokenizer(["a short one", text])["input_ids"]
+    n = len(ids[0])
+    fitted, cut = tokenize.fitted(ids, tokenize_params("keep_start", n), tokenizer, "p", "params.yaml")
+    assert fitted == [ids[0], ids[1][:n]] and cut.count == 1 and cut.most == len(ids[1]) - n
+    fitted, _ = tokenize.fitted(ids, tokenize_params("keep_end", n), tokenizer, "p", "params.yaml")
+    assert fitted == [ids[0], ids[1][-n:]] and tokenizer.decode(fitted[1]).endswith("week")
+    fitted, cut = tokenize.fitted(ids, tokenize_params("drop", n), tokenizer, "p", "params.yaml")
+    assert fitted == [ids[0]] and cut.count == 0
+    assert "1 cut to their first 4 tokens (tokenize.truncation: keep_start; by up to" in \
+        tokenize.Cut(1, 3, 0).describe(tokenize_params("keep_start"))
+
+
+def test_a_cut_through_a_word_is_counted():
+    class Chars:  # one token per character: "ab cd" cut at 4 keeps "ab c", through the word "cd"
+        all_special_ids = []
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    ids = [list(map(ord, "ab cd")), list(map(ord, "abc de"))]
+    _, cut = tokenize.fitted(ids, tokenize_params("keep_start"), Chars(), "p", "params.yaml")
+    assert cut == tokenize.Cut(2, 2, 1)  # "abc " ends at a space: not mid-word
+    _, cut = tokenize.fitted(ids, tokenize_params("keep_end"), Chars(), "p", "params.yaml")
+    assert cut == tokenize.Cut(2, 2, 2)  # "b cd" and "c de" both start inside a word
+    Chars.all_special_ids = [ord("^")]  # a BOS stays first when the end is kept
+    fitted, _ = tokenize.fitted([list(map(ord, "^ab cd"))], tokenize_params("keep_end"), Chars(), "p", "params.yaml")
+    assert "".join(map(chr, fitted[0])) == "^ cd"
+
+
+def test_the_stage_says_how_many_queries_it_cut_and_by_how_much(tiny_run, tiny_params, tmp_path, capfd):
+    """The tiny params keep the start of the synthetic prompts, which their small tokenizer makes longer than 8
+    tokens: the summary and a warning say how many were cut, by how much, and which param decides."""
+    import shutil
+
+    for part in ("raw", "models/sft"):
+        shutil.copytree(tiny_run / "data" / part, tmp_path / "data" / part)
+    summary = tokenize.run(tiny_params, tmp_path)
+    assert "cut to their first 8 tokens (tokenize.truncation: keep_start; by up to " in summary
+    err = capfd.readouterr().err
+    assert "warning: data/raw/prompts_train.parquet (data.prompts.source's train prompts): " in err
+    assert "tokenize.truncation: refuse stops instead, a larger tokenize.max_query_tokens keeps them whole" in err
