@@ -47,6 +47,7 @@ PPO_ROLLOUTS = Path("data/ppo/rollouts")
 PPO_STATS = Path("data/ppo/stats.parquet")
 PPO_CURVES = Path("data/ppo/curves.csv")
 PPO_METRICS = Path("data/ppo/metrics.json")
+PPO_EVAL = Path("data/ppo/eval.csv")  # the held-out evaluations during the run (watch.eval_every)
 EVAL_SAMPLES = Path("data/eval/samples.parquet")
 EVAL_METRICS = Path("data/eval/metrics.json")
 # Not DVC outputs: what is not a result of the run (dvc.yaml does not list them; test_stages_dvcyaml checks both).

@@ -17,7 +17,6 @@ policy; `gold` only with the synthetic data; the SFT policy's KL to itself, 0, i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +46,7 @@ from stages.artifacts import (
 from stages.models import is_encoder_decoder, load_float32
 from stages.params import Params
 from stages.runtime import device, note
-from stages.scoring import build_scorer, load_callable, scored, scorer_texts
-from stages.synthetic import gold_score
+from stages.scoring import build_scorer, judge_functions, scored, scorer_texts
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -106,14 +104,6 @@ def compare_policies(params: Params, root: Path) -> str:
     return (f"{n} prompts: reward ({params.scorer.title}) {metrics['sft']['reward']:.2f} (sft) -> "
             f"{metrics['reward']:.2f} (ppo){judged}, win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> "
             f"{EVAL_METRICS}")
-
-
-def judge_functions(params: Params) -> dict[str, Callable[[list[str]], list[float]]]:
-    """The scorers the policy never trained on, by metric name: the synthetic data's gold score (the lexicon its pairs
-    were labelled with), and `evaluate.judges` (one of which may take the name `gold`)."""
-    judges = {"gold": lambda texts: [gold_score(t) for t in texts]} if params.data.is_synthetic else {}
-    return judges | {name: load_callable(spec, f"evaluate.judges.{name}", params)
-                     for name, spec in params.evaluate.judges.items()}
 
 
 def scores_of(score, texts: list[str], params: Params, policy: str, who: str | None = None) -> list[float]:

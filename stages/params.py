@@ -212,6 +212,55 @@ class EvaluateParams:
 
 
 @dataclass(frozen=True)
+class AlertParams:
+    """The run doctor's limits, checked on every ppo step (stages/watch.py); each crossed is an alert. The defaults
+    leave the default run quiet and fire on its 100x learning rate at the first steps (README, "Watching a run")."""
+
+    entropy_ratio: float
+    """The responses' entropy (sum over tokens) below this share of the first step's: the policy collapses onto a few
+    samples (entropy collapse, Cui et al. 2025)."""
+    kl_per_token: float
+    """The KL to the reference per response token (nats) above this: the policy left the reference's neighbourhood
+    (InstructGPT-style runs keep it well under 1)."""
+    approxkl: float
+    """PPO's approximate KL between the rollout and the updated policy above this (Spinning Up's target_kl is
+    0.01-0.05; the default run, 4 epochs a step, peaks at 0.28)."""
+    ratio_mean: float
+    """The mean probability ratio of the updates above this (TRL's ratio_threshold skips at 10)."""
+    clipfrac: float
+    """The share of clipped tokens above this (0.1-0.3 is usual for PPO)."""
+    value_loss_growth: float
+    """The value loss above this multiple of the first step's: the critic diverges."""
+    length_ratio: float
+    """The mean response length below this share of the first step's: responses collapse."""
+    truncated_share: float
+    """The share of responses cut at generation.max_new_tokens (no EOS) above this."""
+
+
+@dataclass(frozen=True)
+class WatchParams:
+    """The ppo stage watching its run (stages/watch.py): a held-out evaluation every few steps, the policy it keeps,
+    and the run doctor."""
+
+    eval_every: int
+    """A held-out evaluation every N ppo steps and after the last one (0: none): the scorer's mean, the gold score and
+    the judges where there are, KL to SFT, response length, in data/ppo/eval.csv. Its sampling has a random stream of
+    its own: the run trains the same bytes with it on or off."""
+    eval_prompts: int
+    """The first N held-out prompts (data/tokenized/eval.parquet), the same at every evaluation."""
+    keep: Literal["last", "best"]
+    """data/models/ppo: the last step's policy, or the best by `best_by` at a held-out evaluation."""
+    best_by: str
+    """The held-out metric that ranks policies for keep: best: reward (the scorer's), gold, or a judge's name."""
+    kl_price: float
+    """keep: best ranks by best_by - kl_price x the KL to SFT (0: best_by alone)."""
+    on_alert: Literal["warn", "stop"]
+    """An alert of the doctor: warn (one line, the run goes on) or stop (the run ends at that step and publishes what
+    it has, exit 0 with the reason)."""
+    alerts: AlertParams
+
+
+@dataclass(frozen=True)
 class CheckpointParams:
     """Resumable state of the training stages (sft, reward, ppo), kept in data/checkpoints/<stage>.
 
@@ -254,6 +303,7 @@ SECTIONS: dict[str, type] = {
     "generation": GenerationParams,
     "ppo": dict,
     "evaluate": EvaluateParams,
+    "watch": WatchParams,
     "checkpoint": CheckpointParams,
     "numerics": NumericsParams,
 }
@@ -276,6 +326,7 @@ class Params:
     """The section as the file gives it: PPOConfig keyword arguments, what the checkpoint fingerprints record and
     compare (stages/resume.py) as dvc.yaml tracks them. The stages use `ppo_config`, built from it."""
     evaluate: EvaluateParams
+    watch: WatchParams
     checkpoint: CheckpointParams
     numerics: NumericsParams
 
@@ -405,6 +456,16 @@ def _check_values(p: Params) -> None:
         ("model.lora.r", lora and lora.r, ">= 1", lora is None or lora.r >= 1),
         ("model.lora.alpha", lora and lora.alpha, "> 0", lora is None or lora.alpha > 0),
         ("model.lora.dropout", lora and lora.dropout, "in [0, 1)", lora is None or 0 <= lora.dropout < 1),
+        ("watch.eval_every", p.watch.eval_every, ">= 0 (0: no held-out evaluation)", p.watch.eval_every >= 0),
+        ("watch.eval_prompts", p.watch.eval_prompts, ">= 1", p.watch.eval_prompts >= 1),
+        ("watch.keep", p.watch.keep, "last when watch.eval_every is 0 (best is chosen at a held-out evaluation)",
+         p.watch.keep == "last" or p.watch.eval_every > 0),
+        ("watch.best_by", p.watch.best_by, f"reward, gold{' (synthetic data only)' if not p.data.is_synthetic else ''} "
+         f"or a judge of evaluate.judges ({', '.join(p.evaluate.judges) or 'none'}) with watch.keep: best",
+         p.watch.keep != "best"
+         or p.watch.best_by in ("reward", *(("gold",) if p.data.is_synthetic else ()), *p.evaluate.judges)),
+        ("watch.kl_price", p.watch.kl_price, ">= 0", p.watch.kl_price >= 0),
+        *((f"watch.alerts.{name}", value, "> 0", value > 0) for name, value in vars(p.watch.alerts).items()),
         ("checkpoint.ppo_every", p.checkpoint.ppo_every, ">= 0 (0: no checkpoints)", p.checkpoint.ppo_every >= 0),
         ("checkpoint.trainer_every", p.checkpoint.trainer_every, ">= 0 (0: no checkpoints)",
          p.checkpoint.trainer_every >= 0),

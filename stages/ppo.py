@@ -26,6 +26,7 @@ from stages.artifacts import (
     PPO_CHECKPOINTS,
     PPO_MODEL,
     SFT_MODEL,
+    TOKENIZED_EVAL,
     TOKENIZED_TRAIN,
     check_tokenized_with,
     loading,
@@ -37,8 +38,9 @@ from stages.params import Params, defaulted_ppo_keys
 from stages.ppo_run import publish, record, resume_run, save_run_checkpoint
 from stages.ppo_tables import StepTables, gather_columns, rollout_table
 from stages.runtime import Progress, StageError, note, process_state, warning
-from stages.scoring import build_scorer, reward_adapter, scored, scorer_texts
+from stages.scoring import build_scorer, judge_functions, reward_adapter, scored, scorer_texts
 from stages.synthetic import gold_score
+from stages.watch import watch_step
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -62,6 +64,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     trainer = loop.trainer
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
     batches = query_batches(len(prompts), sizes.global_batch_size, params.seed, sizes.num_generations)
+    heldout = heldout_prompts(params, root)  # watch.eval_every: the held-out prompts evaluated during the run
+    judges = judge_functions(params) if heldout is not None else {}
     start, tables = resume_run(trainer, params, root)
     for _ in range(start):  # the data position: the batches the checkpointed steps consumed
         next(batches)
@@ -72,17 +76,29 @@ def run(params: Params, root: Path = Path(".")) -> str:
         idx = next(batches)[rank * sizes.batch_size:(rank + 1) * sizes.batch_size]  # this process's share
         stats, rollouts = one_step(loop, step, idx, params, root)
         tables.append(step, stats, rollouts["score"], rollouts.get("gold"))  # time/*: timings.csv
-        if main:  # only the main process writes
-            record(root, step, rollouts, tables)
         progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
         warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.resolved.dynamic_sampling)
+        stop = watch_step(loop, step, total, stats, rollouts, tables, heldout, judges, params, root, main)
+        if main:  # only the main process writes
+            record(root, step, rollouts, tables)
         every = params.checkpoint.ppo_every
         if every and ((step + 1) % every == 0 or step + 1 == total):
             save_run_checkpoint(trainer, root, step + 1, tables)
             progress.saved = step + 1  # what a rerun of an interrupted run resumes from
+        if stop:  # watch.on_alert: stop
+            break
     progress.close()
-    publish(trainer, root, tables, tokenizer)  # the run has finished
+    publish(trainer, root, tables, tokenizer, params.watch)  # the run has finished, or an alert stopped it
     return summary(tables, start)
+
+
+def heldout_prompts(params: Params, root: Path):
+    """The first `watch.eval_prompts` held-out prompts, tokenized by the SFT model's tokenizer, or None without
+    held-out evaluation (watch.eval_every 0)."""
+    if params.watch.eval_every == 0:
+        return None
+    check_tokenized_with(root / TOKENIZED_EVAL, root / SFT_MODEL)
+    return read_prompts(root / TOKENIZED_EVAL).head(params.watch.eval_prompts)
 
 
 def note_defaulted_keys(params: Params) -> None:
@@ -210,8 +226,13 @@ def summary(tables: StepTables, start: int) -> str:
     first, last = tables.curves[0], tables.curves[-1]
     resumed = f", resumed at step {start}" if start else ""
     kl = "kl not measured (coefficient 0: no reference pass)" if math.isnan(last["kl"]) else f"kl {last['kl']:.2f}"
-    return f"{len(tables.curves)} steps{resumed}, reward {first['reward_mean']:.2f} -> {last['reward_mean']:.2f}, " \
-           f"{kl} -> {PPO_MODEL}"
+    n = len(tables.curves)
+    stopped = ""
+    if tables.stopped:  # watch.on_alert: stop
+        stopped = f", stopped at step {tables.stopped['step'] + 1} by an alert ({tables.stopped['reason']})"
+    kept = f" (step {tables.best['step'] + 1}'s, the best held-out)" if tables.best else ""
+    return f"{n} step{'s' * (n > 1)}{resumed}{stopped}, reward {first['reward_mean']:.2f} -> " \
+           f"{last['reward_mean']:.2f}, {kl} -> {PPO_MODEL}{kept}"
 
 
 FLAT = "ppo/frac_reward_zero_std"

@@ -17,6 +17,7 @@ from ppo_core import PPOTrainer
 from stages.artifacts import (
     PPO_CHECKPOINTS,
     PPO_CURVES,
+    PPO_EVAL,
     PPO_METRICS,
     PPO_MODEL,
     PPO_ROLLOUTS,
@@ -45,7 +46,19 @@ STATE = "state"  # the trainer's checkpoint directory (ppo_core's format, with o
 # The run in progress, inside the checkpoint directory: published to data/ppo only when the run has finished.
 WORK_ROLLOUTS = PPO_CHECKPOINTS / "rollouts"
 WORK_TABLES = {PPO_STATS: PPO_CHECKPOINTS / PPO_STATS.name, PPO_TIMINGS: PPO_CHECKPOINTS / PPO_TIMINGS.name,
-               PPO_CURVES: PPO_CHECKPOINTS / PPO_CURVES.name}
+               PPO_CURVES: PPO_CHECKPOINTS / PPO_CURVES.name, PPO_EVAL: PPO_CHECKPOINTS / PPO_EVAL.name}
+BEST = "best-step-"  # the policy watch.keep: best holds so far, saved at its step: best-step-NNNNN
+
+
+def best_dir(step: int) -> Path:
+    return PPO_CHECKPOINTS / f"{BEST}{step:05d}"
+
+
+def keep_only_best(root: Path, step: int | None) -> None:
+    """Remove the saved best policies but the one of ``step`` (None: all of them): the state's, or a newer run's."""
+    for path in (root / PPO_CHECKPOINTS).glob(f"{BEST}*"):
+        if step is None or path.name != best_dir(step).name:
+            shutil.rmtree(path)
 
 
 def rollout_file(step: int) -> str:
@@ -71,6 +84,7 @@ def resume_run(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, St
             fresh_dir(rollouts)
             for work in WORK_TABLES.values():
                 (root / work).unlink(missing_ok=True)
+            keep_only_best(root, None)
     accelerator.wait_for_everyone()
     if not state.exists():
         return 0, StepTables()
@@ -88,7 +102,10 @@ def resume_run(trainer: PPOTrainer, params: Params, root: Path) -> tuple[int, St
             if path.name >= rollout_file(start):
                 path.unlink()  # written after the checkpoint: the resumed run writes it again
         note(f"ppo: resuming from {state} at step {start}")
-    return start, StepTables.from_state(extra["tables"])
+    tables = StepTables.from_state(extra["tables"])
+    if accelerator.is_main_process:  # a best saved after the checkpoint is the resumed run's to find again
+        keep_only_best(root, tables.best and tables.best["step"])
+    return start, tables
 
 
 def record(root: Path, step: int, rollouts: dict[str, list], tables: StepTables) -> None:
@@ -106,27 +123,58 @@ def save_run_checkpoint(trainer: PPOTrainer, root: Path, next_step: int, tables:
         trainer.save_checkpoint(str(state), extra={"step": next_step, "tables": tables.state()})
 
 
-def publish(trainer: PPOTrainer, root: Path, tables: StepTables, tokenizer) -> None:
-    """The finished run's artifacts in data/ppo and data/models/ppo, all or none (every process calls it: under ZeRO-3
-    each holds a shard of the weights), then its state deleted: a rerun trains from the start."""
+def save_best(trainer: PPOTrainer, root: Path, step: int, tokenizer) -> None:
+    """The policy after ``step`` as the run's best so far (every process calls it), the previous best removed."""
+    with trainer.whole_policy() as policy:
+        if trainer.accelerator.is_main_process:
+            save_policy(root / best_dir(step), policy, tokenizer)
+            keep_only_best(root, step)
+
+
+def publish(trainer: PPOTrainer, root: Path, tables: StepTables, tokenizer, watch) -> None:
+    """The finished (or stopped) run's artifacts in data/ppo and data/models/ppo, all or none (every process calls it:
+    under ZeRO-3 each holds a shard of the weights), then its state deleted: a rerun trains from the start. The policy
+    published is the last step's, or with ``watch.keep`` best the best one saved."""
     main = trainer.accelerator.is_main_process
+    best = tables.best if watch.keep == "best" else None
     with publishing():
         if main:
             with atomic_path(root / PPO_ROLLOUTS) as tmp:
                 shutil.copytree(root / WORK_ROLLOUTS, tmp)
             tables.write({final: root / final for final in WORK_TABLES})
-        with trainer.whole_policy() as policy:
+        if best is not None:
             if main:
-                save_policy(root / PPO_MODEL, policy, tokenizer)
+                with atomic_path(root / PPO_MODEL) as tmp:
+                    shutil.copytree(root / best_dir(best["step"]), tmp)
+        else:
+            with trainer.whole_policy() as policy:
+                if main:
+                    save_policy(root / PPO_MODEL, policy, tokenizer)
         if main:
             last = tables.curves[-1]
             write_json({"steps": len(tables.curves)} | {f"final_{k}": v for k, v in last.items() if k != "step"}
+                       | watch_metrics(tables, watch)
                        | {"resolved": trainer.resolved.to_dict()}, root / PPO_METRICS)  # what the run trained with
     if main:  # for the report: which results the timings are of (the curves, once in place)
         write_json({"curves_sha256": sha256_file(root / PPO_CURVES)}, root / PPO_TIMINGS_RUN)
     trainer.accelerator.wait_for_everyone()
     if main:
         discard(root / PPO_CHECKPOINTS)
+
+
+def watch_metrics(tables: StepTables, watch) -> dict:
+    """data/ppo/metrics.json's account of watching the run: the policy kept (its step, and by what), the doctor's
+    alerts (per check: how many steps, the first one and its message) and where an alert stopped the run."""
+    last = int(tables.curves[-1]["step"])
+    kept = {"policy": "last", "step": last}
+    if watch.keep == "best" and tables.best is not None:
+        kept = {"policy": "best", "step": tables.best["step"], "by": watch.best_by, "kl_price": watch.kl_price,
+                "value": tables.best["value"]}
+    alerts = {}
+    for alert in tables.alerts:
+        entry = alerts.setdefault(alert["check"], {"steps": 0, "first_step": alert["step"], "first": alert["message"]})
+        entry["steps"] += 1
+    return {"kept": kept, "alerts": alerts} | ({"stopped": tables.stopped} if tables.stopped else {})
 
 
 def save_policy(path: Path, policy, tokenizer) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from accelerate.utils import gather_object
 
-from stages.artifacts import PPO_CURVES, PPO_STATS, PPO_TIMINGS, write_csv, write_parquet
+from stages.artifacts import PPO_CURVES, PPO_EVAL, PPO_STATS, PPO_TIMINGS, write_csv, write_parquet
 
 # curves.csv column -> step() stats key (plus reward_mean and gold_mean, computed from the raw scores)
 CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "objective/entropy",
@@ -44,12 +44,19 @@ def gather_columns(columns: dict[str, list], accelerator) -> dict[str, list]:
 
 class StepTables:
     """The per-step tables: stats.parquet (every step() stat but the wall-clock `time/*` ones), timings.csv (those),
-    curves.csv. Rewritten (atomically) in the checkpoint directory after each step, and published at the end."""
+    curves.csv, eval.csv (the held-out evaluations); and what watching the run found (stages/watch.py): the first
+    step's health, the alerts, the best policy so far, where the run stopped. Rewritten (atomically) in the checkpoint
+    directory after each step, checkpointed with the trainer, and published at the end."""
 
     def __init__(self):
         self.stats: list[dict] = []
         self.timings: list[dict] = []
         self.curves: list[dict] = []
+        self.evals: list[dict] = []
+        self.alerts: list[dict] = []
+        self.first_health: dict | None = None
+        self.best: dict | None = None  # {"step", "value"}: the policy keep: best holds so far
+        self.stopped: dict | None = None  # {"step", "reason"}: an alert stopped the run (watch.on_alert: stop)
 
     def append(self, step: int, stats: dict, scores: list[float], gold: list[float] | None) -> None:
         keys = sorted(stats)
@@ -64,15 +71,18 @@ class StepTables:
         write_parquet({key: [row[key] for row in self.stats] for key in self.stats[0]}, paths[PPO_STATS])
         write_csv(self.timings, paths[PPO_TIMINGS])
         write_csv(self.curves, paths[PPO_CURVES])
+        write_csv(self.evals, paths[PPO_EVAL], columns=None if self.evals else ["step"])
 
-    def state(self) -> dict[str, list[dict]]:
-        """The rows so far, for a checkpoint (plain Python values)."""
-        return {"stats": self.stats, "timings": self.timings, "curves": self.curves}
+    def state(self) -> dict:
+        """The rows so far and what watching found, for a checkpoint (plain Python values)."""
+        return {"stats": self.stats, "timings": self.timings, "curves": self.curves, "evals": self.evals,
+                "alerts": self.alerts, "first_health": self.first_health, "best": self.best, "stopped": self.stopped}
 
     @classmethod
-    def from_state(cls, state: dict[str, list[dict]]) -> StepTables:
+    def from_state(cls, state: dict) -> StepTables:
         tables = cls()
-        tables.stats, tables.timings, tables.curves = state["stats"], state["timings"], state["curves"]
+        for name, value in state.items():
+            setattr(tables, name, value)
         return tables
 
 

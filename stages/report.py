@@ -31,6 +31,8 @@ from stages.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
     PPO_CURVES,
+    PPO_EVAL,
+    PPO_METRICS,
     PPO_ROLLOUTS,
     PPO_TIMINGS,
     PPO_TIMINGS_RUN,
@@ -78,7 +80,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     samples = read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS + list(judges))
     sections = [
         ("Evaluation on the held-out prompts", evaluation_table(evaluation, scorer, judges)),
-        ("PPO, step by step", charts(curves, scorer) + time_chart(root)),
+        ("PPO, step by step", charts(curves, scorer) + heldout_charts(root / PPO_EVAL, scorer) + time_chart(root)),
+        ("Watching the run: the policy kept and the doctor's alerts", watched(read_json(root / PPO_METRICS))),
         ("Held-out prompts: SFT and PPO side by side", side_by_side(samples, score_header(params.scorer),
                                                                       judges=list(judges))),
         ("Rollouts: the best and worst of the first and last steps", extremes(root / PPO_ROLLOUTS, curves)),
@@ -177,6 +180,44 @@ def charts(curves: pd.DataFrame, scorer: str) -> str:
         ax.legend()
         out.append(svg(fig))
     return f'<div class="charts">{"".join(out)}</div>'
+
+
+def heldout_charts(path: Path, scorer: str) -> str:
+    """The held-out evaluations during the run (data/ppo/eval.csv, `watch.eval_every`), beside the training curves:
+    the scorer's mean with the gold score and the judges (the gap between the proxy and the gold opening on prompts
+    the policy never trained on), and the KL to SFT. Nothing where the run had none."""
+    evals = pd.read_csv(path) if path.exists() else pd.DataFrame()
+    if "reward" not in evals:
+        return ""
+    fig, ax = figure("Held-out prompts during the run", "mean per sample")
+    for column in [c for c in evals.columns if c not in ("step", "kl", "length")]:
+        label = f"{scorer} (held-out)" if column == "reward" else f"{column} (held-out)"
+        ax.plot(evals["step"], evals[column], marker="o", label=label)
+    ax.legend()
+    kl_fig, kl_ax = figure("Held-out KL to SFT during the run", "KL (sum over tokens)")
+    kl_ax.plot(evals["step"], evals["kl"], marker="o", color="tab:red", label="KL to SFT (held-out)")
+    kl_ax.legend()
+    return f'<div class="charts">{svg(fig)}{svg(kl_fig)}</div>'
+
+
+def watched(metrics: dict) -> str:
+    """Which policy data/models/ppo holds and why, where an alert stopped the run, and the doctor's alerts (per
+    check: the steps it fired at, the first)."""
+    kept = metrics.get("kept", {"policy": "last", "step": metrics.get("steps", 0) - 1})
+    if kept["policy"] == "best":
+        price = f" - {kept['kl_price']:g} x KL to SFT" if kept.get("kl_price") else ""
+        text = (f"<p>data/models/ppo holds the policy of step {kept['step']}, the best by the held-out "
+                f"{html.escape(kept['by'])}{price} ({number(kept['value'])}).</p>")
+    else:
+        text = f"<p>data/models/ppo holds the last step's policy (step {kept['step']}).</p>"
+    if "stopped" in metrics:
+        text += f"<p><b>The run stopped at step {metrics['stopped']['step']}</b>: " \
+                f"{html.escape(metrics['stopped']['reason'])}.</p>"
+    alerts = metrics.get("alerts", {})
+    if not alerts:
+        return text + "<p>The doctor found nothing (watch.alerts).</p>"
+    rows = [[check, entry["steps"], entry["first_step"], entry["first"]] for check, entry in sorted(alerts.items())]
+    return text + table(rows, ["check (watch.alerts)", "steps", "first step", "what it found there"])
 
 
 def time_chart(root: Path) -> str:

@@ -24,6 +24,7 @@ from stages.artifacts import REWARD_ADAPTER, REWARD_MODEL
 from stages.models import load_reward_model, reward_scores
 from stages.params import Params
 from stages.runtime import StageError, device, reason, untracked_hint
+from stages.synthetic import gold_score
 
 REWARDS = "rewards"  # the package of user reward functions, a dep of the ppo stage in dvc.yaml
 
@@ -113,6 +114,14 @@ def shown(filename: str | None) -> str | None:
         return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
     except (ValueError, OSError):
         return filename
+
+
+def judge_functions(params: Params) -> dict[str, Callable[[list[str]], list[float]]]:
+    """The scorers the policy never trained on, by metric name: the synthetic data's gold score (the lexicon its pairs
+    were labelled with), and `evaluate.judges` (one of which may take the name `gold`)."""
+    judges = {"gold": lambda texts: [gold_score(t) for t in texts]} if params.data.is_synthetic else {}
+    return judges | {name: load_callable(spec, f"evaluate.judges.{name}", params)
+                     for name, spec in params.evaluate.judges.items()}
 
 
 def scorer_texts(params: Params, queries: list[str], responses: list[str]) -> list[str]:

@@ -195,7 +195,8 @@ def test_scorer_input_response_gives_the_scorer_the_responses_alone(tiny_run, ti
     root = copy_for_ppo(tiny_run, tmp_path)
     scorer = ScorerParams(source="callable", name="seen_scores:score", label="POSITIVE", batch_size=8,
                           input="response")
-    ppo.run(dataclasses.replace(tiny_params, scorer=scorer), root)
+    no_heldout = dataclasses.replace(tiny_params.watch, eval_every=0)  # the scorer sees the rollouts alone
+    ppo.run(dataclasses.replace(tiny_params, scorer=scorer, watch=no_heldout), root)
     rollouts = pd.read_parquet(root / PPO_ROLLOUTS)
     import seen_scores
 
