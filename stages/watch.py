@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from stages.params import AlertParams, Params, WatchParams
+from stages.ppo_run import save_best
 from stages.runtime import warning
 from stages.scoring import scored, scorer_texts
 
@@ -87,8 +88,6 @@ def watch_step(loop, step: int, total: int, stats: dict, rollouts: dict, tables,
     """After a recorded step: the doctor's checks (each alert a `warning:` line and a row of ``tables.alerts``), then
     the held-out evaluation when due (a row of ``tables.evals``; with keep: best, a better policy saved as the run's
     best). Returns whether the run stops here (an alert, with watch.on_alert: stop; the stop is evaluated too)."""
-    from stages.ppo_run import save_best
-
     watch = params.watch
     now = health(tables.curves[-1], stats, rollouts["ends_with_eos"])
     tables.first_health = tables.first_health or now
