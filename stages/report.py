@@ -202,14 +202,14 @@ def heldout_charts(path: Path, scorer: str) -> str:
 
 def watched(metrics: dict) -> str:
     """Which policy data/models/ppo holds and why, where an alert stopped the run, and the doctor's alerts (per
-    check: the steps it fired at, the first)."""
+    check: the steps it fired at, the first). Steps are counted from 0, as the charts and data/ppo/*.csv count them."""
     kept = metrics.get("kept", {"policy": "last", "step": metrics.get("steps", 0) - 1})
     if kept["policy"] == "best":
         price = f" - {kept['kl_price']:g} x KL to SFT" if kept.get("kl_price") else ""
-        text = (f"<p>data/models/ppo holds the policy of step {kept['step']}, the best by the held-out "
-                f"{html.escape(kept['by'])}{price} ({number(kept['value'])}).</p>")
+        text = (f"<p>data/models/ppo holds the policy of step {kept['step']} (steps counted from 0, as in the "
+                f"charts), the best by the held-out {html.escape(kept['by'])}{price} ({number(kept['value'])}).</p>")
     else:
-        text = f"<p>data/models/ppo holds the last step's policy (step {kept['step']}).</p>"
+        text = f"<p>data/models/ppo holds the last step's policy (step {kept['step']}, counted from 0).</p>"
     if "stopped" in metrics:
         text += f"<p><b>The run stopped at step {metrics['stopped']['step']}</b>: " \
                 f"{html.escape(metrics['stopped']['reason'])}.</p>"

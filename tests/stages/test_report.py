@@ -122,7 +122,7 @@ def test_the_report_draws_the_heldout_evaluations_and_says_which_policy_was_kept
     text = page.read_text()
     assert "Held-out prompts during the run" in text and "Held-out KL to SFT during the run" in text
     assert "Watching the run: the policy kept and the doctor" in text
-    assert "data/models/ppo holds the last step's policy (step 1)." in text
+    assert "data/models/ppo holds the last step's policy (step 1, counted from 0)." in text
 
 
 def test_the_watch_section_names_the_best_policy_a_stop_and_the_alerts():
@@ -132,7 +132,8 @@ def test_the_watch_section_names_the_best_policy_a_stop_and_the_alerts():
                "alerts": {"approxkl": {"steps": 1, "first_step": 2, "first": "an update's approximate KL is 47"}},
                "stopped": {"step": 2, "reason": "an update's approximate KL is 47 (watch.alerts.approxkl: 0.5)"}}
     text = watched(metrics)
-    assert "holds the policy of step 1, the best by the held-out gold - 0.5 x KL to SFT (2.250)" in text
+    assert ("holds the policy of step 1 (steps counted from 0, as in the charts), the best by the held-out gold - 0.5 "
+            "x KL to SFT (2.250)") in text
     assert "The run stopped at step 2</b>: an update&#x27;s approximate KL is 47" in text
     assert "<td>approxkl</td>" in text
     assert "The doctor found nothing" in watched({"steps": 2, "kept": {"policy": "last", "step": 1}, "alerts": {}})
