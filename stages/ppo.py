@@ -208,7 +208,9 @@ def one_step(loop: Loop, step: int, idx: list[int], params: Params, root: Path) 
     return stats | seconds, rollout_table(gathered, stats["objective/kl_dist"])
 
 
-HUGE_SCORE = 1e4  # scores past this overflow float32 in the value loss and its gradients long before 3.4e38
+# A score scale past which a non-finite loss is put down to the scores: far outside what a reward should be, on the
+# way to where squared errors overflow float32 (scores of ~1e19)
+HUGE_SCORE = 1e4
 
 
 def likely_cause(scores: list[float]) -> str:
