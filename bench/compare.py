@@ -8,6 +8,8 @@ request):
   ppo_core               this interpreter                               bench/ppo_step.py --impl ppo_core
   ppo_core, bf16 mixed   this interpreter                               bench/ppo_step.py --impl ppo_core --bf16
   ppo_core, LoRA r=16    this interpreter (with peft)                   bench/ppo_step.py --impl ppo_core --lora
+  ppo_core, bf16 weights this interpreter                               bench/ppo_step.py --impl ppo_core --bf16-weights
+  ppo_core, grpo, bf16 weights                                          ... --estimator grpo --bf16-weights
   ppo_core, grpo ...     this interpreter                               bench/ppo_step.py --estimator grpo (etc.)
   TRL GRPOTrainer G=4    $TRL_GRPO_PYTHON (default /work/trl116-venv/bin/python: trl 1.16)  bench/grpo_trl.py
 The two floors matter because the venvs carry different transformers versions (5.x vs 4.46): each trainer's
@@ -58,11 +60,13 @@ TRL_GRPO_PYTHON = os.environ.get("TRL_GRPO_PYTHON",  # trl 1.16, transformers 5
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dapo", "gspo",
               "cispo"]  # critic-free
 IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS, "grpo_lora",
-         "trl_grpo", "trl_grpo_lora"]
+         "trl_grpo", "trl_grpo_lora", "ppo_core_bf16w", "grpo_bf16w"]
 DEFAULT_IMPLS = IMPLS[:5]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
 BF16 = "ppo_core, bf16 mixed"
 LORA = "ppo_core, LoRA r=16"
 GRPO_LORA = "ppo_core, grpo, LoRA r=16"
+BF16W = "ppo_core, bf16 weights"
+GRPO_BF16W = "ppo_core, grpo, bf16 weights"
 TRL_GRPO = "TRL GRPOTrainer G=4"
 TRL_GRPO_LORA = "TRL GRPOTrainer G=4, LoRA r=16"
 
@@ -110,6 +114,13 @@ def planned_runs(impls: list) -> tuple:
         runs.append(Run(GRPO_LORA, sys.executable,
                         ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", "grpo", "--lora"), "floor",
                         TRL_GRPO_LORA, lora=True))
+    if "ppo_core_bf16w" in impls:  # bf16 weights, no autocast, Adam over float32 masters (common.MasterAdamW)
+        runs.append(Run(BF16W, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--bf16-weights"), "floor",
+                        "trl"))
+    if "grpo_bf16w" in impls:
+        runs.append(Run(GRPO_BF16W, sys.executable,
+                        ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", "grpo", "--bf16-weights"), "floor",
+                        TRL_GRPO))
     for impl, label, flags in (("trl_grpo", TRL_GRPO, ()), ("trl_grpo_lora", TRL_GRPO_LORA, ("--lora",))):
         if impl not in impls:  # TRL 1.16's GRPOTrainer on ppo_core grpo's work (bench/grpo_trl.py says what differs)
             continue
@@ -327,7 +338,7 @@ def table(results: dict, runs: list, bf16: bool = False) -> str:
             to_floor = ratio_stats(rounds, run.label, run.floor) if run.floor else None
             to_peer = ratio_stats(rounds, run.label, run.peer) if run.peer else None
             phases = " | ".join(f"{x:.2f}" for x in phase_medians(r["per_step"]))
-            dtype = "bf16" if bf16 or "--bf16" in run.argv else "fp32"
+            dtype = "bf16" if bf16 or {"--bf16", "--bf16-weights"} & set(run.argv) else "fp32"
             mfu = update_mfu(shape, run, r["per_step"], r["machine"]["gpu"], dtype)
             lines.append(
                 f"| {shape} | {run.label} | {r['machine']['transformers']} | {r['median_s_per_step']:.3f} | {phases} "

@@ -62,11 +62,15 @@ def group_size(estimator: str) -> int:
     return 1 if estimator in ("gae", "reinforce_plus_plus") else GROUP_SIZE
 
 
-def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lora=None, estimator: str = "gae"):
+def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lora=None, estimator: str = "gae",
+                  bf16_weights: bool = False):
     """The seed's construction: value-head model from a local dir, default reference, local tokenizer.
 
     With `lora` (a peft LoraConfig) the policy gets a fresh adapter on the loaded model: the trainer then
-    trains the adapter and the value head only, and takes the reference from the adapter-disabled model."""
+    trains the adapter and the value head only, and takes the reference from the adapter-disabled model.
+    With `bf16_weights` the model's weights are bf16 (the value head stays float32), no autocast, and the optimizer
+    is `common.MasterAdamW` (float32 master copies): the lever against autocast's per-use casts."""
+    bf16 = bf16 and not bf16_weights
     PPOConfig, PPOTrainer, AutoModelForCausalLMWithValueHead = import_impl(impl)
     config = PPOConfig(
         batch_size=setting.batch_size,
@@ -90,7 +94,11 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
     if lora is not None:
         model = AutoModelForCausalLMWithValueHead.from_pretrained(model.pretrained_model, peft_config=lora)
     tokenizer = common.build_tokenizer(common.SHAPES[shape].vocab_size)
-    trainer = PPOTrainer(config=config, model=model, ref_model=None, tokenizer=tokenizer)
+    optimizer = None
+    if bf16_weights:
+        model.pretrained_model.to(torch.bfloat16)
+        optimizer = common.MasterAdamW(model.parameters(), lr=config.learning_rate)
+    trainer = PPOTrainer(config=config, model=model, ref_model=None, tokenizer=tokenizer, optimizer=optimizer)
     return trainer, digest
 
 
@@ -168,10 +176,14 @@ def main() -> None:
     common.set_threads(args.threads)
     setting = common.setting_for(args.shape)
     lora = lora_config(args.lora_r, args.lora_alpha, args.shape) if args.lora else None
-    trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora, args.estimator)
+    if args.bf16_weights and (args.impl != "ppo_core" or args.lora):
+        parser.error("--bf16-weights is benchmarked for --impl ppo_core without --lora")
+    trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora, args.estimator,
+                                    args.bf16_weights)
     vocab, group = common.SHAPES[args.shape].vocab_size, group_size(args.estimator)
 
     impl = f"{args.impl}, LoRA r={args.lora_r}" if args.lora else args.impl
+    impl += ", bf16 weights" if args.bf16_weights else ""
     impl += f", {args.estimator}" + (f" G={group}" if group > 1 else "") if args.estimator != "gae" else ""
     if args.serve:
         common.serve(lambda step: run_step(trainer, step, vocab, setting, group),

@@ -38,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny_qwen2", choices=sorted(common.SHAPES))
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (accelerate's autocast)")
+    parser.add_argument("--bf16-weights", action="store_true",
+                        help="bf16 weights, no autocast, float32 master Adam (common.MasterAdamW)")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=12, help="kernels (operators) listed")
@@ -46,7 +48,8 @@ def main() -> None:
     common.set_threads(args.threads)
     setting, vocab = common.setting_for(args.shape), common.SHAPES[args.shape].vocab_size
     lora = ppo_step.lora_config(16, 16, args.shape) if args.lora else None
-    trainer, _ = ppo_step.build_trainer("ppo_core", args.shape, setting, args.bf16, lora)
+    trainer, _ = ppo_step.build_trainer("ppo_core", args.shape, setting, args.bf16, lora,
+                                        bf16_weights=args.bf16_weights)
     ppo_step.run_step(trainer, 0, vocab, setting)  # warmup
 
     queries = common.make_queries(1, vocab, setting)
@@ -76,10 +79,11 @@ def main() -> None:
     tokens = sum(len(q) for q in queries) + sum(len(r) for r in responses)
     update_s, logprobs_s = float(stats["time/ppo/optimize_step"]), float(stats["time/ppo/forward_pass"])
     flops = setting.ppo_epochs * common.update_flops(args.shape, [tokens / len(queries)] * len(queries), bool(lora))
-    peak = common.peak_flops("bf16" if args.bf16 else "fp32")
+    peak = common.peak_flops("bf16" if args.bf16 or args.bf16_weights else "fp32")
+    precision = "bf16 weights, float32 master Adam" if args.bf16_weights else "bf16 mixed" if args.bf16 else "float32"
     m = common.machine_info()
     where = m["gpu"] or m["cpu"]
-    lines = [f"One PPO step of ppo_core under torch.profiler: {args.shape}, {'bf16 mixed' if args.bf16 else 'float32'}"
+    lines = [f"One PPO step of ppo_core under torch.profiler: {args.shape}, {precision}"
              f"{', LoRA r=16' if lora else ''}, {setting.batch_size} sequences of {tokens / len(queries):.0f} tokens, "
              f"{setting.ppo_epochs} epochs of mini-batches of {setting.mini_batch_size}; on {where}, "
              f"torch {m['torch']}.",

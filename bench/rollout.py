@@ -5,6 +5,10 @@ The engines, each on the same model, prompts and sampling (the seed's kwargs, EO
   static     HF `generate` with `cache_implementation="static"` (a preallocated cache; no compile)
   cb         transformers' continuous batching (`generate_batch`, transformers >= 5.8; TRL 1.16's
              `use_transformers_continuous_batching`): paged KV cache, prompts as ragged requests, no padding
+  generate_bf16w, static_bf16w, compiled_bf16w
+             the same on a bf16 copy of the weights, no autocast (a rollout copy, as veRL and OpenRLHF keep one for
+             their engines): `generate`; the static cache with `disable_compile=True`; the static cache with
+             transformers' own compilation of the decoding step (on CUDA: `torch.compile`, CUDA graphs)
 
 Interleaved: round r runs every engine once on round r's prompts, in an order that rotates each round; the table
 gives each engine's median seconds and generated tokens/s, its ratio to `generate` (median of per-round ratios), and
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import statistics
@@ -28,7 +33,8 @@ from pathlib import Path
 import common
 import torch
 
-ENGINES = ("generate", "static", "cb")
+ENGINES = ("generate", "static", "cb", "generate_bf16w", "static_bf16w", "compiled_bf16w")
+BF16W = {"generate_bf16w", "static_bf16w", "compiled_bf16w"}  # on the bf16 copy, no autocast
 
 
 def sample_kwargs(setting: common.Setting, greedy: bool) -> dict:
@@ -40,12 +46,13 @@ def sample_kwargs(setting: common.Setting, greedy: bool) -> dict:
     return kwargs
 
 
-def run_generate(model, queries: list, kwargs: dict, seed: int, static: bool = False) -> list:
-    """HF `generate` on the left-padded batch; the responses as lists of ids."""
+def run_generate(model, queries: list, kwargs: dict, seed: int, static: bool = False, compile: bool = False) -> list:
+    """HF `generate` on the left-padded batch; the responses as lists of ids. `static`: a static cache, compiled by
+    transformers where it compiles (CUDA) only with `compile`."""
     input_ids, mask = common.left_pad(queries)
     dev = model.device
     torch.manual_seed(seed)
-    extra = {"cache_implementation": "static"} if static else {}
+    extra = {"cache_implementation": "static", "disable_compile": not compile} if static else {}
     out = model.generate(input_ids=input_ids.to(dev), attention_mask=mask.to(dev), **kwargs, **extra)
     return [row.tolist() for row in out[:, input_ids.shape[1]:].cpu()]
 
@@ -63,7 +70,16 @@ def run_cb(model, queries: list, kwargs: dict, seed: int) -> list:
 
 
 def engine_fn(name: str):
-    return {"generate": run_generate, "static": lambda *a: run_generate(*a, static=True), "cb": run_cb}[name]
+    static = lambda *a: run_generate(*a, static=True)  # noqa: E731
+    return {"generate": run_generate, "static": static, "cb": run_cb, "generate_bf16w": run_generate,
+            "static_bf16w": static, "compiled_bf16w": lambda *a: run_generate(*a, static=True, compile=True)}[name]
+
+
+def engine_context(name: str, autocast: bool):
+    """The engine's precision: bf16 autocast over the float32 weights where asked, none on the bf16 copy."""
+    if autocast and name not in BF16W:
+        return torch.autocast(common.device().type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def same(a: list, b: list) -> int:
@@ -87,8 +103,10 @@ def main() -> None:
     setting = dataclasses.replace(setting, batch_size=args.batch or setting.batch_size,
                                   max_new_tokens=args.new_tokens or setting.max_new_tokens)
     model = common.build_model(args.shape, seed=setting.seed).to(common.device())
-    autocast = (torch.autocast(common.device().type, dtype=torch.bfloat16) if args.bf16
-                else contextlib.nullcontext())
+    models = {name: model for name in args.engines}
+    if BF16W & set(args.engines):
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        models.update({name: bf16 for name in BF16W})
 
     rounds, errors = [], {}
     engines = list(args.engines)
@@ -98,8 +116,8 @@ def main() -> None:
         this = {}
         for name in order:
             try:
-                with autocast, torch.no_grad(), common.Timer() as t:
-                    tokens = engine_fn(name)(model, queries, sample_kwargs(setting, greedy=False), 1000 + r)
+                with engine_context(name, args.bf16), torch.no_grad(), common.Timer() as t:
+                    tokens = engine_fn(name)(models[name], queries, sample_kwargs(setting, greedy=False), 1000 + r)
                 this[name] = {"s": t.s, "tokens": sum(len(x) for x in tokens), "sampled": tokens}
             except Exception as exc:  # noqa: BLE001  (an engine this transformers or device lacks: a row saying why)
                 errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -110,8 +128,10 @@ def main() -> None:
             rounds.append(this)
     # agreement with `generate`, on the last round's prompts: greedy, and sampled from one seed
     queries, agree = common.make_queries(0, vocab, setting), {}
-    with autocast, torch.no_grad():
-        greedy = {name: engine_fn(name)(model, queries, sample_kwargs(setting, greedy=True), 0) for name in engines}
+    greedy = {}
+    for name in engines:
+        with engine_context(name, args.bf16), torch.no_grad():
+            greedy[name] = engine_fn(name)(models[name], queries, sample_kwargs(setting, greedy=True), 0)
     for name in engines:
         agree[name] = {"greedy": same(greedy[name], greedy["generate"]),
                        "sampled": same(rounds[-1][name]["sampled"], rounds[-1]["generate"]["sampled"])}
@@ -119,7 +139,9 @@ def main() -> None:
     m = common.machine_info()
     lines = [f"Rollout engines, {args.shape} ({setting.batch_size} prompts of {setting.query_len_min}-"
              f"{setting.query_len_max} tokens, {setting.max_new_tokens} new tokens), "
-             f"{'bf16 autocast' if args.bf16 else 'float32'}, on {m['gpu'] or m['cpu']}; torch {m['torch']}, "
+             f"{'bf16 autocast' if args.bf16 else 'float32'}"
+             f"{' (the *_bf16w engines: a bf16 copy of the weights, no autocast)' if BF16W & set(engines) else ''}"
+             f", on {m['gpu'] or m['cpu']}; torch {m['torch']}, "
              f"transformers {m['transformers']}; {args.rounds} interleaved rounds after 1 warmup.", "",
              "| engine | median s | generated tokens/s | ratio to generate (s) | same tokens as generate: greedy "
              "| sampled, same seed |", "|---|---:|---:|---:|---:|---:|"]
