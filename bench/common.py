@@ -502,18 +502,29 @@ class MasterAdamW(torch.optim.AdamW):
     casts, the optimizer keeps the precision Adam's small updates need (as DeepSpeed's and Megatron's bf16 optimizers).
 
     ``step`` casts each weight's gradient to float32 onto its master, updates the masters, and copies them back into
-    the weights, rounded; weights that are float32 already (a value head) are updated in place. Fused on CUDA.
+    the weights, rounded; weights that are float32 already (a value head) are updated in place. The optimizer may be
+    built before the model moves to its device (as the seed's loop does: the trainer moves it): the masters follow
+    their weights at the first step, and Adam runs fused there on CUDA.
     """
 
     def __init__(self, params, lr: float, **kwargs):
         self.weights = [p for p in params if p.requires_grad]
         self.masters = [w.detach().float().clone().requires_grad_(True) if w.dtype != torch.float32 else w
                         for w in self.weights]
-        kwargs.setdefault("fused", self.weights[0].is_cuda)
         super().__init__(self.masters, lr=lr, **kwargs)
+
+    def _follow_weights(self) -> None:
+        """Masters onto their weights' devices (same tensors, for the param groups and state); fused Adam on CUDA."""
+        for w, m in zip(self.weights, self.masters):
+            if m.device != w.device:
+                m.data = m.data.to(w.device)
+        for group in self.param_groups:
+            if group.get("fused") is None and all(p.is_cuda for p in group["params"]):
+                group["fused"] = True
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._follow_weights()
         pairs = [(w, m) for w, m in zip(self.weights, self.masters) if m is not w]
         for w, m in pairs:
             m.grad = None if w.grad is None else w.grad.float()
