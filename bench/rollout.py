@@ -12,8 +12,9 @@ The engines, each on the same model, prompts and sampling (the seed's kwargs, EO
 
 Interleaved: round r runs every engine once on round r's prompts, in an order that rotates each round; the table
 gives each engine's median seconds and generated tokens/s, its ratio to `generate` (median of per-round ratios), and
-how many sequences match `generate`'s token for token, greedy (do_sample=False: the kernels' agreement) and sampled
-from the same seed (whether the engine draws its random numbers in the same order).
+how many sequences match their reference's token for token (`generate` in the same precision: `generate_bf16w` for
+the engines on the bf16 copy, which are also compared with autocast's `generate`), greedy (do_sample=False: the
+kernels' agreement) and sampled from the same seed (whether the engine draws its random numbers in the same order).
 
     .venv/bin/python bench/rollout.py --shape smollm2_135m --batch 16 --new-tokens 64 --rounds 3   # a 2-core CPU
     python bench/rollout.py --shape qwen2.5_0.5b --bf16 --rounds 3 --out $OUT/rollout    # a GPU (gpu_real.sh)
@@ -82,6 +83,12 @@ def engine_context(name: str, autocast: bool):
     return contextlib.nullcontext()
 
 
+def reference(name: str, engines: list) -> str:
+    """The engine whose tokens `name`'s are checked against: `generate` in the same precision (`generate_bf16w` for
+    the bf16 copy, where it ran), so that the engine's agreement is told apart from the weights' precision."""
+    return "generate_bf16w" if name in BF16W and "generate_bf16w" in engines else "generate"
+
+
 def same(a: list, b: list) -> int:
     """How many of the sequences in `a` equal those of `b`, token for token."""
     return sum(x == y for x, y in zip(a, b))
@@ -133,8 +140,12 @@ def main() -> None:
         with engine_context(name, args.bf16), torch.no_grad():
             greedy[name] = engine_fn(name)(models[name], queries, sample_kwargs(setting, greedy=True), 0)
     for name in engines:
-        agree[name] = {"greedy": same(greedy[name], greedy["generate"]),
-                       "sampled": same(rounds[-1][name]["sampled"], rounds[-1]["generate"]["sampled"])}
+        ref = reference(name, engines)
+        agree[name] = {"reference": ref, "greedy": same(greedy[name], greedy[ref]),
+                       "sampled": same(rounds[-1][name]["sampled"], rounds[-1][ref]["sampled"])}
+        if ref != "generate":  # and against autocast's generate: what the weights' precision changes
+            agree[name].update(greedy_generate=same(greedy[name], greedy["generate"]),
+                               sampled_generate=same(rounds[-1][name]["sampled"], rounds[-1]["generate"]["sampled"]))
 
     m = common.machine_info()
     lines = [f"Rollout engines, {args.shape} ({setting.batch_size} prompts of {setting.query_len_min}-"
@@ -143,18 +154,21 @@ def main() -> None:
              f"{' (the *_bf16w engines: a bf16 copy of the weights, no autocast)' if BF16W & set(engines) else ''}"
              f", on {m['gpu'] or m['cpu']}; torch {m['torch']}, "
              f"transformers {m['transformers']}; {args.rounds} interleaved rounds after 1 warmup.", "",
-             "| engine | median s | generated tokens/s | ratio to generate (s) | same tokens as generate: greedy "
-             "| sampled, same seed |", "|---|---:|---:|---:|---:|---:|"]
+             "| engine | median s | generated tokens/s | ratio to generate (s) | same tokens as its reference: greedy "
+             "| sampled, same seed | bf16 copy against autocast's generate: greedy, sampled |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name in args.engines:
         if name in errors:
-            lines.append(f"| {name} | failed: {errors[name]} | | | | |")
+            lines.append(f"| {name} | failed: {errors[name]} | | | | | |")
             continue
         secs = [rnd[name]["s"] for rnd in rounds]
         tps = statistics.median(rnd[name]["tokens"] / rnd[name]["s"] for rnd in rounds)
         ratio = statistics.median(rnd[name]["s"] / rnd["generate"]["s"] for rnd in rounds)
         n = setting.batch_size
-        agreement = ("(the reference) | (the reference)" if name == "generate" else
-                     f"{agree[name]['greedy']}/{n} | {agree[name]['sampled']}/{n}")
+        a = agree[name]
+        agreement = ("(the reference) | (the reference)" if name == a["reference"] else
+                     f"{a['greedy']}/{n} | {a['sampled']}/{n}")
+        agreement += f" | {a['greedy_generate']}/{n}, {a['sampled_generate']}/{n}" if "greedy_generate" in a else " |"
         lines.append(f"| {name} | {statistics.median(secs):.2f} | {tps:.0f} | {ratio:.2f} | {agreement} |")
     report = "\n".join(lines) + "\n"
     print("\n" + report)
