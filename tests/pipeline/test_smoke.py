@@ -1,7 +1,7 @@
 """End to end through DVC, as a user drives it: the project copied to a fresh git repo (tiny params) runs `dvc repro`;
 then, each test leaving the workspace as it found it: a no-op repro, a forced rerun that trains again, a killed
 `dvc repro` that resumes, a failing stage that says how to get its outputs back, reward code under rewards/ that
-makes ppo and evaluate stale, `dvc exp run -S`, a queued sweep that reruns nothing upstream of ppo, the README's
+makes ppo and evaluate stale, `dvc exp run -S`, a queued sweep that reruns nothing upstream of ppo, the docs'
 sweep and comparison, and the sweep's page."""
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ def dvc(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProces
 
 
 def readme_line(start: str) -> str:
-    """The README's command line that starts with ``start``, to run as the user types it (``bash -c``)."""
-    return next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(start))
+    """The docs' command line that starts with ``start`` (the first of README.md, then of docs/*.md, where the guides
+    hold the commands the README links to), to run as the user types it (``bash -c``)."""
+    docs = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+    return next(line for doc in docs for line in doc.read_text().splitlines() if line.startswith(start))
 
 
 def exp_show_header(repo: Path) -> tuple[list[str], str]:
-    """The README's `dvc exp show` in a 100-column terminal: (its header's columns, the whole table)."""
+    """The docs' `dvc exp show` (docs/sweeps.md) in a 100-column terminal: (its header's columns, the whole table)."""
     table = run("bash", "-c", readme_line("dvc exp show "), cwd=repo, env={**ENV, "COLUMNS": "100"}).stdout
     return next(line for line in table.splitlines() if "Experiment" in line).split(), table
 
@@ -278,7 +280,7 @@ def test_exp_run_reruns_only_ppo_and_evaluate(repo):
     baseline = next(row for row in rows if row.get("experiments"))  # HEAD: its metrics are there to compare with
     before = baseline["data"]["metrics"]["data/eval/metrics.json"]["data"]
     assert before["win_rate"] >= 0
-    # the README's comparison reads whole in a 100-column terminal: every metric that moved, and the param
+    # the docs' comparison reads whole in a 100-column terminal: every metric that moved, and the param
     header, table = exp_show_header(repo)
     moved = [key for key in metrics if metrics[key] != before[key]]  # the tiny run's policy moves little
     assert "kl" in moved and header == ["Experiment", *moved, "ppo.learning_rate"], table
@@ -303,7 +305,7 @@ def test_a_queued_sweep_runs_no_stage_upstream_of_ppo(repo):
 
 @pytest.mark.slow
 def test_the_readme_s_queued_sweep_compares_in_100_columns(repo):
-    """The README's sweep as a user types it (`dvc exp run --queue -S 'ppo.learning_rate=...' && dvc queue start`,
+    """The docs' sweep as a user types it (`dvc exp run --queue -S 'ppo.learning_rate=...' && dvc queue start`,
     then `dvc queue status` until both are done) and its `dvc exp show` line in a 100-column terminal: Experiment, the
     metrics that moved and the swept param, none cut off (a queued experiment adds a State column to drop)."""
     run("bash", "-c", readme_line("dvc exp run --queue "), cwd=repo)
@@ -343,10 +345,11 @@ def test_the_sweep_page_shows_the_experiments_side_by_side(repo):
 @pytest.mark.slow
 def test_where_main_s_results_are_not_in_the_cache_the_workspace_is_the_baseline(repo, tmp_path):
     """On a machine whose float kernels compute other bytes than main's lock (native kernels on another CPU, another
-    architecture: README, "Same inputs, same bytes"), main's results are in no cache. Simulated on a copy of the repo
-    without its cache or experiments, whose pipeline reruns with ATen's unvectorised kernels and one thread (the tiny
-    params are native: the environment decides), then one experiment: the README's `dvc exp show` line still fits 100
-    columns with main's row all `!`, and the sweep page lists the workspace's results, labelled, as the baseline."""
+    architecture: docs/reproducibility.md, "Same inputs, same bytes"), main's results are in no cache. Simulated on a
+    copy of the repo without its cache or experiments, whose pipeline reruns with ATen's unvectorised kernels and one
+    thread (the tiny params are native: the environment decides), then one experiment: the docs' `dvc exp show` line
+    still fits 100 columns with main's row all `!`, and the sweep page lists the workspace's results, labelled, as the
+    baseline."""
     from stages.report_sweep import WORKSPACE_BASELINE
 
     copy = tmp_path / "copy"
