@@ -379,7 +379,7 @@ def median_after_warmup(values: list, warmup: int) -> float:
 
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MiB: /proc's VmHWM on Linux (ru_maxrss would carry the
-    forking parent's peak across exec: stages.runtime.peak_rss_bytes, which the TRL venvs cannot import), else
+    forking parent's peak across exec: stages.shared.runtime.peak_rss_bytes, which the TRL venvs cannot import), else
     ru_maxrss (KiB; bytes on macOS)."""
     try:
         with open("/proc/self/status") as status:

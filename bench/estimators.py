@@ -25,7 +25,7 @@ from pathlib import Path
 from ruamel.yaml import YAML
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from stages.artifacts import policy_means
+from stages.shared.artifacts import policy_means
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -55,7 +55,7 @@ def params_with(path: Path, changes: list[str], out: Path) -> Path:
 def measure(root: Path, params, seconds: float) -> dict:
     """Per-step numbers of a finished run in ``root`` (its stats and timings)."""
     from ppo_core.runtime.utils import tf32_supported
-    from stages.artifacts import PPO_STATS, PPO_TIMINGS, SFT_MODEL
+    from stages.shared.artifacts import PPO_STATS, PPO_TIMINGS, SFT_MODEL
 
     stats, timings = pd.read_parquet(root / PPO_STATS), pd.read_csv(root / PPO_TIMINGS)
     world = max(1, int(torch.distributed.get_world_size()) if torch.distributed.is_initialized() else 1)
@@ -114,8 +114,8 @@ def main() -> None:
 
     import stages  # noqa: F401 - the stages' environment first
     from stages import ppo
-    from stages.params import load_params
-    from stages.runtime import process_state
+    from stages.shared.params import load_params
+    from stages.shared.runtime import process_state
 
     state = process_state()
     path = params_with(args.params, args.set, args.root / f"params.{args.name}.yaml")

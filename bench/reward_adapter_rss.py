@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SETUP = """
 import sys, importlib
 from pathlib import Path
-from stages.params import load_params
+from stages.shared.params import load_params
 params = load_params(sys.argv[1])
 for name in ("prepare", "sft", "reward", "tokenize"):
     importlib.import_module("stages." + name).run(params, Path("."))
@@ -43,7 +43,7 @@ PPO = """
 import sys
 from pathlib import Path
 from stages import ppo
-from stages.params import load_params
+from stages.shared.params import load_params
 if sys.argv[2] == "separate":  # the merged reward model, loaded on its own beside the policy
     ppo.reward_adapter = lambda params, root, seq2seq: None
 ppo.run(load_params(sys.argv[1]), Path("."))

@@ -1,7 +1,7 @@
 """Typed fields from plain data (keyword arguments, YAML, JSON): one checker and one wording of errors.
 
-``PPOConfig`` checks its fields with it, and so does the pipeline's params loader (``stages/params.py``) for its own
-sections: a problem reads the same wherever it is found, e.g. ``ppo.learning_rate must be a number, got 'fast'
+``PPOConfig`` checks its fields with it, and so does the pipeline's params loader (``stages/shared/params.py``) for its
+own sections: a problem reads the same wherever it is found, e.g. ``ppo.learning_rate must be a number, got 'fast'
 (str)`` in a params file and ``PPOConfig.learning_rate must be a number, got 'fast' (str)`` in Python.
 
 Values are taken as YAML loaders give them: PyYAML reads ``1e-5`` as the *string* ``"1e-5"``, and ``dvc exp run

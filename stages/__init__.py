@@ -1,4 +1,5 @@
-"""The pipeline's stages: prepare -> sft -> reward -> tokenize -> ppo -> evaluate (see dvc.yaml and stages/cli.py)."""
+"""The pipeline's stages, one module (or package) per stage of dvc.yaml: sources -> prepare -> sft -> reward ->
+tokenize -> ppo -> evaluate -> report, and the example's fetch; what they share is in ``stages.shared``."""
 
 import os
 import sys

@@ -5,7 +5,7 @@ sure it runs in the project's environment: with a virtual environment `.venv` in
 (the one `make` builds; a queued experiment's copy lies under the project's `.dvc/tmp/exps/`), it re-runs itself
 with that environment's Python; without one, the Python it was given must have the project's packages, or it stops
 with a one-line hint. Then, before torch loads, it sets the float kernels that params.yaml's `numerics` asks for
-(stages/numerics.py). Kept to the standard library until then: it runs before any dependency is known to be
+(stages/shared/numerics.py). Kept to the standard library until then: it runs before any dependency is known to be
 importable. The `rlhf` command is this `main` too.
 """
 
@@ -38,10 +38,10 @@ def main() -> None:
         print(f"error: {sys.executable} lacks the project's packages ({', '.join(missing)}); run `make install` (or "
               "`pip install -e .`) and activate that environment (`source .venv/bin/activate`)", file=sys.stderr)
         raise SystemExit(2)
-    from stages import numerics
+    from stages.shared import numerics
 
     numerics.configure_from(numerics.params_path(sys.argv[1:]))
-    from stages.cli import app
+    from stages.shared.cli import app
 
     app(prog_name="python3 -m stages" if Path(sys.argv[0]).name == "__main__.py" else Path(sys.argv[0]).name)
 

@@ -1,7 +1,7 @@
 """evaluate: the SFT and PPO policies on the held-out prompts, side by side.
 
 Per policy: the mean score of the scorer PPO trained on (`scorer.source`: the reward model, a text-classification
-pipeline or the user's callable, built and checked as the ppo stage does: stages/scoring.py), the mean gold score
+pipeline or the user's callable, built and checked as the ppo stage does: stages/shared/scoring.py), the mean gold score
 (default synthetic data only), KL to the SFT policy (sum over response tokens of log pi(y_t) - log pi_sft(y_t),
 averaged over the policy's own samples, a Monte Carlo estimate of KL(pi || pi_sft)), and mean response length in
 tokens. Win rate: the fraction of prompts where that scorer scores the PPO response above the SFT one (ties count
@@ -29,7 +29,7 @@ from ppo_core.models.generation import generate_batched
 from ppo_core.runtime.utils import moved, set_seed, tf32_matmuls
 from ppo_core.step.inputs import model_inputs
 from ppo_core.step.rollout import policy_outputs
-from stages.artifacts import (
+from stages.shared.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
     PPO_MODEL,
@@ -43,10 +43,10 @@ from stages.artifacts import (
     write_json,
     write_parquet,
 )
-from stages.models import is_encoder_decoder, load_float32
-from stages.params import Params
-from stages.runtime import device, note
-from stages.scoring import build_scorer, judge_functions, scored, scorer_texts
+from stages.shared.models import is_encoder_decoder, load_float32
+from stages.shared.params import Params
+from stages.shared.runtime import device, note
+from stages.shared.scoring import build_scorer, judge_functions, scored, scorer_texts
 
 
 def run(params: Params, root: Path = Path(".")) -> str:

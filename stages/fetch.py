@@ -33,9 +33,9 @@ import tarfile
 from pathlib import Path
 
 from ppo_core.runtime.utils import swapped
-from stages.artifacts import atomic_path, publishing, save_pretrained, write_json, write_parquet
-from stages.params import Params
-from stages.runtime import StageError, note, reason
+from stages.shared.artifacts import atomic_path, publishing, save_pretrained, write_json, write_parquet
+from stages.shared.params import Params
+from stages.shared.runtime import StageError, note, reason
 
 FETCHED = Path("data/fetched")
 BASE_MODEL = FETCHED / "model"  # the policy's starting point: model.name_or_path in the example's params

@@ -1,6 +1,6 @@
 """prepare: the raw datasets as Parquet: SFT texts, preference pairs, PPO prompts (train and held-out eval).
 
-Each dataset is either generated (`source: synthetic`, see stages/synthetic.py) or loaded from a local
+Each dataset is either generated (`source: synthetic`, see stages/shared/synthetic.py) or loaded from a local
 .parquet/.jsonl/.json/.csv file or a Hugging Face dataset id, with its columns renamed by `columns`.
 """
 
@@ -10,10 +10,10 @@ import random
 from pathlib import Path
 
 from ppo_core.runtime.utils import set_seed
-from stages import synthetic
-from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
-from stages.params import COLUMNS, SYNTHETIC, DatasetSpec, Params
-from stages.runtime import StageError, note, reason, untracked_hint
+from stages.shared import synthetic
+from stages.shared.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
+from stages.shared.params import COLUMNS, SYNTHETIC, DatasetSpec, Params
+from stages.shared.runtime import StageError, note, reason, untracked_hint
 
 LOCAL_READERS = {".parquet": "read_parquet", ".jsonl": "read_json", ".json": "read_json", ".csv": "read_csv"}
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 
 from ppo_core.models.adapters import canonical_adapter_configs
 from ppo_core.runtime.utils import set_seed, tf32_supported
-from stages.artifacts import (
+from stages.shared.artifacts import (
     RAW_PAIRS,
     REWARD_ADAPTER,
     REWARD_CHECKPOINTS,
@@ -30,7 +30,7 @@ from stages.artifacts import (
     write_json,
     writing,
 )
-from stages.models import (
+from stages.shared.models import (
     autocast_args,
     check_mixed_precision,
     load_float32,
@@ -39,9 +39,9 @@ from stages.models import (
     reward_scores,
     with_lora,
 )
-from stages.params import Params
-from stages.resume import discard, trainer_callback, trainer_resume_point
-from stages.runtime import device, quiet_trainer, trainer_progress
+from stages.shared.params import Params
+from stages.shared.resume import discard, trainer_callback, trainer_resume_point
+from stages.shared.runtime import device, quiet_trainer, trainer_progress
 
 
 def run(params: Params, root: Path = Path(".")) -> str:

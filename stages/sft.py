@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from ppo_core.runtime.utils import set_seed, tf32_supported
-from stages.artifacts import (
+from stages.shared.artifacts import (
     RAW_SFT,
     SFT_CHECKPOINTS,
     SFT_CURVE,
@@ -42,10 +42,17 @@ from stages.artifacts import (
     write_json,
     writing,
 )
-from stages.models import autocast_args, check_mixed_precision, check_model_source, load_float32, merged, with_lora
-from stages.params import MIN_TEXTS_FROM_SCRATCH, ModelParams, Params
-from stages.resume import discard, trainer_callback, trainer_resume_point
-from stages.runtime import StageError, device, note, quiet_trainer, reason, trainer_progress, warning
+from stages.shared.models import (
+    autocast_args,
+    check_mixed_precision,
+    check_model_source,
+    load_float32,
+    merged,
+    with_lora,
+)
+from stages.shared.params import MIN_TEXTS_FROM_SCRATCH, ModelParams, Params
+from stages.shared.resume import discard, trainer_callback, trainer_resume_point
+from stages.shared.runtime import StageError, device, note, quiet_trainer, reason, trainer_progress, warning
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from transformers import AutoTokenizer
 
 from ppo_core.runtime.utils import set_seed
-from stages.artifacts import (
+from stages.shared.artifacts import (
     RAW_PROMPTS_EVAL,
     RAW_PROMPTS_TRAIN,
     SFT_MODEL,
@@ -27,9 +27,9 @@ from stages.artifacts import (
     tokenizer_digest,
     write_parquet,
 )
-from stages.models import model_context
-from stages.params import Params, TokenizeParams
-from stages.runtime import StageError, warning
+from stages.shared.models import model_context
+from stages.shared.params import Params, TokenizeParams
+from stages.shared.runtime import StageError, warning
 
 
 class Cut(NamedTuple):

@@ -69,7 +69,7 @@ def fake_wandb(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_params():
-    from stages.params import load_params
+    from stages.shared.params import load_params
 
     return load_params(TINY_PARAMS)
 
@@ -115,7 +115,7 @@ def params_per_stage(params) -> dict:
 
     from ruamel.yaml import YAML
 
-    from stages.params import SECTIONS
+    from stages.shared.params import SECTIONS
 
     declared = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
     out = {}

@@ -22,7 +22,7 @@ def test_the_gpu_check_script_parses():
 
 
 def test_a_variant_is_the_params_with_its_changes(tmp_path, tiny_params):
-    from stages.params import load_params
+    from stages.shared.params import load_params
 
     changes = ["ppo.steps=128", "ppo.accelerator_kwargs={mixed_precision: fp16}",
                "model.lora={r: 8, alpha: 16, dropout: 0.0, target_modules: [c_attn]}"]

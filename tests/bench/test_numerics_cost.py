@@ -22,7 +22,7 @@ def test_each_mode_s_project_is_the_params_with_only_its_kernels_changed(tmp_pat
         got = yaml.safe_load((project / "params.yaml").read_text())
         assert got.pop("numerics") == {**params["numerics"], "kernels": mode}
         assert got == {k: v for k, v in params.items() if k != "numerics"}
-        assert (project / "stages" / "numerics.py").exists() and (project / "dvc.yaml").exists()
+        assert (project / "stages" / "shared" / "numerics.py").exists() and (project / "dvc.yaml").exists()
 
 
 @pytest.mark.slow

@@ -6,8 +6,8 @@ produces, so `git status` stays clean, `dvc status` has nothing to do, and `dvc 
 experiments with real baseline metrics. What is hashed must be the same on every machine the guarantee covers
 (README, "Same inputs, same bytes"): the code, params and commands everywhere; the data prepare and tokenize write
 (no floating point) everywhere; the trained models and everything after them where the floating-point kernels are
-those the lock was written with (`stages.numerics.LOCK_KERNELS`: params.yaml's `numerics.kernels: portable`, so any
-x86-64 CPU with AVX2); elsewhere (another architecture, no AVX2) it warns which stages' outputs differ.
+those the lock was written with (`stages.shared.numerics.LOCK_KERNELS`: params.yaml's `numerics.kernels: portable`, so
+any x86-64 CPU with AVX2); elsewhere (another architecture, no AVX2) it warns which stages' outputs differ.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from stages import numerics
+from stages.shared import numerics
 from tests.conftest import cpu_only
 from tests.pipeline.test_smoke import dvc, exp_show_header, run
 
@@ -56,7 +56,7 @@ def lock_entries(lock: dict, stage: str) -> dict:
 def clone(tmp_path_factory) -> Path:
     """A fresh clone where `dvc repro` has run the default pipeline."""
     repo = fresh_clone(tmp_path_factory.mktemp("default") / "clone")
-    with cpu_only():  # the committed lock is a CPU run's (stages.numerics.LOCK_KERNELS)
+    with cpu_only():  # the committed lock is a CPU run's (stages.shared.numerics.LOCK_KERNELS)
         out = dvc("repro", cwd=repo).stdout
     assert "Running stage 'ppo'" in out and "Running stage 'report'" in out
     return repo
@@ -94,8 +94,8 @@ def test_a_fresh_run_reproduces_the_committed_lock_on_cpu(clone):
         assert lock_entries(produced, stage)["inputs"] == lock_entries(committed, stage)["inputs"], stage
     for stage in FLOAT_FREE:
         assert lock_entries(produced, stage)["outs"] == lock_entries(committed, stage)["outs"], stage
-    probe = ("import json; from pathlib import Path; from stages import numerics; "  # as a stage process does
-             "from stages.params import load_params; numerics.configure_from(Path('params.yaml')); "
+    probe = ("import json; from pathlib import Path; from stages.shared import numerics; "  # as a stage process does
+             "from stages.shared.params import load_params; numerics.configure_from(Path('params.yaml')); "
              "numerics.set_threads(load_params('params.yaml').numerics.threads); print(json.dumps(numerics.current()))")
     kernels = json.loads(run(sys.executable, "-c", probe, cwd=clone).stdout)  # as in a stage process
     same_kernels = numerics.covered(kernels)

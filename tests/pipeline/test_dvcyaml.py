@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from stages import artifacts, resume
-from stages.pipeline import stage, stages
+from stages.shared import artifacts, resume
+from stages.shared.pipeline import stage, stages
 from tests.imports import import_statements
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,8 +138,8 @@ def test_tracked_params_exist():
 
 @pytest.mark.parametrize("name", ["sft", "reward", "ppo"])
 def test_a_checkpoint_fingerprint_covers_what_dvc_yaml_tracks(name, tiny_params, tiny_run):
-    """The training stages fingerprint their resumable state with dvc.yaml's own lists (stages.pipeline): the params
-    it tracks but the `checkpoint` keys (they change no output), its data deps and its code deps."""
+    """The training stages fingerprint their resumable state with dvc.yaml's own lists (stages.shared.pipeline): the
+    params it tracks but the `checkpoint` keys (they change no output), its data deps and its code deps."""
     spec = stage(name)
     found = resume.fingerprint(tiny_params, spec.params, spec.data, tiny_run, spec.code)
     assert list(found["params"]) == [k for k in STAGES[name]["params"] if not k.startswith("checkpoint.")]
@@ -152,7 +152,7 @@ def test_a_checkpoint_fingerprint_covers_what_dvc_yaml_tracks(name, tiny_params,
 def test_cli_help_says_what_dvc_yaml_declares(name):
     from typer.testing import CliRunner
 
-    from stages.cli import app
+    from stages.shared.cli import app
 
     text = " ".join(CliRunner().invoke(app, [name, "--help"], terminal_width=400).output.split())
     assert f"Reads: params {', '.join(STAGES[name]['params'])}" in text

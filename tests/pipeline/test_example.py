@@ -11,8 +11,8 @@ import pytest
 from ruamel.yaml import YAML
 
 from stages import fetch
-from stages.params import load_params
-from stages.pipeline import stages
+from stages.shared.params import load_params
+from stages.shared.pipeline import stages
 from tests.pipeline.test_dvcyaml import executed_files, outs
 from tests.stages.test_cli import run_module
 
@@ -114,7 +114,7 @@ def test_the_stages_read_the_dvc_yaml_of_the_directory_they_run_in(monkeypatch, 
     monkeypatch.chdir(EXAMPLE)
     here = stages()
     assert list(here) == ["fetch", *SHARED]
-    assert "stages/ppo.py" in here["ppo"].code and "ppo_core/trainer.py" in here["ppo"].code
+    assert "stages/ppo/__init__.py" in here["ppo"].code and "ppo_core/trainer.py" in here["ppo"].code
     for name in SHARED:
         assert here[name].code == tuple(code_deps(ROOT_STAGES[name])), name
     assert here["sft"].data == (fetch.BASE_MODEL, Path("data/raw/sft.parquet"))

@@ -24,8 +24,8 @@ from ppo_core import trainer as trainer_module
 from ppo_core.step.inputs import build_model_inputs
 from ppo_core.step.rollout import policy_outputs
 from stages import fetch
-from stages.artifacts import save_pretrained
-from stages.models import load_float32
+from stages.shared.artifacts import save_pretrained
+from stages.shared.models import load_float32
 from tests.ppo_core.test_trainer import LEGACY_KEYS, assert_all_finite
 
 CHECKPOINT = fetch.cache_dir() / "tests" / "smollm2-135m-instruct-bf16"
@@ -349,8 +349,8 @@ def test_sft_adds_a_pad_token_distinct_from_eos_and_resizes_the_embeddings(check
     embeddings by one row (the others unchanged) and saves it as the model's pad token; EOS keeps its loss."""
     from transformers import DataCollatorForLanguageModeling
 
-    from stages.params import ModelParams
     from stages.sft import build
+    from stages.shared.params import ModelParams
 
     spec = ModelParams(name_or_path=str(checkpoint), vocab_size=1024, n_layer=2, n_head=4, n_embd=128, n_positions=64,
                        lora=None, mixed_precision=None)

@@ -350,7 +350,7 @@ def test_where_main_s_results_are_not_in_the_cache_the_workspace_is_the_baseline
     thread (the tiny params are native: the environment decides), then one experiment: the docs' `dvc exp show` line
     still fits 100 columns with main's row all `!`, and the sweep page lists the workspace's results, labelled, as the
     baseline."""
-    from stages.report_sweep import WORKSPACE_BASELINE
+    from stages.report.sweep import WORKSPACE_BASELINE
 
     copy = tmp_path / "copy"
     shutil.copytree(repo, copy, symlinks=True)

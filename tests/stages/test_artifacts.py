@@ -1,11 +1,11 @@
-"""stages/artifacts.py: atomic writes, deterministic Parquet, clear errors for missing inputs."""
+"""stages/shared/artifacts.py: atomic writes, deterministic Parquet, clear errors for missing inputs."""
 
 from __future__ import annotations
 
 import pytest
 
-from stages.artifacts import atomic_path, read_table, save_pretrained, write_json, write_parquet
-from stages.runtime import StageError
+from stages.shared.artifacts import atomic_path, read_table, save_pretrained, write_json, write_parquet
+from stages.shared.runtime import StageError
 
 
 def test_atomic_file_replaces_and_leaves_no_temp(tmp_path):

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from typer.testing import CliRunner
 
 from ppo_core import AutoModelForCausalLMWithValueHead
-from stages.cli import app
+from stages.shared.cli import app
 from tests.conftest import write_params
 from tests.stages.test_by_hand import start_holder
 
@@ -455,9 +455,10 @@ def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(tiny_run, t
     import torch
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from stages import ppo, scoring
-    from stages.artifacts import REWARD_MODEL
+    from stages import ppo
     from stages.sft import train_tokenizer
+    from stages.shared import scoring
+    from stages.shared.artifacts import REWARD_MODEL
 
     root = project(tiny_run, tmp_path, "ppo")
     texts = pd.read_parquet(root / "data" / "raw" / "sft.parquet")["text"].tolist()

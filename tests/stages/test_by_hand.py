@@ -18,10 +18,10 @@ import pytest
 from typer.testing import CliRunner
 
 from stages import prepare, sft
-from stages.artifacts import LOCKS, PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS, SFT_CHECKPOINTS
-from stages.cli import app
-from stages.ppo_run import WORK_ROLLOUTS, rollout_file
-from stages.runtime import StageError, stage_lock
+from stages.ppo.checkpoints import WORK_ROLLOUTS, rollout_file
+from stages.shared.artifacts import LOCKS, PPO_CHECKPOINTS, PPO_MODEL, PPO_ROLLOUTS, SFT_CHECKPOINTS
+from stages.shared.cli import app
+from stages.shared.runtime import StageError, stage_lock
 from tests.conftest import ROOT, write_params
 from tests.stages.test_resume import EXCLUDE, crash_at, digests, params_file, run_stage, upstream_of_ppo
 
@@ -72,7 +72,7 @@ def test_a_second_run_of_a_stage_stops_naming_the_first(tiny_run, tmp_path):
 
 HOLDER = """import sys, time
 from pathlib import Path
-from stages.runtime import stage_lock
+from stages.shared.runtime import stage_lock
 with stage_lock(Path(sys.argv[1]), sys.argv[2]):
     print("held", flush=True)
     time.sleep(120)

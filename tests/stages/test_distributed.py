@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages.artifacts import PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, SFT_METRICS, SFT_MODEL
-from stages.ppo_run import STATE, WORK_ROLLOUTS, rollout_file
+from stages.ppo.checkpoints import STATE, WORK_ROLLOUTS, rollout_file
+from stages.shared.artifacts import PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, SFT_METRICS, SFT_MODEL
 from tests import launching
 from tests.conftest import ROOT
 from tests.stages.test_resume import digests, params_file, remove_outputs_as_dvc_does

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 from transformers import AutoModelForCausalLM
 
-from stages.artifacts import EVAL_METRICS, EVAL_SAMPLES, SFT_MODEL
-from stages.runtime import StageError
+from stages.shared.artifacts import EVAL_METRICS, EVAL_SAMPLES, SFT_MODEL
+from stages.shared.runtime import StageError
 
 
 def test_evaluate_metrics_are_those_of_its_samples(tiny_run, tiny_params):
@@ -36,8 +36,8 @@ def test_evaluate_metrics_are_those_of_its_samples(tiny_run, tiny_params):
 
 
 def test_evaluate_metrics_by_hand():
-    from stages.artifacts import evaluation_metrics, policy_means
     from stages.evaluate import policy_metrics, win_rate
+    from stages.shared.artifacts import evaluation_metrics, policy_means
 
     rows = {"score": [1.0, -2.0, 0.5, 3.0], "kl_to_sft": [0.0, 0.25, 0.5, 0.25], "response_tokens": [3, 5, 4, 8],
             "gold": [1, -1, 0, 2]}
@@ -70,7 +70,7 @@ def test_evaluate_reports_each_judge_as_a_metric_and_a_samples_column(tiny_run, 
     each sample's query + response) and a metric of each policy (their mean), beside the scorer's; one named `gold`
     takes the place of the synthetic data's lexicon (as the example's VADER does)."""
     from stages import evaluate
-    from stages.synthetic import gold_score
+    from stages.shared.synthetic import gold_score
     from tests.conftest import params_per_stage
 
     (tmp_path / "my_judges.py").write_text(JUDGES)

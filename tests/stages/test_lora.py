@@ -14,8 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from stages import ppo, reward, scoring, sft, tokenize
-from stages.artifacts import (
+from ppo_core import PPOTrainer
+from stages import ppo, reward, sft, tokenize
+from stages.ppo.checkpoints import STATE, rollout_file
+from stages.shared import scoring
+from stages.shared.artifacts import (
     PPO_CHECKPOINTS,
     PPO_MODEL,
     PPO_ROLLOUTS,
@@ -25,10 +28,9 @@ from stages.artifacts import (
     SFT_METRICS,
     SFT_MODEL,
 )
-from stages.models import load_reward_model, reward_scores
-from stages.params import LoraParams
-from stages.ppo_run import STATE, rollout_file
-from stages.runtime import StageError
+from stages.shared.models import load_reward_model, reward_scores
+from stages.shared.params import LoraParams
+from stages.shared.runtime import StageError
 from tests.conftest import cpu_only
 from tests.stages.test_resume import EXCLUDE, digests
 
@@ -135,7 +137,7 @@ def test_ppo_with_the_reward_adapter_resumes_to_the_same_artifacts_on_cpu(lora_r
     ppo.run(params, whole)
 
     def interrupted(root):
-        step, calls = ppo.PPOTrainer.step, []
+        step, calls = PPOTrainer.step, []
 
         def stops_at_the_second(self, *args, **kwargs):
             calls.append(1)
@@ -144,7 +146,7 @@ def test_ppo_with_the_reward_adapter_resumes_to_the_same_artifacts_on_cpu(lora_r
             return step(self, *args, **kwargs)
 
         with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="killed"):
-            patch.setattr(ppo.PPOTrainer, "step", stops_at_the_second)
+            patch.setattr(PPOTrainer, "step", stops_at_the_second)
             ppo.run(params, root)
         assert (root / PPO_CHECKPOINTS / STATE).exists()
         return root

@@ -1,6 +1,6 @@
-"""stages/models.py, what the sft and reward stages share: float32 weights trained and saved from a bf16 checkpoint
-(``load_float32``), their Trainer's mixed-precision arguments (``autocast_args``) and, built beside them in each stage's
-``training_args``, its TF32 one."""
+"""stages/shared/models.py, what the sft and reward stages share: float32 weights trained and saved from a bf16
+checkpoint (``load_float32``), their Trainer's mixed-precision arguments (``autocast_args``) and, built beside them in
+each stage's ``training_args``, its TF32 one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import shutil
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stages import sft
-from stages.artifacts import RAW_PAIRS, RAW_SFT, REWARD_MODEL, SFT_MODEL
+from stages.shared.artifacts import RAW_PAIRS, RAW_SFT, REWARD_MODEL, SFT_MODEL
 
 
 def test_sft_and_reward_train_float32_weights_from_a_bf16_checkpoint(tiny_run, tiny_params, tmp_path):
@@ -53,7 +53,7 @@ def test_sft_and_reward_ask_transformers_for_tf32_only_on_gpus_that_have_it(tiny
 def test_mixed_precision_is_the_trainers_autocast(tiny_params, tmp_path, monkeypatch):
     """model.mixed_precision: sft and reward train float32 weights under transformers' bf16 or fp16 autocast."""
     from stages import reward
-    from stages.models import autocast_args
+    from stages.shared.models import autocast_args
 
     assert autocast_args(None) == {"bf16": False, "fp16": False}
     assert autocast_args("bf16") == {"bf16": True, "fp16": False}

@@ -1,4 +1,5 @@
-"""stages/numerics.py: the float kernels a stage computes with, set from params.yaml's `numerics` before torch loads.
+"""stages/shared/numerics.py: the float kernels a stage computes with, set from params.yaml's `numerics` before torch
+loads.
 
 Whether the bytes then match across vendors is what tests/pipeline/test_default.py checks against the committed lock
 (on whichever CPU runs it); here, that a stage process gets the kernels its params ask for whatever its environment
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import numerics
+from stages.shared import numerics
 from tests.conftest import ROOT, write_params
 
 PORTABLE = {"machine": "x86_64", "vendor": "GenuineIntel", "aten": "AVX2", "threads": 2, **numerics.PORTABLE_ENV}
@@ -28,7 +29,7 @@ x86_64 = pytest.mark.skipif(platform.machine() not in numerics.X86_64, reason="p
 def stage_kernels(params: Path, env: dict[str, str]) -> dict:
     """The kernels of a process started as `python3 -m stages ... --params PARAMS` starts (stages/__main__.py: the
     params' numerics set, then torch loaded), under `env`."""
-    probe = ("import json, sys; from stages import numerics; from stages.params import load_params; "
+    probe = ("import json, sys; from stages.shared import numerics; from stages.shared.params import load_params; "
              "path = numerics.params_path(sys.argv[1:]); numerics.configure_from(path); "
              "numerics.set_threads(load_params(path).numerics.threads); print(json.dumps(numerics.current()))")
     out = subprocess.run([sys.executable, "-c", probe, "sft", "--params", str(params)], cwd=ROOT, check=True,

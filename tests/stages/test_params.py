@@ -1,4 +1,4 @@
-"""stages/params.py: params.yaml mirrors the dataclasses; bad keys and types fail naming the key and the file."""
+"""stages/shared/params.py: params.yaml mirrors the dataclasses; bad keys and types fail naming the key and the file."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from stages.params import SECTIONS, load_params
-from stages.runtime import ParamsError
+from stages.shared.params import SECTIONS, load_params
+from stages.shared.runtime import ParamsError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -195,8 +195,8 @@ def test_an_unknown_ppo_key_suggests_and_lists_only_keys_a_user_may_set(tmp_path
 
 
 def test_ppo_keys_left_out_are_named_once_with_the_defaults_they_take(tmp_path, capsys):
-    from stages.params import defaulted_ppo_keys
     from stages.ppo import note_defaulted_keys
+    from stages.shared.params import defaulted_ppo_keys
 
     path = write_params(tmp_path, lambda p: (p["ppo"].pop("batch_size"), p["ppo"].pop("ppo_epochs")))
     params = load_params(path)

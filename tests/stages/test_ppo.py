@@ -1,6 +1,6 @@
-"""stages/ppo.py on tiny params (the shared run, see conftest.tiny_run, and reruns in a copy of it): its outputs and
-their columns, byte-identical reruns, the group estimators (GRPO, Dr. GRPO, DAPO) and what it says of them, a callable
-scorer, ppo.steps rounded up, and prompts tokenized by another tokenizer refused."""
+"""The ppo stage (stages/ppo/) on tiny params (the shared run, see conftest.tiny_run, and reruns in a copy of it): its
+outputs and their columns, byte-identical reruns, the group estimators (GRPO, Dr. GRPO, DAPO) and what it says of them,
+a callable scorer, ppo.steps rounded up, and prompts tokenized by another tokenizer refused."""
 
 from __future__ import annotations
 
@@ -15,9 +15,18 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from stages import ppo, report, sft, tokenize
-from stages.artifacts import PPO_CURVES, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS, PPO_TIMINGS, REPORT, SFT_MODEL
-from stages.params import ScorerParams
-from stages.runtime import StageError
+from stages.shared.artifacts import (
+    PPO_CURVES,
+    PPO_METRICS,
+    PPO_MODEL,
+    PPO_ROLLOUTS,
+    PPO_STATS,
+    PPO_TIMINGS,
+    REPORT,
+    SFT_MODEL,
+)
+from stages.shared.params import ScorerParams
+from stages.shared.runtime import StageError
 
 
 def test_ppo_writes_rollouts_stats_curves_and_a_plain_model(tiny_run, tiny_params):

@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 
 from stages import prepare
-from stages.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT
-from stages.params import DatasetSpec
-from stages.runtime import StageError
-from stages.synthetic import gold_score
+from stages.shared.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT
+from stages.shared.params import DatasetSpec
+from stages.shared.runtime import StageError
+from stages.shared.synthetic import gold_score
 
 
 def with_data(params, **specs):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stages import report
-from stages.artifacts import REPORT
+from stages.shared.artifacts import REPORT
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 # Chromium as the probe of this workplace runs it: no sandbox (root), and none of its own background traffic
@@ -98,7 +98,7 @@ def test_the_report_renders_in_a_browser_with_no_request_leaving_the_machine(pag
 
 
 def test_numbers_down_a_column_share_one_format_and_every_header_names_its_column(page):
-    from stages.report import number
+    from stages.report.html import number
 
     assert [number(x) for x in (0.4266, -2.6, 1.38, 15.2, 0.0, 12345.6, 0.00012)] == \
         ["0.4266", "-2.600", "1.380", "15.20", "0.000", "1.235e+04", "1.200e-04"]
@@ -109,7 +109,7 @@ def test_numbers_down_a_column_share_one_format_and_every_header_names_its_colum
 def test_a_chart_without_the_gold_score_is_not_titled_with_it():
     import pandas as pd
 
-    from stages.report import charts
+    from stages.report.sections import charts
 
     curves = pd.DataFrame({"step": [0, 1], "reward_mean": [0.1, 0.2]})
     assert "Reward (proxy) and gold score" not in charts(curves, "callable my:score")
@@ -126,7 +126,7 @@ def test_the_report_draws_the_heldout_evaluations_and_says_which_policy_was_kept
 
 
 def test_the_watch_section_names_the_best_policy_a_stop_and_the_alerts():
-    from stages.report import watched
+    from stages.report.sections import watched
 
     metrics = {"steps": 3, "kept": {"policy": "best", "step": 1, "by": "gold", "kl_price": 0.5, "value": 2.25},
                "alerts": {"approxkl": {"steps": 1, "first_step": 2, "first": "an update's approximate KL is 47"}},

@@ -20,8 +20,11 @@ import pytest
 import torch
 from ruamel.yaml import YAML
 
-from stages import ppo, ppo_run, resume, reward, sft
-from stages.artifacts import (
+from ppo_core import PPOTrainer
+from stages import ppo, reward, sft
+from stages.ppo import checkpoints
+from stages.shared import resume
+from stages.shared.artifacts import (
     PPO_CHECKPOINTS,
     PPO_MODEL,
     PPO_ROLLOUTS,
@@ -32,9 +35,9 @@ from stages.artifacts import (
     SFT_METRICS,
     SFT_MODEL,
 )
-from stages.params import load_params
-from stages.pipeline import stage
-from stages.runtime import StageError
+from stages.shared.params import load_params
+from stages.shared.pipeline import stage
+from stages.shared.runtime import StageError
 from tests.conftest import ROOT, TINY_PARAMS, params_per_stage, write_params
 
 DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -63,9 +66,9 @@ def interrupted_after_publishing(tiny_run: Path, params, root: Path, monkeypatch
     shutil.copytree(tiny_run, root)
     remove_outputs_as_dvc_does(root, "ppo")
     with monkeypatch.context() as patch:
-        patch.setattr(ppo_run, "discard", lambda directory: None)
+        patch.setattr(checkpoints, "discard", lambda directory: None)
         ppo.run(params, root)
-    assert (root / PPO_CHECKPOINTS / ppo_run.STATE).exists()
+    assert (root / PPO_CHECKPOINTS / checkpoints.STATE).exists()
     remove_outputs_as_dvc_does(root, "ppo")
     return root
 
@@ -100,7 +103,7 @@ def test_two_full_pipeline_runs_are_byte_identical_on_cpu(tiny_run, tmp_path):
     import torch
 
     stages = " ".join(DVC_STAGES)
-    script = (f"import importlib, torch; from pathlib import Path; from stages.params import load_params\n"
+    script = (f"import importlib, torch; from pathlib import Path; from stages.shared.params import load_params\n"
               f"torch.set_num_threads({torch.get_num_threads()})  # CPU kernels may round by thread count\n"
               f"params = load_params({str(TINY_PARAMS)!r})\n"
               f"for name in {stages!r}.split():\n"
@@ -127,7 +130,7 @@ def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts_on_cpu(tiny
 
     proc = run_stage("ppo", params, killed)
     deadline = time.monotonic() + 300
-    while not (killed / ppo_run.WORK_ROLLOUTS / ppo_run.rollout_file(after)).exists():
+    while not (killed / checkpoints.WORK_ROLLOUTS / checkpoints.rollout_file(after)).exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
         time.sleep(0.01)
     time.sleep(delay)
@@ -137,7 +140,7 @@ def test_ppo_killed_at_a_random_moment_resumes_to_the_same_artifacts_on_cpu(tiny
 
     # killed before its state was deleted (the run may have published its outputs first): the rerun resumes; killed
     # after that (published, state deleted, not yet exited): nothing to resume, the rerun trains from the start
-    interrupted = (killed / PPO_CHECKPOINTS / ppo_run.STATE).exists()
+    interrupted = (killed / PPO_CHECKPOINTS / checkpoints.STATE).exists()
     remove_outputs_as_dvc_does(killed, "ppo")
     rerun = run_stage("ppo", params, killed)
     _, err = rerun.communicate()
@@ -224,7 +227,7 @@ def test_a_checkpoint_written_under_deepspeed_stops_a_run_without_it(tiny_run, t
     here, so the stage stops with ppo_core's message saying how to go on, and deletes nothing
     (tests/stages/test_distributed.py resumes real ones)."""
     root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
-    trainer_file = root / "data" / "checkpoints" / "ppo" / ppo_run.STATE / "trainer.pt"
+    trainer_file = root / "data" / "checkpoints" / "ppo" / checkpoints.STATE / "trainer.pt"
     torch.save(torch.load(trainer_file, weights_only=True) | {"zero_stage": 3}, trainer_file)
     before = digests(root)
     with pytest.raises(StageError, match=r"data/checkpoints/ppo/state: written by a run under DeepSpeed ZeRO-3, this "
@@ -238,14 +241,14 @@ def test_a_finished_run_leaves_no_state_and_a_rerun_trains_again(tiny_run, tiny_
                                                                   monkeypatch):
     """A forced rerun (`dvc repro -f`) of a finished run trains from the start: no stage leaves resumable state
     behind, and the rerun runs every step (and, being deterministic, publishes the same bytes)."""
-    for checkpoints in (SFT_CHECKPOINTS, REWARD_CHECKPOINTS, PPO_CHECKPOINTS):
-        assert not (tiny_run / checkpoints).exists(), checkpoints
+    for state in (SFT_CHECKPOINTS, REWARD_CHECKPOINTS, PPO_CHECKPOINTS):
+        assert not (tiny_run / state).exists(), state
     root = tmp_path / "project"
     shutil.copytree(tiny_run, root)
     remove_outputs_as_dvc_does(root, "ppo")
     steps = []
-    step = ppo.PPOTrainer.step
-    monkeypatch.setattr(ppo.PPOTrainer, "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
+    step = PPOTrainer.step
+    monkeypatch.setattr(PPOTrainer, "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
     capfd.readouterr()
     ppo.run(tiny_params, root)
     assert "resuming" not in capfd.readouterr().err
@@ -287,7 +290,7 @@ def test_a_code_change_starts_fresh_instead_of_resuming(tiny_run, tiny_params, t
     monkeypatch.setattr(resume, "CODE_ROOT", code)
     root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
     with monkeypatch.context() as patch:
-        patch.setattr(ppo_run, "discard", lambda directory: None)
+        patch.setattr(checkpoints, "discard", lambda directory: None)
         capfd.readouterr()
         ppo.run(tiny_params, root)
     assert "resuming from" in capfd.readouterr().err  # the same code: the checkpoint is reused
@@ -326,14 +329,14 @@ def test_a_non_finite_loss_stops_the_stage_and_the_checkpoint_resumes(tiny_run, 
     message = str(err.value)
     assert "\n" not in message and message.startswith("PPO step 2, mini-batch 1: non-finite") and "ppo/" in message
     assert "data/checkpoints/ppo (if any) is intact" in message and ".;" not in message
-    assert sorted(p.name for p in (root / ppo_run.WORK_ROLLOUTS).iterdir()) == [ppo_run.rollout_file(0)]
+    assert sorted(p.name for p in (root / checkpoints.WORK_ROLLOUTS).iterdir()) == [checkpoints.rollout_file(0)]
     assert not (root / "data" / "ppo").exists() and not (root / PPO_MODEL).exists()  # a failed run publishes nothing
 
     monkeypatch.setenv("FIXED", "1")
     capfd.readouterr()
     summary = ppo.run(params, root)
     assert "resumed at step 1" in summary
-    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [ppo_run.rollout_file(0), ppo_run.rollout_file(1)]
+    assert sorted(p.name for p in (root / PPO_ROLLOUTS).iterdir()) == [checkpoints.rollout_file(i) for i in (0, 1)]
     assert (root / PPO_MODEL / "model.safetensors").exists()
 
 
@@ -351,8 +354,8 @@ def test_redundant_state_is_deleted_by_the_next_run_of_any_stage(tiny_run, tiny_
     and so is the state of a run in progress (its stage's lock held)."""
     from typer.testing import CliRunner
 
-    from stages.artifacts import LOCKS
-    from stages.cli import app
+    from stages.shared.artifacts import LOCKS
+    from stages.shared.cli import app
     from tests.stages.test_by_hand import start_holder
 
     root = interrupted_after_publishing(tiny_run, tiny_params, tmp_path / "project", monkeypatch)
@@ -364,7 +367,7 @@ def test_redundant_state_is_deleted_by_the_next_run_of_any_stage(tiny_run, tiny_
     write_params(root, {"ppo.learning_rate": 0.0001})
     result = CliRunner().invoke(app, ["report", "--params", "params.yaml"])
     assert result.exit_code == 0 and result.stderr == "", result.stderr
-    assert (state / ppo_run.STATE).exists()  # written for other params than these: kept
+    assert (state / checkpoints.STATE).exists()  # written for other params than these: kept
 
     write_params(root, {})
     holder = start_holder(root / LOCKS / "ppo.lock", "ppo")  # a ppo run in progress
@@ -374,7 +377,7 @@ def test_redundant_state_is_deleted_by_the_next_run_of_any_stage(tiny_run, tiny_
         holder.kill()
         holder.wait()
     assert result.exit_code == 0 and result.stderr == "", result.stderr
-    assert (state / ppo_run.STATE).exists()
+    assert (state / checkpoints.STATE).exists()
 
     result = CliRunner().invoke(app, ["report", "--params", "params.yaml"])
     assert result.exit_code == 0, result.stderr

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from stages.artifacts import REWARD_METRICS, REWARD_MODEL
+from stages.shared.artifacts import REWARD_METRICS, REWARD_MODEL
 
 
 def test_reward_model_has_one_scalar_head(tiny_run, tiny_params):
@@ -23,7 +23,7 @@ def test_reward_metrics_are_the_saved_model_s_on_the_held_out_pairs(tiny_run, ti
     """accuracy is the fraction of held-out pairs (the stage's seeded split) that the saved RM orders right."""
     import random
 
-    from stages.models import load_reward_model, reward_scores
+    from stages.shared.models import load_reward_model, reward_scores
 
     pairs = pd.read_parquet(tiny_run / "data" / "raw" / "pairs.parquet")
     order = list(range(len(pairs)))

@@ -11,9 +11,10 @@ import shutil
 import pandas as pd
 import pytest
 
-from stages import ppo, scoring
-from stages.artifacts import EVAL_METRICS, EVAL_SAMPLES, PPO_CURVES, PPO_ROLLOUTS
-from stages.params import ScorerParams
+from stages import ppo
+from stages.shared import scoring
+from stages.shared.artifacts import EVAL_METRICS, EVAL_SAMPLES, PPO_CURVES, PPO_ROLLOUTS
+from stages.shared.params import ScorerParams
 
 
 def test_evaluate_and_the_report_measure_the_scorer_the_policy_was_trained_on(tiny_run, tiny_params, tmp_path,
@@ -21,7 +22,7 @@ def test_evaluate_and_the_report_measure_the_scorer_the_policy_was_trained_on(ti
     """scorer.source: callable: evaluate's reward and win rate are the callable's on the held-out samples (not the
     reward model's), the gold score stays beside them, and the report names the callable wherever it shows them."""
     from stages import evaluate, report
-    from stages.artifacts import REPORT
+    from stages.shared.artifacts import REPORT
     from tests.conftest import params_per_stage
 
     (tmp_path / "word_scores.py").write_text("def words(texts):\n    return [float(len(t.split())) for t in texts]\n")

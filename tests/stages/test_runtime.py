@@ -1,11 +1,11 @@
-"""stages/runtime.py: the progress line."""
+"""stages/shared/runtime.py: the progress line."""
 
 from __future__ import annotations
 
 
 def test_progress_says_a_value_was_not_measured_instead_of_nan(capsys, monkeypatch):
     """dapo, gspo and cispo skip the reference pass: their KL is NaN, shown as not measured, not as 'nan'."""
-    from stages.runtime import Progress
+    from stages.shared.runtime import Progress
 
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     progress = Progress("ppo", total=2, every=0.0)

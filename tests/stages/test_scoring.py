@@ -1,4 +1,4 @@
-"""stages/scoring.py: the scorer built from the params (a pipeline model's named label, a callable that cannot be
+"""stages/shared/scoring.py: the scorer built from the params (a pipeline model's named label, a callable that cannot be
 imported, a reward module a queued experiment lacks), rewards/ as a dep of ppo, and an interrupted run's checkpoint
 resumed only for the same reward code. How the reward code is found and hashed: tests/stages/test_sources.py."""
 
@@ -11,10 +11,12 @@ import pytest
 from ruamel.yaml import YAML
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from stages import ppo, ppo_run, scoring, sources
-from stages.artifacts import PPO_CHECKPOINTS, SFT_MODEL
-from stages.params import ScorerParams
-from stages.runtime import StageError
+from stages import ppo, sources
+from stages.ppo import checkpoints
+from stages.shared import scoring
+from stages.shared.artifacts import PPO_CHECKPOINTS, SFT_MODEL
+from stages.shared.params import ScorerParams
+from stages.shared.runtime import StageError
 from tests.conftest import ROOT
 
 DVC_STAGES = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -43,9 +45,9 @@ def test_an_edit_to_the_reward_code_starts_an_interrupted_run_afresh(tiny_run, t
     params = with_scorer(tiny_params, "editable_reward:score")
     root = tmp_path / "project"
     shutil.copytree(tiny_run, root)
-    monkeypatch.setattr(ppo_run, "discard", lambda directory: None)  # as if killed after publishing
+    monkeypatch.setattr(checkpoints, "discard", lambda directory: None)  # as if killed after publishing
     ppo.run(params, root)
-    assert (root / PPO_CHECKPOINTS / ppo_run.STATE).exists()
+    assert (root / PPO_CHECKPOINTS / checkpoints.STATE).exists()
 
     module.write_text("def score(texts):\n    return [float(len(t) % 5) for t in texts]\n")
     monkeypatch.delitem(__import__("sys").modules, "editable_reward")

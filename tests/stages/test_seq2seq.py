@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, T5Config, T5ForConditionalGeneration
 
 from stages import evaluate, ppo, reward, sft, tokenize
-from stages.artifacts import EVAL_METRICS, PPO_MODEL, PPO_ROLLOUTS, RAW_SFT, REWARD_MODEL, SFT_MODEL
+from stages.shared.artifacts import EVAL_METRICS, PPO_MODEL, PPO_ROLLOUTS, RAW_SFT, REWARD_MODEL, SFT_MODEL
 from tests.conftest import params_per_stage
 
 

@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stages import sft
-from stages.artifacts import RAW_SFT, SFT_METRICS, SFT_MODEL
-from stages.runtime import StageError
+from stages.shared.artifacts import RAW_SFT, SFT_METRICS, SFT_MODEL
+from stages.shared.runtime import StageError
 
 
 def test_sft_model_loads_with_plain_transformers(tiny_run, tiny_params):
@@ -93,8 +93,8 @@ def test_too_little_sft_data_is_said():
 
 
 def test_the_report_says_when_sft_had_too_few_texts(tmp_path):
-    from stages.artifacts import SFT_METRICS
-    from stages.report import models
+    from stages.report.sections import models
+    from stages.shared.artifacts import SFT_METRICS
 
     (tmp_path / SFT_METRICS).parent.mkdir(parents=True)
     (tmp_path / SFT_METRICS).write_text(json.dumps({"n_train": 9, "eval_loss": 5.0}))

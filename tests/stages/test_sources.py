@@ -8,7 +8,8 @@ import dataclasses
 import hashlib
 from importlib.metadata import version
 
-from stages import resume, sources
+from stages import sources
+from stages.shared import resume
 from tests.conftest import ROOT
 from tests.stages.test_scoring import with_scorer
 
@@ -48,7 +49,7 @@ def test_status_says_which_local_source_changed_since_the_last_run(tiny_params, 
     stages the next run reruns for it; nothing written."""
     from typer.testing import CliRunner
 
-    from stages.cli import app
+    from stages.shared.cli import app
     from tests.conftest import write_params
 
     monkeypatch.chdir(tmp_path)

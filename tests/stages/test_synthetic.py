@@ -1,4 +1,4 @@
-"""stages/synthetic.py: the documented gold-score rules, and data with the properties the pipeline relies on."""
+"""stages/shared/synthetic.py: the documented gold-score rules, and data with the properties the pipeline relies on."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from stages import synthetic
-from stages.synthetic import gold_score
+from stages.shared import synthetic
+from stages.shared.synthetic import gold_score
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from stages import tokenize
-from stages.artifacts import SFT_MODEL, TOKENIZED_EVAL, TOKENIZED_TRAIN
-from stages.runtime import StageError
+from stages.shared.artifacts import SFT_MODEL, TOKENIZED_EVAL, TOKENIZED_TRAIN
+from stages.shared.runtime import StageError
 
 
 def test_tokenize_truncates_filters_and_round_trips(tiny_run, tiny_params):
@@ -28,7 +28,7 @@ def test_missing_upstream_model_is_a_clear_error(tiny_params, tmp_path):
 
 
 def tokenize_params(how: str, limit: int = 4):
-    from stages.params import TokenizeParams
+    from stages.shared.params import TokenizeParams
 
     return TokenizeParams(max_query_tokens=limit, truncation=how, min_query_tokens=1)
 

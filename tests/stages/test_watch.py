@@ -1,4 +1,4 @@
-"""stages/watch.py: the held-out evaluation during ppo, the policy it keeps, and the run doctor (issue #36)."""
+"""stages/ppo/watch.py: the held-out evaluation during ppo, the policy it keeps, and the run doctor (issue #36)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ import pytest
 from typer.testing import CliRunner
 
 from stages import ppo
-from stages.artifacts import PPO_CHECKPOINTS, PPO_CURVES, PPO_EVAL, PPO_METRICS, PPO_MODEL, PPO_ROLLOUTS, PPO_STATS
-from stages.cli import app
-from stages.params import AlertParams
-from stages.watch import diagnose
+from stages.ppo.watch import diagnose
+from stages.shared.artifacts import (
+    PPO_CHECKPOINTS,
+    PPO_CURVES,
+    PPO_EVAL,
+    PPO_METRICS,
+    PPO_MODEL,
+    PPO_ROLLOUTS,
+    PPO_STATS,
+)
+from stages.shared.cli import app
+from stages.shared.params import AlertParams
 from tests.conftest import write_params
 from tests.stages.test_ppo import copy_for_ppo
 

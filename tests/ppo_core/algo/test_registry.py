@@ -113,7 +113,7 @@ def test_a_user_estimator_is_selected_by_name_and_trains(best_of_group):
 
 def test_a_user_estimator_in_a_params_file_is_named_module_colon_name(tmp_path, monkeypatch):
     """params.yaml selects a user's estimator as 'module:name': the module is imported, its decorator registers it."""
-    from stages.params import load_params
+    from stages.shared.params import load_params
     from tests.conftest import write_params
 
     (tmp_path / "my_estimators.py").write_text(
@@ -311,7 +311,7 @@ def test_the_user_loss_s_gradient_is_its_own(reinforce_loss):
 
 def test_a_policy_loss_of_the_user_in_a_params_file_is_module_colon_name(tmp_path, monkeypatch):
     from ppo_core.algo.registry import POLICY_LOSS_REGISTRY
-    from stages.params import load_params
+    from stages.shared.params import load_params
     from tests.conftest import write_params
 
     (tmp_path / "my_losses.py").write_text(

@@ -23,7 +23,7 @@ from ruamel.yaml.error import YAMLError
 
 from ppo_core.algo.registry import get_estimator
 from ppo_core.fields import ConfigError, check_keys, check_range, checked
-from stages.runtime import ParamsError
+from stages.shared.runtime import ParamsError
 
 if TYPE_CHECKING:
     from ppo_core.config import PPOConfig
@@ -213,7 +213,7 @@ class EvaluateParams:
 
 @dataclass(frozen=True)
 class AlertParams:
-    """The run doctor's limits, checked on every ppo step (stages/watch.py); each crossed is an alert. The defaults
+    """The run doctor's limits, checked on every ppo step (stages/ppo/watch.py); each crossed is an alert. The defaults
     leave the default run quiet and fire on its 100x learning rate at the first steps (README, "Watching a run")."""
 
     entropy_ratio: float
@@ -239,7 +239,7 @@ class AlertParams:
 
 @dataclass(frozen=True)
 class WatchParams:
-    """The ppo stage watching its run (stages/watch.py): a held-out evaluation every few steps, the policy it keeps,
+    """The ppo stage watching its run (stages/ppo/watch.py): a held-out evaluation every few steps, the policy it keeps,
     and the run doctor."""
 
     eval_every: int
@@ -280,7 +280,7 @@ class CheckpointParams:
 
 @dataclass(frozen=True)
 class NumericsParams:
-    """The float kernels of the CPU stages (stages/numerics.py), set before torch loads: what decides whether
+    """The float kernels of the CPU stages (stages/shared/numerics.py), set before torch loads: what decides whether
     another machine computes the same bytes. Tracked by the stages that compute in floating point."""
 
     kernels: Literal["portable", "native"]
@@ -324,7 +324,7 @@ class Params:
     generation: GenerationParams
     ppo: dict[str, Any]
     """The section as the file gives it: PPOConfig keyword arguments, what the checkpoint fingerprints record and
-    compare (stages/resume.py) as dvc.yaml tracks them. The stages use `ppo_config`, built from it."""
+    compare (stages/shared/resume.py) as dvc.yaml tracks them. The stages use `ppo_config`, built from it."""
     evaluate: EvaluateParams
     watch: WatchParams
     checkpoint: CheckpointParams

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from stages.artifacts import PPO_CURVES, REPORT_SWEEP, atomic_path
-from stages.params import ScorerParams
-from stages.report import figure, flatten, page, svg, table
-from stages.runtime import StageError
+from stages.report.html import figure, flatten, page, svg, table
+from stages.shared.artifacts import PPO_CURVES, REPORT_SWEEP, atomic_path
+from stages.shared.params import ScorerParams
+from stages.shared.runtime import StageError
 
 METRICS = {"win_rate": "win rate", "gold": "PPO gold", "reward": "PPO reward", "kl": "PPO KL to SFT",
            "accuracy": "RM accuracy"}

@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages.runtime import StageError, reason
+from stages.shared.runtime import StageError, reason
 
 # Artifacts, relative to the project root (dvc.yaml declares the same paths).
 SOURCES_DATA = Path("data/sources/data.json")  # what the user's own material is now (stages/sources.py)
@@ -51,7 +51,7 @@ PPO_EVAL = Path("data/ppo/eval.csv")  # the held-out evaluations during the run 
 EVAL_SAMPLES = Path("data/eval/samples.parquet")
 EVAL_METRICS = Path("data/eval/metrics.json")
 # Not DVC outputs: what is not a result of the run (dvc.yaml does not list them; test_stages_dvcyaml checks both).
-# Resumable state of an interrupted run, deleted once its stage publishes (see stages/resume.py):
+# Resumable state of an interrupted run, deleted once its stage publishes (see stages/shared/resume.py):
 SFT_CHECKPOINTS = Path("data/checkpoints/sft")
 REWARD_CHECKPOINTS = Path("data/checkpoints/reward")
 PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
@@ -61,7 +61,7 @@ PPO_TIMINGS_RUN = Path("data/logs/ppo/run.json")  # which results they are the t
 REPORT_TIMINGS = Path("data/logs/report")  # the report's chart of them, one SVG per run, linked from the page
 # The page of a sweep (`rlhf report --experiments`, outside DVC: it reads the experiments DVC has).
 REPORT_SWEEP = Path("data/report/experiments.html")
-# The locks that make a stage's run the only one (see stages.runtime.stage_lock): one file per stage, while it runs.
+# The locks that make a stage's run the only one (see runtime.stage_lock): one file per stage, while it runs.
 LOCKS = Path("data/.locks")
 NOT_OUTPUTS = (Path("data/checkpoints"), Path("data/logs"), REPORT_SWEEP, LOCKS)
 # The run's report page: a DVC output like any result (the same bytes for the same results).
@@ -327,7 +327,7 @@ def check_writable(root: Path, paths: Sequence[Path | str]) -> None:
 
 def writer_of(path: Path) -> str:
     """The stage whose outputs hold ``path`` (dvc.yaml's), for messages; "<stage>" if none does."""
-    from stages.pipeline import stages
+    from stages.shared.pipeline import stages
 
     where = f"/{Path(path).as_posix()}/"
     for spec in stages().values():

@@ -2,7 +2,7 @@
 `step()`'s stats (stats.parquet, timings.csv, curves.csv).
 
 Plain data and how it is written: where it is written, and when (the run's work in progress, a checkpoint, the
-published artifacts), is stages/ppo_run.py's.
+published artifacts), is stages/ppo/checkpoints.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from accelerate.utils import gather_object
 
-from stages.artifacts import PPO_CURVES, PPO_EVAL, PPO_STATS, PPO_TIMINGS, write_csv, write_parquet
+from stages.shared.artifacts import PPO_CURVES, PPO_EVAL, PPO_STATS, PPO_TIMINGS, write_csv, write_parquet
 
 # curves.csv column -> step() stats key (plus reward_mean and gold_mean, computed from the raw scores)
 CURVES = {"kl": "objective/kl", "kl_coef": "objective/kl_coef", "entropy": "objective/entropy",
@@ -44,7 +44,7 @@ def gather_columns(columns: dict[str, list], accelerator) -> dict[str, list]:
 
 class StepTables:
     """The per-step tables: stats.parquet (every step() stat but the wall-clock `time/*` ones), timings.csv (those),
-    curves.csv, eval.csv (the held-out evaluations); and what watching the run found (stages/watch.py): the first
+    curves.csv, eval.csv (the held-out evaluations); and what watching the run found (stages/ppo/watch.py): the first
     step's health, the alerts, the best policy so far, where the run stopped. Rewritten (atomically) in the checkpoint
     directory after each step, checkpointed with the trainer, and published at the end."""
 

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from stages.params import AlertParams, Params, WatchParams
-from stages.ppo_run import save_best
-from stages.runtime import warning
-from stages.scoring import scored, scorer_texts
+from stages.ppo.checkpoints import save_best
+from stages.shared.params import AlertParams, Params, WatchParams
+from stages.shared.runtime import warning
+from stages.shared.scoring import scored, scorer_texts
 
 EVAL_SEED_OFFSET = 7919  # the held-out evaluation's stream: seed + this, apart from every stream the run draws from
 

@@ -1,39 +1,20 @@
-"""report: the run on one self-contained HTML page (data/report/index.html), readable where it ran, offline.
-
-What someone tuning RLHF looks at before the numbers: the evaluation side by side (SFT vs PPO), the per-step
-curves (the proxy reward and the gold score together, so over-optimisation shows as their gap; KL and its
-coefficient; entropy; the losses; clip fractions; response length; where a step's time goes), samples (held-out
-prompts answered by both policies; the best and worst rollouts of the first and last steps), the reward model's
-held-out accuracy, SFT's loss curve, and the params that differ from the committed params.yaml. The rewards and the
-win rate are the scorer's that PPO trained on (params section `scorer`), and their labels name it. Charts are SVG
-drawn by matplotlib and inlined: the page fetches nothing from a network, runs no script, and opens from a file.
-
-The page is a DVC output like every result: the same results give the same bytes, so a fresh clone's run reproduces
-the committed dvc.lock and DVC's run-cache restores the page with the stages before it. The one thing on it that
-differs every run, the wall-clock seconds per step, is therefore not in it: it links to that chart, drawn beside
-the timings in data/logs (see `time_chart`). `rlhf report --experiments` writes the page of a sweep instead
-(stages/report_sweep.py).
-"""
+"""The sections of the run's page (stages/report/): the evaluation table, the per-step and held-out curves, what
+watching the run kept and raised, the wall-clock seconds (beside the page: they differ every run), samples side by
+side, the best and worst rollouts, the reward model and SFT, and the params that differ from the committed ones."""
 
 from __future__ import annotations
 
 import html
-import io
 import json
-import math
 import os
 import subprocess
 from pathlib import Path
 
 import pandas as pd
 
-from stages.artifacts import (
-    EVAL_METRICS,
-    EVAL_SAMPLES,
+from stages.report.html import figure, flatten, number, svg, table
+from stages.shared.artifacts import (
     PPO_CURVES,
-    PPO_EVAL,
-    PPO_METRICS,
-    PPO_ROLLOUTS,
     PPO_TIMINGS,
     PPO_TIMINGS_RUN,
     REPORT,
@@ -47,8 +28,7 @@ from stages.artifacts import (
     read_table,
     sha256_file,
 )
-from stages.params import MIN_TEXTS_FROM_SCRATCH, Params
-from stages.runtime import StageError
+from stages.shared.params import MIN_TEXTS_FROM_SCRATCH, Params
 
 # curves.csv columns drawn together, one chart each: (title, [(column, label)], y label); {scorer}: the scorer's title
 CHARTS = [
@@ -59,70 +39,15 @@ CHARTS = [
     ("Clipping and approximate KL", [("clipfrac", "policy clip fraction"), ("approxkl", "approx. KL")], ""),
     ("Response length", [("response_len", "tokens")], "tokens"),
 ]
+
+
 PARTIAL_TITLES = {"Reward (proxy) and gold score": "Reward (proxy)"}  # a chart's title without its missing curve
+
+
 TIMINGS_ID = "step-seconds"  # the element that links to the chart of wall-clock seconds per step
+
+
 TIME_PARTS = {"generate": "time/generate", "score": "time/score", "step()": "time/ppo/total"}
-STYLE = """body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1180px;color:#222}
-h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}table{border-collapse:collapse;
-margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;vertical-align:top;text-align:left}th{background:#f4f4f4}
-td.n{text-align:right;font-variant-numeric:tabular-nums}.charts{display:flex;flex-wrap:wrap;gap:8px}
-.charts svg{width:380px;height:auto}.note{color:#666}"""
-
-
-def run(params: Params, root: Path = Path(".")) -> str:
-    curves = pd.read_csv(root / PPO_CURVES) if (root / PPO_CURVES).exists() else None
-    if curves is None or not (root / EVAL_METRICS).exists():
-        raise StageError(f"{root / PPO_CURVES} or {root / EVAL_METRICS}: not found; run the ppo and evaluate stages "
-                         "first (`dvc repro` runs them in order)")
-    evaluation = read_json(root / EVAL_METRICS, ["win_rate", "reward", "sft"])
-    scorer = params.scorer.title  # the scorer that gave the rewards (and the win rate): its name in every label
-    judges = params.evaluate.judges  # the named ones (the synthetic gold is in the tables already)
-    samples = read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS + list(judges))
-    sections = [
-        ("Evaluation on the held-out prompts", evaluation_table(evaluation, scorer, judges)),
-        ("PPO, step by step", charts(curves, scorer) + heldout_charts(root / PPO_EVAL, scorer) + time_chart(root)),
-        ("Watching the run: the policy kept and the doctor's alerts", watched(read_json(root / PPO_METRICS))),
-        ("Held-out prompts: SFT and PPO side by side", side_by_side(samples, score_header(params.scorer),
-                                                                      judges=list(judges))),
-        ("Rollouts: the best and worst of the first and last steps", extremes(root / PPO_ROLLOUTS, curves)),
-        ("Reward model and SFT", models(root)),
-        ("Params that differ from the committed params.yaml", params_diff(params)),
-    ]
-    with atomic_path(root / REPORT) as tmp:
-        tmp.write_text(page("RLHF run report", sections))
-    return f"{len(curves)} steps, win rate ({scorer}) {evaluation['win_rate']:.2f} -> {REPORT}"
-
-
-SAMPLE_COLUMNS = ["policy", "query", "response", "score", "kl_to_sft", "response_tokens"]
-
-
-def page(title: str, sections: list[tuple[str, str]]) -> str:
-    body = "".join(f"<h2>{html.escape(name)}</h2>\n{content}\n" for name, content in sections)
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head>\n<body><h1>{html.escape(title)}</h1>\n{body}</body></html>\n")
-
-
-def number(value: float) -> str:
-    """A float with 4 significant digits, trailing zeros kept (``-2.600``, ``0.4266``, ``15.20``: one format down a
-    column), in scientific notation past 1e4 or below 1e-3."""
-    if value != value or value in (math.inf, -math.inf):
-        return str(value)
-    if value != 0 and not 1e-3 <= abs(value) < 1e4:
-        return f"{value:.3e}"
-    return f"{value:#.4g}".rstrip(".")
-
-
-def table(rows: list[list], header: list[str]) -> str:
-    """An HTML table; numbers right-aligned with 4 significant digits (:func:`number`), text escaped."""
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return f'<td class="n">{number(value)}</td>'
-        if isinstance(value, int):
-            return f'<td class="n">{value}</td>'
-        return f"<td>{html.escape(str(value))}</td>"
-
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    return f"<table><tr>{head}</tr>" + "".join(f"<tr>{''.join(map(cell, r))}</tr>" for r in rows) + "</table>"
 
 
 def evaluation_table(metrics: dict, scorer: str, judges: dict[str, str] | None = None) -> str:
@@ -137,33 +62,6 @@ def evaluation_table(metrics: dict, scorer: str, judges: dict[str, str] | None =
     rows = [[label, sft[key], ppo[key], ppo[key] - sft[key]] for key, label in names.items() if key in ppo]
     win = f"<p>Win rate of PPO over SFT ({html.escape(scorer)}, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
     return table(rows, ["mean over the held-out prompts", "SFT", "PPO", "PPO - SFT"]) + win
-
-
-def svg(figure) -> str:
-    """A matplotlib figure as inline SVG, the same bytes for the same data (no date, fixed ids, text as text)."""
-    import matplotlib.pyplot as plt
-
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", metadata={"Date": None}, bbox_inches="tight")
-    plt.close(figure)
-    text = buffer.getvalue()
-    return text[text.index("<svg"):]
-
-
-def figure(title: str, ylabel: str = "", xlabel: str = "PPO step"):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    matplotlib.rcParams.update({"svg.hashsalt": "rlhf-report", "svg.fonttype": "none", "font.size": 9})
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.6, 3.0))
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    if ylabel:
-        ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    return fig, ax
 
 
 def charts(curves: pd.DataFrame, scorer: str) -> str:
@@ -308,13 +206,3 @@ def params_diff(params: Params) -> str:
     rows = [[key, str(base.get(key, "(absent)")), str(now.get(key, "(absent)"))]
             for key in sorted(base.keys() | now.keys()) if base.get(key) != now.get(key)]
     return table(rows, ["key", "committed", "this run"]) if rows else "<p>None: the committed params.</p>"
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in (tree or {}).items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

@@ -6,8 +6,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from stages.artifacts import loading, require_dir
-from stages.runtime import StageError, device, reason
+from stages.shared.artifacts import loading, require_dir
+from stages.shared.runtime import StageError, device, reason
 
 # Notices about what the stages do on purpose, a line or two each at every LoRA run: peft saves the embeddings of a
 # model whose vocabulary sft grew (a pad token apart from EOS) with each adapter, and reads transformers' deprecated

@@ -1,12 +1,11 @@
 """A ppo run on disk: its work in progress, resuming it, and publishing it once finished.
 
-The run works in data/checkpoints/ppo (not a DVC output, see stages/resume.py): each step writes its rollouts there
-(rollouts/step-NNNNN.parquet) and rewrites the per-step tables (`StepTables`), so a run in progress (or one that
-failed) can be inspected; every `checkpoint.ppo_every` steps the trainer's whole state goes to the directory
-`state/` beside them (ppo_core's checkpoint, with or without DeepSpeed: the stage does not know its layout). Only
-a finished run publishes its artifacts (data/ppo/*, data/models/ppo; the timings to data/logs/ppo, outside DVC's
-hashes), all or none, then deletes its state: a failed run leaves no artifact, a finished one no state.
-"""
+The run works in data/checkpoints/ppo (not a DVC output, see stages/shared/resume.py): each step writes its rollouts
+there (rollouts/step-NNNNN.parquet) and rewrites the per-step tables (`StepTables`), so a run in progress (or one that
+failed) can be inspected; every `checkpoint.ppo_every` steps the trainer's whole state goes to the directory `state/`
+beside them (ppo_core's checkpoint, with or without DeepSpeed: the stage does not know its layout). Only a finished run
+publishes its artifacts (data/ppo/*, data/models/ppo; the timings to data/logs/ppo, outside DVC's hashes), all or none,
+then deletes its state: a failed run leaves no artifact, a finished one no state."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ import shutil
 from pathlib import Path
 
 from ppo_core import PPOTrainer
-from stages.artifacts import (
+from stages.ppo.tables import StepTables
+from stages.shared.artifacts import (
     PPO_CHECKPOINTS,
     PPO_CURVES,
     PPO_EVAL,
@@ -34,12 +34,11 @@ from stages.artifacts import (
     write_parquet,
     writing,
 )
-from stages.params import Params
-from stages.pipeline import stage
-from stages.ppo_tables import StepTables
-from stages.resume import discard, fingerprint, open_checkpoint_dir
-from stages.runtime import StageError, note
-from stages.sources import scorer_origin
+from stages.shared.origins import scorer_origin
+from stages.shared.params import Params
+from stages.shared.pipeline import stage
+from stages.shared.resume import discard, fingerprint, open_checkpoint_dir
+from stages.shared.runtime import StageError, note
 
 STATE = "state"  # the trainer's checkpoint directory (ppo_core's format, with or without DeepSpeed)
 

@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.artifacts import LOCKS, STATE, fresh_dir, hash_file, remove_stale_temporaries, write_json
-from stages.params import Params
-from stages.pipeline import CODE_ROOT, StageSpec, stage
-from stages.runtime import StageError, lock_if_free, note, process_state
+from stages.shared.artifacts import LOCKS, STATE, fresh_dir, hash_file, remove_stale_temporaries, write_json
+from stages.shared.params import Params
+from stages.shared.pipeline import CODE_ROOT, StageSpec, stage
+from stages.shared.runtime import StageError, lock_if_free, note, process_state
 
 FINGERPRINT = "fingerprint.json"
 
@@ -45,7 +45,7 @@ def fingerprint(params: Params, keys: Iterable[str], inputs: Iterable[Path], roo
     `root`; None for one that is not there: data/sources/*, when a stage runs alone before the sources stage ever
     did), of the Python sources of each `code` path (relative to the repository, as dvc.yaml lists them) and
     the versions of `LIBRARIES`. A stage adds what else its results depend on to "code" and "versions" (the ppo
-    stage: the user's reward function, see `stages.sources.scorer_origin`)."""
+    stage: the user's reward function, see `stages.shared.origins.scorer_origin`)."""
     keys = [key for key in keys if key.split(".")[0] not in NO_OUTPUT_EFFECT]
     return {"params": {key: _plain(_lookup(params, key)) for key in keys},
             "inputs": {str(path): digest(root / path) if (root / path).exists() else None for path in inputs},
@@ -152,7 +152,7 @@ def current_fingerprint(found: dict[str, Any], spec: StageSpec, params: Params, 
     """The fingerprint the stage would write now for the state whose fingerprint is ``found``: :func:`fingerprint` of
     what dvc.yaml says it tracks (its inputs as ``found`` lists them: the ppo stage leaves the reward model out when
     it scores otherwise), and each entry the stage added to it (the user's reward code or its package, a local scorer
-    model: see `stages.scoring.scorer_origin`) computed again."""
+    model: see `stages.shared.scoring.scorer_origin`) computed again."""
     inputs = [path for path in spec.data if str(path) in found.get("inputs", {})]
     now = fingerprint(params, spec.params, inputs, root, spec.code)
     for path in found.get("inputs", {}).keys() - now["inputs"].keys():

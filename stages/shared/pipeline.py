@@ -1,6 +1,6 @@
 """The pipeline as dvc.yaml declares it: for each stage, the params it tracks, the code and data it depends on, and
 what it writes. This is written once, in dvc.yaml, and read from there by the stages' checkpoint fingerprints
-(`stages.resume`), the CLI's help (`stages.cli`) and the tests that hold a stage to what it declares.
+(`stages.shared.resume`), the CLI's help (`stages.shared.cli`) and the tests that hold a stage to what it declares.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The repository that holds dvc.yaml and the `stages`, `ppo_core` and `rewards` packages.
-CODE_ROOT = Path(__file__).resolve().parents[1]
+CODE_ROOT = Path(__file__).resolve().parents[2]
 DVC_YAML = CODE_ROOT / "dvc.yaml"
 
 
@@ -48,8 +48,8 @@ def _runs_stages(path: Path) -> bool:
 
 @functools.cache
 def read_pipeline(path: Path) -> dict[str, StageSpec]:
-    """The stages of the dvc.yaml at ``path``. Code deps come relative to the repository (``../../stages/ppo.py`` in
-    an example's dvc.yaml is ``stages/ppo.py``); data deps and outputs relative to the dvc.yaml's directory (the
+    """The stages of the dvc.yaml at ``path``. Code deps come relative to the repository (``../../stages/fetch.py`` in
+    an example's dvc.yaml is ``stages/fetch.py``); data deps and outputs relative to the dvc.yaml's directory (the
     project root its stages run in)."""
     from ruamel.yaml import YAML
 

@@ -5,7 +5,7 @@ check of what it returns.
 of `scorer.label`, as in the seed), or a Python callable `module:function` taking the list of texts. A user's reward
 function goes in the `rewards/` package (`scorer.name: rewards.<module>:<function>`), which dvc.yaml lists among the
 deps of the ppo and evaluate stages, or anywhere Python finds it: the sources stage hashes the module's file wherever
-it is, and one from an installed package is known by its version (`stages.sources.scorer_origin`), so editing it
+it is, and one from an installed package is known by its version (`stages.shared.origins.scorer_origin`), so editing it
 reruns ppo and evaluate. The resumable state's fingerprint covers it too.
 """
 
@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from transformers import pipeline
 
-from stages.artifacts import REWARD_ADAPTER, REWARD_MODEL
-from stages.models import load_reward_model, reward_scores
-from stages.params import Params
-from stages.runtime import StageError, device, reason, untracked_hint
-from stages.synthetic import gold_score
+from stages.shared.artifacts import REWARD_ADAPTER, REWARD_MODEL
+from stages.shared.models import load_reward_model, reward_scores
+from stages.shared.params import Params
+from stages.shared.runtime import StageError, device, reason, untracked_hint
+from stages.shared.synthetic import gold_score
 
 REWARDS = "rewards"  # the package of user reward functions, a dep of the ppo stage in dvc.yaml
 

@@ -17,13 +17,13 @@ from typing import Annotated
 
 import typer
 
-from stages.artifacts import LOCKS, STATE, UNWRITABLE, check_writable
-from stages.numerics import kernels_note, set_threads
-from stages.params import load_params
-from stages.pipeline import stage as stage_spec
-from stages.pipeline import stages
-from stages.resume import remove_redundant_state
-from stages.runtime import Progress, StageError, device, note, peak_rss_bytes, stage_lock, terminate_as_interrupt
+from stages.shared.artifacts import LOCKS, STATE, UNWRITABLE, check_writable
+from stages.shared.numerics import kernels_note, set_threads
+from stages.shared.params import load_params
+from stages.shared.pipeline import stage as stage_spec
+from stages.shared.pipeline import stages
+from stages.shared.resume import remove_redundant_state
+from stages.shared.runtime import Progress, StageError, device, note, peak_rss_bytes, stage_lock, terminate_as_interrupt
 
 app = typer.Typer(
     help=f"RLHF pipeline stages: {' -> '.join(stages())}. `dvc repro` runs them in order; each one can also run "
@@ -155,7 +155,7 @@ def report(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False,
         _run("report", params, debug)
         return
     try:  # loaded as the stages are (by name): only this command runs it
-        typer.echo(f"report: {importlib.import_module('stages.report_sweep').write_sweep_page(Path('.'), params)}")
+        typer.echo(f"report: {importlib.import_module('stages.report.sweep').write_sweep_page(Path('.'), params)}")
     except StageError as err:
         if debug:
             raise
