@@ -42,7 +42,7 @@ run: install
 	$(BIN)/dvc repro
 
 # The seed's example on a real model, offline but for PyPI (examples/sentiment): SmolLM2-135M-Instruct, Pang & Lee's
-# movie-review text, VADER and a MiniLM judge. ~22 minutes on 2 cores; see the README.
+# movie-review text, VADER and a MiniLM judge. ~22 minutes on 2 cores; see docs/pipeline.md.
 # examples/sentiment is a DVC project of its own (its .dvc/), so the root's dvc status and exp show leave it out.
 example: $(VENV)/.installed-example
 	cd examples/sentiment && $(CURDIR)/$(BIN)/dvc repro

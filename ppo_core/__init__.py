@@ -1,7 +1,8 @@
 """ppo_core: TRL's legacy PPOTrainer API (generate -> score anything -> step), correct and fast,
 on current transformers and torch.
 
-The package in layers (README, "ppo_core's layout"; ``tests/test_layers.py`` holds each to its allowed imports):
+The package in layers (docs/library.md, "ppo_core's layout"; ``tests/test_layers.py`` holds each to its allowed
+imports):
 ``algo`` the math (pure tensor functions, the estimators' registry), ``runtime`` the processes, ZeRO, precision
 and checkpoints, ``models`` the value-head models, log-probabilities, sampling and the reference, ``step`` what one
 ``step()`` runs on them (the rollout passes, the update, the stats, the data), and on top ``config``, ``trainer``
@@ -25,6 +26,7 @@ _EXPORTS = {
     "AutoModelForCausalLMWithValueHead": "models.modeling", "AutoModelForSeq2SeqLMWithValueHead": "models.modeling",
     "PreTrainedModelWrapper": "models.modeling", "SUPPORTED_ARCHITECTURES": "models.modeling",
     "create_reference_model": "models.reference", "register_estimator": "algo.registry",
+    "response_logprobs": "step.rollout",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     )
     from .models.reference import create_reference_model
     from .runtime.utils import set_seed
+    from .step.rollout import response_logprobs
     from .trainer import PPOTrainer
 
 

@@ -5,8 +5,8 @@ user overrides: ``compute_rewards``, ``_kl_penalty``, ``compute_advantages`` thr
 constructor starts from: the checks of its arguments and of a subclass's hooks.
 
 :class:`LegacyMethods` is mixed into :class:`~ppo_core.trainer.PPOTrainer`; the attributes it reads are declared on
-it (set by ``PPOTrainer.__init__``). The legacy methods ppo_core does not keep, and why, are listed in the README
-("What differs from TRL 0.11"). Differences in behaviour from legacy TRL, all deliberate fixes:
+it (set by ``PPOTrainer.__init__``). The legacy methods ppo_core does not keep, and why, are listed in
+docs/library.md ("What differs from TRL 0.11"). Differences in behaviour from legacy TRL, all deliberate fixes:
 
 * the loss forward runs in train mode (legacy called ``model.eval()`` before it, so dropout was never
   active there); dropout itself is disabled by default (``PPOConfig.disable_dropout``) so that the

@@ -1,9 +1,9 @@
 """``PPOTrainer``: the legacy TRL user-loop API (``generate`` -> score anything -> ``step``) on accelerate.
 
 The loop itself: building the trainer, ``generate``, ``step`` in numbered steps, its PPO epochs over mini-batches
-(``_update_minibatch``: each ``Rollout`` mini-batch to ``step.update``) and the checkpoints. What they call lives in
-the layers below (README, "ppo_core's layout"); the legacy methods are thin shims in ``legacy``, mapped on top of the
-engine: ``step`` calls one only where a user overrides it.
+(``_update_minibatch``: each ``Rollout`` mini-batch to ``step.update``) and the checkpoints. What they call lives in the
+layers below (docs/library.md, "ppo_core's layout"); the legacy methods are thin shims in ``legacy``, mapped on top of
+the engine: ``step`` calls one only where a user overrides it.
 
 Under N processes (``accelerate launch``, DDP or DeepSpeed ZeRO-2/3) ``step`` on each process's ``batch_size``
 samples gives what one process gives on the global batch, process 0's first, up to float rounding, whenever the
@@ -198,7 +198,7 @@ class PPOTrainer(LegacyMethods):
         outputs = sample(self.model)
         if not generate_ref_response:
             return outputs
-        with self._reference() as ref_model:
+        with self.reference_policy() as ref_model:
             return outputs, sample(ref_model)
 
     @quiet_deepspeed_collectives
@@ -228,9 +228,12 @@ class PPOTrainer(LegacyMethods):
         both run in it, so that the first ratio of a step stays exactly 1."""
         return scoring_precision(self.accelerator.autocast(), self.current_device)
 
-    def _reference(self):
-        """The reference policy, for a block (see ``models.reference``)."""
+    def reference_policy(self):
+        """The reference policy, for a block: ``with trainer.reference_policy() as ref: ...``. The frozen copy
+        (``ref_model``), or for a PEFT policy without one the policy itself with its adapters disabled inside the
+        block (see ``models.reference``); e.g. to score held-out samples against the reference between steps."""
         return reference_policy(self.model, self.ref_model, self.accelerator.unwrap_model)
+
 
     def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:
         """``query + response`` sequences, or for an encoder-decoder the queries and ``start + response``."""
@@ -262,7 +265,7 @@ class PPOTrainer(LegacyMethods):
         mask = build_response_masks(response_masks, inputs)
         with_reference = self._reference_in_use()
         with timed(timing, "time/ppo/forward_pass"):
-            old, ref = rollout_passes(self.model, self._reference, inputs, cfg.mini_batch_size,
+            old, ref = rollout_passes(self.model, self.reference_policy, inputs, cfg.mini_batch_size,
                                       self._forward_precision, self._kl.estimator == "full", with_reference)
         # 4-5. per-token KL, KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator)
         penalties = overlong_penalties(cfg, mask)  # DAPO's overlong shaping of the scores, where set
@@ -313,7 +316,7 @@ class PPOTrainer(LegacyMethods):
         if self._step_hooks:  # its compute_rewards / _kl_penalty / compute_advantages, in legacy's order
             return hooked_advantages(self, scores, old.logprobs, ref.logprobs, old.values, mask, timing)
         with timed(timing, "time/ppo/compute_rewards"):  # in the reward, or, with kl_in "loss", in the loss instead
-            kls = (kl_per_token(self._kl.estimator, self.model, self._reference, inputs, old, ref)
+            kls = (kl_per_token(self._kl.estimator, self.model, self.reference_policy, inputs, old, ref)
                    if with_reference else torch.zeros_like(old.logprobs))
         with timed(timing, "time/ppo/compute_advantages"):
             return step_advantages(self.config, scores, kls, old.values, mask, self._reward_kl_coef(), self._group)

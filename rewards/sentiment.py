@@ -54,6 +54,32 @@ def minilm_embeddings(texts: list[str], batch_size: int = 64):
     return torch.cat(out)
 
 
+def fit_judge(sentences: list[tuple[int, str]], held_out: int):
+    """The MiniLM judge's head: a logistic regression on the MiniLM embeddings of the labelled ``sentences`` ((label,
+    text), label > 0 positive), fitted on all but the last ``held_out``, which measure it: ``({"weight": (1, 384),
+    "bias": (1,)}, held-out accuracy)``. The fetch stage fits it once."""
+    import torch
+
+    embeddings = minilm_embeddings([text for _, text in sentences])  # (N, 384)
+    labels = torch.tensor([float(label > 0) for label, _ in sentences])
+    fit = len(sentences) - held_out
+    torch.manual_seed(0)
+    head = torch.nn.Linear(embeddings.shape[1], 1)
+    optimizer = torch.optim.LBFGS(head.parameters(), max_iter=500, line_search_fn="strong_wolfe")
+
+    def loss():
+        optimizer.zero_grad()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(head(embeddings[:fit]).squeeze(-1), labels[:fit])
+        value = value + 1e-4 * head.weight.pow(2).sum()  # weight decay: 800 sentences, 384 features
+        value.backward()
+        return value
+
+    optimizer.step(loss)
+    with torch.no_grad():
+        accuracy = float(((head(embeddings[fit:]).squeeze(-1) > 0).float() == labels[fit:]).float().mean())
+    return {"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()}, accuracy
+
+
 @functools.cache
 def _minilm():
     from transformers import AutoModel, AutoTokenizer

@@ -21,14 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
-from ppo_core.models.generation import generate_batched
-from ppo_core.runtime.utils import moved, set_seed, tf32_matmuls
-from ppo_core.step.inputs import model_inputs
-from ppo_core.step.rollout import policy_outputs
+from ppo_core import response_logprobs, set_seed
 from stages.shared.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
@@ -43,14 +38,14 @@ from stages.shared.artifacts import (
     write_json,
     write_parquet,
 )
-from stages.shared.models import is_encoder_decoder, load_float32
+from stages.shared.models import is_encoder_decoder, load_float32, sample_responses
 from stages.shared.params import Params
-from stages.shared.runtime import device, note
+from stages.shared.runtime import device, note, tf32_on_gpu
 from stages.shared.scoring import build_scorer, judge_functions, scored, scorer_texts
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    with tf32_matmuls(True, device()):  # on GPUs that have TF32 (NVIDIA_TF32_OVERRIDE=0 turns it off)
+    with tf32_on_gpu():
         return compare_policies(params, root)
 
 
@@ -77,7 +72,7 @@ def compare_policies(params: Params, root: Path) -> str:
     columns |= {name: [] for name in judges}
     by_policy = {}
     for name, policy in policies.items():
-        response_ids = sample(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
+        response_ids = sample_responses(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
         responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         texts = [q + r for q, r in zip(queries, responses)]
         if name == "sft":
@@ -131,40 +126,13 @@ def win_rate(scores: list[float], baseline_scores: list[float]) -> float:
     return float(np.mean((scores > baseline) + 0.5 * (scores == baseline)))
 
 
-def sample(model, tokenizer, query_ids: list[list[int]], generation: dict, batch_size: int,
-           desc: str) -> list[list[int]]:
-    """Sampled response tokens per query, ``batch_size`` at a time, each cut after its first EOS (kept): ppo_core's
-    generation, as in the PPO rollouts, with transformers' own sampling draws."""
-    out = []
-    for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch", disable=None):  # a terminal only
-        queries = [torch.tensor(q) for q in query_ids[start:start + batch_size]]
-        responses = generate_batched(model, tokenizer, queries, model.device, None, len(queries), False, generation,
-                                     model.config.is_encoder_decoder, fast_sampling=False)
-        out += [r.tolist() for r in moved(responses, "cpu")]  # to the host in one copy
-    return out
-
-
-@torch.no_grad()
 def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]], batch_size: int) -> list[float]:
     """sum_t log pi(response_t | query, response_<t) per sample, ``batch_size`` samples at a time: ppo_core's scoring
-    pass, as in the PPO step (the LM head at the response positions only, chunk by chunk: no ``(B, T, V)`` float32
-    logits and log-softmax). For an encoder-decoder the query goes to the encoder, start + response to the decoder."""
-    scorer = scoring_model(model)
-    start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
-    pad = model.config.pad_token_id
+    pass (``ppo_core.response_logprobs``), as in the PPO step. For an encoder-decoder the query goes to the encoder,
+    start + response to the decoder."""
     sums = []
     for i in range(0, len(query_ids), batch_size):
         queries, responses = ([torch.tensor(x, device=model.device) for x in ids[i:i + batch_size]]
                               for ids in (query_ids, response_ids))
-        logprobs = policy_outputs(scorer, model_inputs(queries, responses, pad, start)).logprobs  # (B, R), 0 at padding
-        sums += logprobs.sum(-1).tolist()
+        sums += response_logprobs(model, queries, responses).sum(-1).tolist()  # (B, R), 0 at padding
     return sums
-
-
-def scoring_model(model):
-    """The plain transformers LM ``model`` inside ppo_core's value-head class, for its scoring pass. The value head it
-    adds is never read; it is made without drawing from the global RNG, which evaluate's sampling uses."""
-    seq2seq = model.config.is_encoder_decoder
-    wrapper = AutoModelForSeq2SeqLMWithValueHead if seq2seq else AutoModelForCausalLMWithValueHead
-    with torch.random.fork_rng(devices=[]):
-        return wrapper(model, summary_dropout_prob=None).eval()

@@ -31,8 +31,9 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from unittest import mock
 
-from ppo_core.runtime.utils import swapped
+from rewards.sentiment import fit_judge
 from stages.shared.artifacts import atomic_path, publishing, save_pretrained, write_json, write_parquet
 from stages.shared.params import Params
 from stages.shared.runtime import StageError, note, reason
@@ -59,7 +60,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     sft_lines, prompt_lines = halves(lines, params.seed)
     pairs = preference_pairs(rm_set, params.seed)
     tokenizer, model = smollm2()
-    head, accuracy = fit_judge(judge_set)
+    head, accuracy = fit_judge(judge_set, JUDGE_HELD_OUT)
     with publishing():  # all of it or none
         save_pretrained(root / BASE_MODEL, model, tokenizer)
         write_parquet({"text": sft_lines}, root / SFT_TEXTS)
@@ -89,7 +90,7 @@ def smollm2():
 
     folder = package_dir(MODEL_PACKAGE)
     # its tqdm bar over the GGUF's 272 tensors (plain tqdm, deaf to transformers' switch): the stage says what it does
-    without_bar = swapped(gguf_loading, "tqdm", gguf_loading.tqdm, lambda iterable, **_: iterable)
+    without_bar = mock.patch.object(gguf_loading, "tqdm", lambda iterable, **_: iterable)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
         with without_bar:
@@ -166,34 +167,6 @@ def preference_pairs(sentences: list[tuple[int, str]], seed: int) -> list[tuple[
     negative = [text for label, text in sentences if label < 0]
     random.Random(f"{seed}-fetch-pairs").shuffle(negative)
     return list(zip(positive, negative))
-
-
-# ---- the judge --------------------------------------------------------------------------------------------------
-def fit_judge(sentences: list[tuple[int, str]]):
-    """A logistic-regression head on the MiniLM embeddings of ``sentences`` (all but the last `JUDGE_HELD_OUT`, which
-    measure it): ``({"weight": (1, 384), "bias": (1,)}, held-out accuracy)``."""
-    import torch
-
-    from rewards.sentiment import minilm_embeddings
-
-    embeddings = minilm_embeddings([text for _, text in sentences])  # (N, 384)
-    labels = torch.tensor([float(label > 0) for label, _ in sentences])
-    fit = len(sentences) - JUDGE_HELD_OUT
-    torch.manual_seed(0)
-    head = torch.nn.Linear(embeddings.shape[1], 1)
-    optimizer = torch.optim.LBFGS(head.parameters(), max_iter=500, line_search_fn="strong_wolfe")
-
-    def loss():
-        optimizer.zero_grad()
-        value = torch.nn.functional.binary_cross_entropy_with_logits(head(embeddings[:fit]).squeeze(-1), labels[:fit])
-        value = value + 1e-4 * head.weight.pow(2).sum()  # weight decay: 800 sentences, 384 features
-        value.backward()
-        return value
-
-    optimizer.step(loss)
-    with torch.no_grad():
-        accuracy = float(((head(embeddings[fit:]).squeeze(-1) > 0).float() == labels[fit:]).float().mean())
-    return {"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()}, accuracy
 
 
 def save_judge(path: Path, head: dict, accuracy: float) -> None:

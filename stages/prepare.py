@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from ppo_core.runtime.utils import set_seed
+from ppo_core import set_seed
 from stages.shared import synthetic
 from stages.shared.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
 from stages.shared.params import COLUMNS, SYNTHETIC, DatasetSpec, Params

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
-from ppo_core.models.adapters import canonical_adapter_configs
-from ppo_core.runtime.utils import set_seed, tf32_supported
+from ppo_core import set_seed
 from stages.shared.artifacts import (
     RAW_PAIRS,
     REWARD_ADAPTER,
@@ -31,12 +30,13 @@ from stages.shared.artifacts import (
     writing,
 )
 from stages.shared.models import (
-    autocast_args,
     check_mixed_precision,
     load_float32,
     merged,
+    precision_args,
     reward_inputs,
     reward_scores,
+    save_adapter,
     with_lora,
 )
 from stages.shared.params import Params
@@ -101,8 +101,7 @@ def save_reward_model(path: Path, model, tokenizer) -> None:
     and its score head alone in `adapter/` (what ppo scores with, on its policy's base weights), atomically."""
     with atomic_path(path) as tmp:
         if hasattr(model, "merge_and_unload"):  # before merging, which folds the adapter into the base weights
-            model.save_pretrained(tmp / REWARD_ADAPTER.name)
-            canonical_adapter_configs(str(tmp / REWARD_ADAPTER.name))  # peft writes target_modules in hash order
+            save_adapter(model, tmp / REWARD_ADAPTER.name)
         merged(model).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
@@ -122,11 +121,10 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         per_device_train_batch_size=rm.batch_size, warmup_steps=rm.warmup_ratio, lr_scheduler_type="cosine",
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         remove_unused_columns=False, logging_strategy="no", report_to="none", disable_tqdm=True,
-        tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
         # torch's fused AdamW (transformers' default from torch 2.8, named so that it stays): its sqrt is the CPU's
         # exact instruction, where the for-loop AdamW's torch.sqrt is MKL's, whose last bit differs between vendors
         optim="adamw_torch_fused",
-        **autocast_args(params.model.mixed_precision),
+        **precision_args(params.model.mixed_precision),
     )
 
 

@@ -28,7 +28,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from ppo_core.runtime.utils import set_seed, tf32_supported
+from ppo_core import set_seed
 from stages.shared.artifacts import (
     RAW_SFT,
     SFT_CHECKPOINTS,
@@ -43,11 +43,11 @@ from stages.shared.artifacts import (
     writing,
 )
 from stages.shared.models import (
-    autocast_args,
     check_mixed_precision,
     check_model_source,
     load_float32,
     merged,
+    precision_args,
     with_lora,
 )
 from stages.shared.params import MIN_TEXTS_FROM_SCRATCH, ModelParams, Params
@@ -55,8 +55,6 @@ from stages.shared.resume import discard, trainer_callback, trainer_resume_point
 from stages.shared.runtime import StageError, device, note, quiet_trainer, reason, trainer_progress, warning
 
 EOS, PAD = "<|endoftext|>", "<pad>"
-
-
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -149,11 +147,10 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         warmup_steps=sft.warmup_ratio, lr_scheduler_type="cosine", weight_decay=sft.weight_decay,
         seed=params.seed, data_seed=params.seed, use_cpu=device() == "cpu", dataloader_num_workers=0,
         logging_strategy="steps", logging_steps=0.02, report_to="none", disable_tqdm=True,  # the loss curve: 50 points
-        tf32=tf32_supported(device()) or None,  # TF32 matmuls on GPUs that have them; None: torch's setting
         # torch's fused AdamW (transformers' default from torch 2.8, named so that it stays): its sqrt is the CPU's
         # exact instruction, where the for-loop AdamW's torch.sqrt is MKL's, whose last bit differs between vendors
         optim="adamw_torch_fused",
-        **autocast_args(params.model.mixed_precision),
+        **precision_args(params.model.mixed_precision),
     )
 
 

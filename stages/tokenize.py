@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from transformers import AutoTokenizer
 
-from ppo_core.runtime.utils import set_seed
+from ppo_core import set_seed
 from stages.shared.artifacts import (
     RAW_PROMPTS_EVAL,
     RAW_PROMPTS_TRAIN,

@@ -22,9 +22,9 @@ TINY_PARAMS = ROOT / "tests" / "fixtures" / "params.tiny.yaml"
 def cpu_only():
     """No GPU for the block, in this process and in the ones it starts. Bit-for-bit claims (the first PPO ratio exactly
     1, a resumed run equal to an uninterrupted one, two runs byte-identical) hold on CPUs: on a GPU cuBLAS picks its
-    kernels by shape and CUDA's atomics add in no fixed order, so runs agree within float tolerances instead (README,
-    "Reproducibility and resume"). Tests of such claims are named ``*_on_cpu`` and run here, as do the runs they
-    compare against."""
+    kernels by shape and CUDA's atomics add in no fixed order, so runs agree within float tolerances instead
+    (docs/reproducibility.md, "Same inputs, same bytes"). Tests of such claims are named ``*_on_cpu`` and run here, as
+    do the runs they compare against."""
     import torch
 
     with pytest.MonkeyPatch.context() as patch:

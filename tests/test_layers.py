@@ -1,5 +1,5 @@
-"""ppo_core's layers import only downwards (README, "ppo_core's layout"), and the module paths from before the layers
-still import.
+"""ppo_core's layers import only downwards (docs/library.md, "ppo_core's layout"), and the module paths from before the
+layers still import.
 
     algo      the math                          imports nothing of ppo_core
     runtime   processes, ZeRO, precision, ...   imports nothing of ppo_core

@@ -14,8 +14,9 @@ from accelerate.utils import extract_model_from_parallel
 
 from ..algo.ppo_math import kl_penalty
 from ..models.logprobs import full_kl
+from ..models.modeling import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
 from ..runtime.zero import gathered
-from .inputs import ModelInputs
+from .inputs import ModelInputs, model_inputs
 
 
 class PolicyOutputs(NamedTuple):
@@ -64,6 +65,29 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
         entropy = torch.zeros(valid.shape, dtype=out.entropy.dtype, device=valid.device)
         entropy[rows, cols] = out.entropy
     return PolicyOutputs(logprobs, values, entropy, out.hidden)
+
+
+@torch.no_grad()
+def response_logprobs(model, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> torch.Tensor:
+    """``log pi(response_t | query, response_<t)`` of every response token, in one no-grad pass: ``(B, R)``, R the
+    longest response, 0 past each response's end. The pass ``step()`` scores rollouts with (the LM head at the
+    response positions only, chunk by chunk: no ``(B, T, V)`` float32 logits), so a sum over a row is the sequence's
+    log-probability as the trainer sees it, e.g. for a Monte Carlo KL between two policies on the same samples:
+    ``(response_logprobs(policy, q, r) - response_logprobs(reference, q, r)).sum(-1)``.
+
+    ``model``: a ppo_core value-head model, or a plain transformers LM (causal or encoder-decoder), which is wrapped in
+    its value-head class for the pass (the head it adds is never read, and is made without drawing from the global
+    RNG). ``queries``, ``responses``: 1-D token tensors on the model's device, as ``step()`` takes them; an
+    encoder-decoder's responses without the decoder start token (it is prepended here).
+    """
+    if not hasattr(model, "v_head"):
+        wrapper = AutoModelForSeq2SeqLMWithValueHead if model.config.is_encoder_decoder else \
+            AutoModelForCausalLMWithValueHead
+        with torch.random.fork_rng(devices=[]):
+            model = wrapper(model, summary_dropout_prob=None).eval()
+    config = model.pretrained_model.config
+    start = config.decoder_start_token_id if config.is_encoder_decoder else None
+    return policy_outputs(model, model_inputs(queries, responses, config.pad_token_id, start)).logprobs
 
 
 def concat_outputs(parts: list[PolicyOutputs], inputs: ModelInputs) -> PolicyOutputs:

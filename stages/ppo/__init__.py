@@ -29,8 +29,9 @@ from stages.shared.artifacts import (
     read_prompts,
     require_dir,
 )
+from stages.shared.checks import defaulted_ppo_keys
 from stages.shared.models import check_mixed_precision, is_encoder_decoder, model_context
-from stages.shared.params import Params, defaulted_ppo_keys
+from stages.shared.params import Params
 from stages.shared.runtime import Progress, StageError, note, process_state
 from stages.shared.scoring import judge_functions
 

@@ -15,12 +15,11 @@ import torch
 
 from ppo_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOTrainer
 from ppo_core.config import PPOConfig
-from ppo_core.runtime.utils import moved
 from stages.ppo.tables import gather_columns, rollout_table
 from stages.shared.artifacts import PPO_CHECKPOINTS, SFT_MODEL, loading
 from stages.shared.models import lora_config
 from stages.shared.params import Params
-from stages.shared.runtime import StageError, warning
+from stages.shared.runtime import StageError, to_host, warning
 from stages.shared.scoring import build_scorer, reward_adapter, scored, scorer_texts
 from stages.shared.synthetic import gold_score
 
@@ -67,7 +66,7 @@ def one_step(loop: Loop, step: int, idx: list[int], params: Params, root: Path) 
     # 1. rollout
     started = time.perf_counter()
     response_tensors = trainer.generate(query_tensors, batch_size=len(idx), return_prompt=False, **loop.generation)
-    response_ids = moved(response_tensors, "cpu")  # to the host in one copy (one per response: a sync each)
+    response_ids = to_host(response_tensors)  # in one copy (one per response: a sync each)
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     generated = time.perf_counter()
     # 2. score

@@ -50,7 +50,7 @@ def heldout_row(loop, prompts, judges: dict, params: Params, step: int) -> dict[
         responses = trainer.generate(query_tensors, batch_size=len(query_tensors), return_prompt=False,
                                      **loop.generation)
         logprobs, _, _, masks = trainer.batched_forward_pass(trainer.model, query_tensors, responses)
-        with reference(trainer) as ref_model:
+        with trainer.reference_policy() as ref_model:
             ref_logprobs, _, _, _ = trainer.batched_forward_pass(ref_model, query_tensors, responses)
     texts = tokenizer.batch_decode([r.cpu() for r in responses], skip_special_tokens=True)
     at = f"the held-out evaluation at step {step + 1}"
@@ -61,16 +61,6 @@ def heldout_row(loop, prompts, judges: dict, params: Params, step: int) -> dict[
     row["kl"] = float(((logprobs - ref_logprobs) * masks).sum(-1).mean())
     row["length"] = float(np.mean([len(r) for r in responses]))
     return row
-
-
-@contextlib.contextmanager
-def reference(trainer):
-    """The trainer's reference policy: its frozen copy, or for a PEFT policy the policy with its adapters off."""
-    if trainer.ref_model is not None:
-        yield trainer.ref_model
-        return
-    with trainer.optional_peft_ctx():
-        yield trainer.model
 
 
 def is_due(step: int, total: int, watch: WatchParams) -> bool:

@@ -22,15 +22,13 @@ from pathlib import Path
 import pandas as pd
 
 from stages.report.html import page
+from stages.report.samples import extremes, score_header, side_by_side
 from stages.report.sections import (
     charts,
     evaluation_table,
-    extremes,
     heldout_charts,
     models,
     params_diff,
-    score_header,
-    side_by_side,
     time_chart,
     watched,
 )

@@ -25,7 +25,6 @@ from stages.shared.artifacts import (
     atomic_path,
     policy_means,
     read_json,
-    read_table,
     sha256_file,
 )
 from stages.shared.params import MIN_TEXTS_FROM_SCRATCH, Params
@@ -143,33 +142,6 @@ def time_chart(root: Path) -> str:
                "results executed; a run restored from DVC's cache has no timings)")
     return (f'<div class="charts" id="{TIMINGS_ID}"><img src="{os.path.relpath(image, REPORT.parent)}" '
             f'width="380" alt="{html.escape(missing)}"></div>')
-
-
-def score_header(scorer) -> str:
-    """The samples' score column: "RM score" (the reward model, abbreviated), else the scorer's title and "score"."""
-    return "RM score" if scorer.source == "reward_model" else f"{scorer.title} score"
-
-
-def side_by_side(samples: pd.DataFrame, score: str, n: int = 8, judges: list[str] = ()) -> str:
-    """The first ``n`` held-out prompts answered by both policies, with the scorer's score and each named judge's."""
-    sft, ppo = (samples[samples["policy"] == p].reset_index(drop=True).head(n) for p in ("sft", "ppo"))
-    columns = ["score", *judges]
-    rows = [[s["query"], s["response"], *(float(s[c]) for c in columns), p["response"], *(float(p[c]) for c in columns)]
-            for (_, s), (_, p) in zip(sft.iterrows(), ppo.iterrows())]
-    header = [score, *judges]
-    return table(rows, ["prompt", "SFT response", *header, "PPO response", *header])
-
-
-def extremes(rollouts_dir: Path, curves: pd.DataFrame, n: int = 3) -> str:
-    """The ``n`` highest- and lowest-scoring rollouts of the first and the last step."""
-    out = []
-    for step in sorted({int(curves["step"].min()), int(curves["step"].max())}):
-        rollouts = read_table(rollouts_dir / f"step-{step:05d}.parquet", ["query", "response", "score"])
-        ranked = rollouts.sort_values("score", ascending=False, kind="stable")
-        rows = [["best", r["query"], r["response"], float(r["score"])] for _, r in ranked.head(n).iterrows()]
-        rows += [["worst", r["query"], r["response"], float(r["score"])] for _, r in ranked.tail(n).iterrows()]
-        out.append(f"<p>Step {step}</p>" + table(rows, ["rank", "prompt", "response", "score"]))
-    return "".join(out)
 
 
 def models(root: Path) -> str:

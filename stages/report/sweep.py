@@ -58,9 +58,9 @@ WORKSPACE_BASELINE = "workspace (this machine's run of main's params)"
 
 
 def stands_in(workspace: dict | None, baseline: dict) -> bool:
-    """Whether the workspace's results stand in for the baseline's on the page: main's results are in no DVC cache
-    here (this machine's float kernels computed other bytes than main's lock: README, "Same inputs, same bytes"),
-    the workspace has some, and (checked by the caller) it ran with main's params."""
+    """Whether the workspace's results stand in for the baseline's on the page: main's results are in no DVC cache here
+    (this machine's float kernels computed other bytes than main's lock: docs/reproducibility.md, "Same inputs, same
+    bytes"), the workspace has some, and (checked by the caller) it ran with main's params."""
     has_results = lambda row: any(isinstance(row.get(key), (int, float)) for key in METRICS)  # noqa: E731 ("!": none)
     return workspace is not None and not has_results(baseline) and has_results(workspace)
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stages.shared.artifacts import loading, require_dir
-from stages.shared.runtime import StageError, device, reason
+from stages.shared.runtime import StageError, device, reason, tf32_arg, to_host
 
 # Notices about what the stages do on purpose, a line or two each at every LoRA run: peft saves the embeddings of a
 # model whose vocabulary sft grew (a pad token apart from EOS) with each adapter, and reads transformers' deprecated
@@ -90,9 +90,10 @@ def check_mixed_precision(params) -> None:
                          "on a CPU the run would compute in float32 (the same as null); set bf16 or null")
 
 
-def autocast_args(mixed_precision: str | None) -> dict[str, bool]:
-    """`TrainingArguments`' autocast flags for `model.mixed_precision` (float32 weights, bf16 or fp16 compute)."""
-    return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16"}
+def precision_args(mixed_precision: str | None) -> dict[str, bool | None]:
+    """`TrainingArguments`' precision for `model.mixed_precision`: its autocast flags (float32 weights, bf16 or fp16
+    compute) and TF32 matmuls on GPUs that have them (`tf32` None elsewhere: torch's setting)."""
+    return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16", "tf32": tf32_arg()}
 
 
 def lora_config(spec, task_type: str):
@@ -173,3 +174,30 @@ def at_last_token(per_token, input_ids, pad_token_id: int):
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
     last = (positions * (input_ids != pad_token_id).int()).argmax(-1)  # (B,)
     return per_token[torch.arange(len(input_ids), device=per_token.device), last.to(per_token.device)]
+
+
+def sample_responses(model, tokenizer, query_ids: list[list[int]], generation: dict, batch_size: int,
+           desc: str) -> list[list[int]]:
+    """Sampled response tokens per query, ``batch_size`` at a time, each cut after its first EOS (kept): ppo_core's
+    generation, as in the PPO rollouts, with transformers' own sampling draws."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from ppo_core.models.generation import generate_batched
+
+    out = []
+    for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch", disable=None):  # a terminal only
+        queries = [torch.tensor(q) for q in query_ids[start:start + batch_size]]
+        responses = generate_batched(model, tokenizer, queries, model.device, None, len(queries), False, generation,
+                                     model.config.is_encoder_decoder, fast_sampling=False)
+        out += [r.tolist() for r in to_host(responses)]
+    return out
+
+
+def save_adapter(model, folder: Path) -> None:
+    """A PEFT model's adapter (and any modules saved with it) to ``folder``, its config's lists in a fixed order
+    (peft writes target_modules in hash order, which would change the bytes from run to run)."""
+    from ppo_core.models.adapters import canonical_adapter_configs
+
+    model.save_pretrained(folder)
+    canonical_adapter_configs(str(folder))

@@ -15,8 +15,8 @@ sums by the number of threads. Each choice rounds differently.
   vendor-dependent even there, MKL's `sqrt` (VML: its result differs in the last bit between vendors, checked against
   a CPU that reports itself as an Intel one under QEMU), which the non-fused AdamW takes for its denominator: the
   training stages use torch's fused AdamW, whose `sqrt` is the CPU instruction (exact on every CPU).
-- **native**: the kernels the CPU picks, and torch's thread count: faster (README, "Same inputs, same bytes"), with
-  bytes that only a machine picking the same kernels reproduces.
+- **native**: the kernels the CPU picks, and torch's thread count: faster (docs/reproducibility.md, "Same inputs, same
+  bytes"), with bytes that only a machine picking the same kernels reproduces.
 
 GPUs have no such mode: cuBLAS and cuDNN pick kernels by shape and card, and some kernels add in no fixed order.
 """

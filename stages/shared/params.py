@@ -22,7 +22,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from ppo_core.algo.registry import get_estimator
-from ppo_core.fields import ConfigError, check_keys, check_range, checked
+from ppo_core.fields import ConfigError, check_keys, checked
 from stages.shared.runtime import ParamsError
 
 if TYPE_CHECKING:
@@ -33,17 +33,6 @@ MIN_TEXTS_FROM_SCRATCH = 500  # SFT texts below which a model trained from scrat
 # report say so)
 # Each dataset's columns (what data.<name>.columns maps to the source's; synthetic data makes them itself).
 COLUMNS = {"sft": ("text",), "pairs": ("prompt", "chosen", "rejected"), "prompts": ("query",)}
-# Legacy PPOConfig fields that only label a run: the pipeline decides what they name, so a value of a user's own
-# would read as if it acted. Each: the artifact the ppo stage reads, the param that picks what it holds (a label
-# naming either is right), and what the stage does.
-PIPELINE_LABELS = {
-    "model_name": ("data/models/sft", "model.name_or_path", "starts from the sft stage's model (model.name_or_path "
-                   "picks what sft starts from)"),
-    "reward_model": ("data/models/reward", "scorer.name", "scores with scorer.source (its reward model is the "
-                     "reward stage's)"),
-    "query_dataset": ("data/tokenized/train.parquet", "data.prompts.source", "draws its prompts from the tokenize "
-                      "stage's (data.prompts.source picks them)"),
-}
 
 
 @dataclass(frozen=True)
@@ -214,7 +203,8 @@ class EvaluateParams:
 @dataclass(frozen=True)
 class AlertParams:
     """The run doctor's limits, checked on every ppo step (stages/ppo/watch.py); each crossed is an alert. The defaults
-    leave the default run quiet and fire on its 100x learning rate at the first steps (README, "Watching a run")."""
+    leave the default run quiet and fire on its 100x learning rate at the first steps (docs/pipeline.md, "Watching a
+    run")."""
 
     entropy_ratio: float
     """The responses' entropy (sum over tokens) below this share of the first step's: the policy collapses onto a few
@@ -336,7 +326,9 @@ class Params:
         `ppo.seed: null` is the top-level seed, `ppo.max_completion_length: null` generation.max_new_tokens (DAPO's
         L_max: the responses' length limit), and model.mixed_precision accelerate's `mixed_precision`. The fields
         PPOConfig derives (`DERIVED`) are refused: the trainer would overwrite them. A ParamsError names the file."""
-        return _build_ppo_config(self)
+        from stages.shared.checks import ppo_config  # the checks read these dataclasses
+
+        return ppo_config(self)
 
 
 def load_params(path: str | Path) -> Params:
@@ -353,7 +345,9 @@ def load_params(path: str | Path) -> Params:
     try:
         check_keys(raw, SECTIONS, required=True)
         params = Params(path=path, **{name: checked(raw[name], tp, name) for name, tp in SECTIONS.items()})
-        _check_values(params)
+        from stages.shared.checks import check_values  # the checks read these dataclasses
+
+        check_values(params)
     except ConfigError as err:
         hint = ""
         if err.key == "scorer.source" and ":" in str(raw.get("scorer", {}).get("source", "")):
@@ -366,140 +360,3 @@ def load_params(path: str | Path) -> Params:
                           "of each prompt: greedy decoding makes them identical (every advantage 0); set "
                           "generation.do_sample: true")
     return params
-
-
-def defaulted_ppo_keys(params: Params) -> dict[str, Any]:
-    """The `ppo` keys the file leaves out, each with the PPOConfig default the run takes instead (the keys the
-    pipeline fills itself, and the derived ones, aside)."""
-    from ppo_core.config import SETTABLE
-
-    filled = {"seed", "max_completion_length", *PIPELINE_LABELS}
-    config = params.ppo_config
-    return {key: getattr(config, key) for key in SETTABLE if key not in params.ppo and key not in filled}
-
-
-def _build_ppo_config(params: Params) -> PPOConfig:
-    """`Params.ppo_config`'s value (see there)."""
-    from ppo_core.config import DERIVED, PPOConfig
-
-    derived = next((key for key in params.ppo if key in DERIVED), None)
-    if derived is not None:
-        raise ParamsError(f"{params.path}: ppo.{derived} is derived ({DERIVED[derived]}), not set; remove it")
-    kwargs = dict(params.ppo)
-    for key, (path, picker, what) in PIPELINE_LABELS.items():
-        given, picked = kwargs.get(key), functools.reduce(getattr, picker.split("."), params)
-        if given is None:
-            kwargs[key] = path
-        elif str(given) not in (path, str(picked)):
-            raise ParamsError(f"{params.path}: ppo.{key} is {given!r}, but the ppo stage {what}; remove ppo.{key} "
-                              f"or set it to {path}")
-    if kwargs.get("seed") is None:
-        kwargs["seed"] = params.seed
-    if kwargs.get("max_completion_length") is None:
-        kwargs["max_completion_length"] = params.generation.max_new_tokens
-    precision = params.model.mixed_precision
-    if precision is not None:  # accelerate's autocast, as the legacy accelerator_kwargs would ask it
-        given = (kwargs.get("accelerator_kwargs") or {}).get("mixed_precision", precision)
-        if given != precision:
-            raise ParamsError(f"{params.path}: ppo.accelerator_kwargs.mixed_precision ({given}) differs from "
-                              f"model.mixed_precision ({precision}); set one of them")
-        kwargs["accelerator_kwargs"] = {**(kwargs.get("accelerator_kwargs") or {}), "mixed_precision": precision}
-    try:
-        return PPOConfig(**kwargs)
-    except ConfigError as err:
-        raise ParamsError(f"{params.path}: {err.message('ppo.')}") from None
-
-
-def _check_values(p: Params) -> None:
-    """Range and cross-section checks, done once at load (a ConfigError names the first that fails)."""
-    check_range("seed", p.seed, ">= 0", p.seed >= 0)  # before the ppo section, whose seed defaults to it
-    positive = {
-        "model.vocab_size": p.model.vocab_size, "model.n_layer": p.model.n_layer, "model.n_head": p.model.n_head,
-        "model.n_embd": p.model.n_embd, "model.n_positions": p.model.n_positions,
-        "sft.learning_rate": p.sft.learning_rate, "sft.num_train_epochs": p.sft.num_train_epochs,
-        "sft.batch_size": p.sft.batch_size, "sft.max_length": p.sft.max_length,
-        "reward.learning_rate": p.reward.learning_rate, "reward.num_train_epochs": p.reward.num_train_epochs,
-        "reward.batch_size": p.reward.batch_size, "reward.max_length": p.reward.max_length,
-        "tokenize.max_query_tokens": p.tokenize.max_query_tokens, "scorer.batch_size": p.scorer.batch_size,
-        "generation.max_new_tokens": p.generation.max_new_tokens, "evaluate.batch_size": p.evaluate.batch_size,
-    }
-    for key, value in positive.items():
-        check_range(key, value, "> 0", value > 0)
-    lora = p.model.lora
-    checks = [  # (key, value, what it must be, whether it is)
-        ("data.n_eval_prompts", p.data.n_eval_prompts, ">= 1", p.data.n_eval_prompts >= 1),
-        *((f"data.{name}.n", spec.n, "null or >= 1", spec.n is None or spec.n >= 1)
-          for name, spec in (("sft", p.data.sft), ("pairs", p.data.pairs), ("prompts", p.data.prompts))),
-        ("sft.eval_fraction", p.sft.eval_fraction, "in (0, 1)", 0 < p.sft.eval_fraction < 1),
-        ("reward.eval_fraction", p.reward.eval_fraction, "in (0, 1)", 0 < p.reward.eval_fraction < 1),
-        ("sft.warmup_ratio", p.sft.warmup_ratio, "in [0, 1)", 0 <= p.sft.warmup_ratio < 1),
-        ("reward.warmup_ratio", p.reward.warmup_ratio, "in [0, 1)", 0 <= p.reward.warmup_ratio < 1),
-        ("tokenize.min_query_tokens", p.tokenize.min_query_tokens, ">= 1", p.tokenize.min_query_tokens >= 1),
-        ("tokenize.min_query_tokens", p.tokenize.min_query_tokens, "<= tokenize.max_query_tokens",
-         p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens),
-        *generation_checks(p.generation),
-        ("scorer.name", p.scorer.name, f"set for scorer.source {p.scorer.source}",
-         p.scorer.source == "reward_model" or bool(p.scorer.name)),
-        ("scorer.name", p.scorer.name, "null with scorer.source reward_model (the reward stage's model scores; a "
-         "function goes with scorer.source: callable, a classifier with pipeline)",
-         p.scorer.source != "reward_model" or p.scorer.name is None),
-        *((f"data.{name}.columns", spec.columns, f"{{{', '.join(f'{c}: {c}' for c in COLUMNS[name])}}} with "
-           f"data.{name}.source {SYNTHETIC} (it makes its own columns)",
-           spec.source != SYNTHETIC or spec.columns == {c: c for c in COLUMNS[name]})
-          for name, spec in (("sft", p.data.sft), ("pairs", p.data.pairs), ("prompts", p.data.prompts))),
-        ("evaluate.n_prompts", p.evaluate.n_prompts, "null or >= 1",
-         p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1),
-        *((f"evaluate.judges.{name}", value, "a 'module:function'", ":" in value and value.partition(":")[2] != "")
-          for name, value in p.evaluate.judges.items()),
-        *((f"evaluate.judges.{name}", name, f"a name other than {list(RESERVED_METRICS)} (metric names of their own)",
-           name not in RESERVED_METRICS) for name in p.evaluate.judges),
-        ("model.lora.r", lora and lora.r, ">= 1", lora is None or lora.r >= 1),
-        ("model.lora.alpha", lora and lora.alpha, "> 0", lora is None or lora.alpha > 0),
-        ("model.lora.dropout", lora and lora.dropout, "in [0, 1)", lora is None or 0 <= lora.dropout < 1),
-        ("watch.eval_every", p.watch.eval_every, ">= 0 (0: no held-out evaluation)", p.watch.eval_every >= 0),
-        ("watch.eval_prompts", p.watch.eval_prompts, ">= 1", p.watch.eval_prompts >= 1),
-        ("watch.keep", p.watch.keep, "last when watch.eval_every is 0 (best is chosen at a held-out evaluation)",
-         p.watch.keep == "last" or p.watch.eval_every > 0),
-        ("watch.best_by", p.watch.best_by, f"reward, gold{' (synthetic data only)' if not p.data.is_synthetic else ''} "
-         f"or a judge of evaluate.judges ({', '.join(p.evaluate.judges) or 'none'}) with watch.keep: best",
-         p.watch.keep != "best"
-         or p.watch.best_by in ("reward", *(("gold",) if p.data.is_synthetic else ()), *p.evaluate.judges)),
-        ("watch.kl_price", p.watch.kl_price, ">= 0", p.watch.kl_price >= 0),
-        *((f"watch.alerts.{name}", value, "> 0", value > 0) for name, value in vars(p.watch.alerts).items()),
-        ("checkpoint.ppo_every", p.checkpoint.ppo_every, ">= 0 (0: no checkpoints)", p.checkpoint.ppo_every >= 0),
-        ("checkpoint.trainer_every", p.checkpoint.trainer_every, ">= 0 (0: no checkpoints)",
-         p.checkpoint.trainer_every >= 0),
-        ("numerics.threads", p.numerics.threads, "null or >= 1", p.numerics.threads is None or p.numerics.threads >= 1),
-    ]
-    if p.model.name_or_path is None:
-        n_positions = p.model.n_positions
-        checks += [
-            ("model.vocab_size", p.model.vocab_size, f">= {MIN_VOCAB} (the 256 bytes of the byte-level BPE and its "
-             "2 special tokens)", p.model.vocab_size >= MIN_VOCAB),
-            ("model.n_embd", p.model.n_embd, "a multiple of model.n_head", p.model.n_embd % p.model.n_head == 0),
-            ("sft.max_length", p.sft.max_length, f"<= model.n_positions ({n_positions})",
-             p.sft.max_length <= n_positions),
-            ("reward.max_length", p.reward.max_length, f"<= model.n_positions ({n_positions})",
-             p.reward.max_length <= n_positions),
-            ("generation.max_new_tokens", p.generation.max_new_tokens,
-             f"<= model.n_positions - tokenize.max_query_tokens ({n_positions - p.tokenize.max_query_tokens})",
-             p.tokenize.max_query_tokens + p.generation.max_new_tokens <= n_positions),
-        ]
-    for key, value, expected, ok in checks:
-        check_range(key, value, expected, ok)
-
-
-RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft")  # data/eval/metrics.json's own keys
-MIN_VOCAB = 256 + 2  # a tokenizer trained from scratch: every byte, plus EOS and PAD (stages/sft.py)
-
-
-def generation_checks(g: GenerationParams) -> list[tuple[str, Any, str, bool]]:
-    """The `generation` section's ranges, as transformers' `generate()` would refuse them only after the models
-    load (or, for `top_p` above 1, not at all: it would sample as if 1.0)."""
-    return [
-        ("generation.temperature", g.temperature, "> 0 (sampling divides the logits by it; greedy decoding is "
-         "generation.do_sample: false)", g.temperature > 0),
-        ("generation.top_k", g.top_k, ">= 0 (0: no top-k filtering)", g.top_k >= 0),
-        ("generation.top_p", g.top_p, "in (0, 1] (1.0: no nucleus filtering)", 0 < g.top_p <= 1),
-        ("generation.min_length", g.min_length, ">= -1 (-1: no minimum)", g.min_length >= -1),
-    ]

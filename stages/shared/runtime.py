@@ -204,6 +204,27 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def tf32_on_gpu():
+    """TF32 matmuls on GPUs that have them, for a block (NVIDIA_TF32_OVERRIDE=0 turns it off): ppo_core's switch."""
+    from ppo_core.runtime.utils import tf32_matmuls
+
+    return tf32_matmuls(True, device())
+
+
+def tf32_arg() -> bool | None:
+    """`TrainingArguments`' tf32: True on GPUs that have TF32 matmuls, None (torch's setting) elsewhere."""
+    from ppo_core.runtime.utils import tf32_supported
+
+    return tf32_supported(device()) or None
+
+
+def to_host(tensors: list) -> list:
+    """``tensors`` on the CPU in one copy (one per tensor would be a host sync each on a GPU)."""
+    from ppo_core.runtime.utils import moved
+
+    return moved(tensors, "cpu")
+
+
 class Progress:
     """A stage's progress through its ``total`` steps: a bar on a terminal; elsewhere (a log, CI, `dvc repro` piped)
     one line every ``every`` seconds and at the end, e.g. ``ppo: step 8/24, 12 s, ETA 24 s, reward 0.52, kl 1.31``.

@@ -1,13 +1,13 @@
 """The default pipeline, run as a user runs it on a fresh clone (`make run`: `dvc repro` with params.yaml as committed).
 
 It learns: the reward model ranks held-out pairs well above chance, and the PPO policy beats the SFT policy on the
-reward model and on the gold score it never saw. And it reproduces: the committed dvc.lock is what the run
-produces, so `git status` stays clean, `dvc status` has nothing to do, and `dvc exp show` / `dvc exp diff` compare
-experiments with real baseline metrics. What is hashed must be the same on every machine the guarantee covers
-(README, "Same inputs, same bytes"): the code, params and commands everywhere; the data prepare and tokenize write
-(no floating point) everywhere; the trained models and everything after them where the floating-point kernels are
-those the lock was written with (`stages.shared.numerics.LOCK_KERNELS`: params.yaml's `numerics.kernels: portable`, so
-any x86-64 CPU with AVX2); elsewhere (another architecture, no AVX2) it warns which stages' outputs differ.
+reward model and on the gold score it never saw. And it reproduces: the committed dvc.lock is what the run produces, so
+`git status` stays clean, `dvc status` has nothing to do, and `dvc exp show` / `dvc exp diff` compare experiments with
+real baseline metrics. What is hashed must be the same on every machine the guarantee covers (docs/reproducibility.md,
+"Same inputs, same bytes"): the code, params and commands everywhere; the data prepare and tokenize write (no floating
+point) everywhere; the trained models and everything after them where the floating-point kernels are those the lock was
+written with (`stages.shared.numerics.LOCK_KERNELS`: params.yaml's `numerics.kernels: portable`, so any x86-64 CPU with
+AVX2); elsewhere (another architecture, no AVX2) it warns which stages' outputs differ.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_a_fresh_run_reproduces_the_committed_lock_on_cpu(clone):
     if same_kernels:  # the guarantee covers this machine: every byte, and git sees nothing to commit
         assert run("git", "status", "--porcelain", cwd=clone).stdout == ""
         warnings.warn(f"the committed dvc.lock was reproduced byte for byte on {cpu} ({kernels})")
-    else:  # not covered: say what differs, as evidence for the README's statement
+    else:  # not covered: say what differs, as evidence for docs/reproducibility.md's statement
         different = [s for s in committed["stages"]
                      if lock_entries(produced, s)["outs"] != lock_entries(committed, s)["outs"]]
         warnings.warn(f"{cpu} ({kernels}) computes with other float kernels than the committed lock's "
@@ -113,9 +113,9 @@ def test_a_fresh_run_reproduces_the_committed_lock_on_cpu(clone):
 
 @pytest.mark.slow
 def test_a_ppo_experiment_compares_in_100_columns(clone):
-    """`dvc exp show --only-changed` (the README's command) after a PPO experiment on the default pipeline, where every
-    evaluation metric moves: the param and each metric in a 100-column terminal, none cut off. Runs last: it leaves
-    the experiment applied to the workspace."""
+    """`dvc exp show --only-changed` (docs/sweeps.md's command) after a PPO experiment on the default pipeline, where
+    every evaluation metric moves: the param and each metric in a 100-column terminal, none cut off. Runs last: it
+    leaves the experiment applied to the workspace."""
     dvc("exp", "run", "-S", "ppo.learning_rate=0.0001", cwd=clone)
     header, table = exp_show_header(clone)
     assert header == ["Experiment", "win_rate", "gold", "reward", "kl", "length", "ppo.learning_rate"], table

@@ -282,7 +282,7 @@ def lora_run(checkpoint, tokenizer):
             log_ratios.append(((logprobs - old_logprobs) * mask).detach())  # (b, R)
             return loss(old_logprobs, values, logits, vpreds, logprobs, mask, *args, **kwargs)
 
-        trainer.loss = recording_loss  # a hook step() calls (README)
+        trainer.loss = recording_loss  # a hook step() calls (docs/library.md)
         stats = trainer.step(queries, responses, scores)
     return SimpleNamespace(model=model, before=before, stats=stats, responses=responses, log_ratios=log_ratios)
 

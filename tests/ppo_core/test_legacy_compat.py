@@ -406,7 +406,7 @@ def test_trainer_push_to_hub_and_push_if_best(monkeypatch):
 
 def test_every_legacy_method_is_there():
     """Every method of trl 0.11.4's PPOTrainer (and of its BaseTrainer and PyTorchModelHubMixin that users call) but
-    those the README lists as dropped (``_show_tokens``; ``from_pretrained``, which builds no trainer)."""
+    those docs/library.md lists as dropped (``_show_tokens``; ``from_pretrained``, which builds no trainer)."""
     legacy = ["__init__", "_filter_kwargs", "prepare_dataloader", "_set_signature_columns_if_needed",
               "_remove_unused_columns", "generate", "_generate_batched", "_step_safety_checker", "step", "_early_stop",
               "gather_stats", "prepare_model_inputs", "batched_forward_pass", "train_minibatch", "compute_rewards",

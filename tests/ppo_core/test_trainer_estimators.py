@@ -221,8 +221,8 @@ def test_a_kl_with_coefficient_0_skips_the_reference_pass_and_changes_nothing_el
     skipping, forced = make_trainer(estimator, **options), make_trainer(estimator, **options)
     forced._reference_in_use = lambda: True  # the same trainer, made to run the reference pass
     calls = []
-    reference = skipping._reference
-    skipping._reference = lambda: calls.append(1) or reference()
+    reference = skipping.reference_policy
+    skipping.reference_policy = lambda: calls.append(1) or reference()
     batch = rollout(skipping, 0, 4)
     stats, forced_stats = skipping.step(*batch), forced.step(*batch)
     assert calls == []  # the reference model never ran

@@ -1,5 +1,5 @@
 """stages/shared/models.py, what the sft and reward stages share: float32 weights trained and saved from a bf16
-checkpoint (``load_float32``), their Trainer's mixed-precision arguments (``autocast_args``) and, built beside them in
+checkpoint (``load_float32``), their Trainer's mixed-precision arguments (``precision_args``) and, built beside them in
 each stage's ``training_args``, its TF32 one."""
 
 from __future__ import annotations
@@ -46,18 +46,19 @@ def test_sft_and_reward_ask_transformers_for_tf32_only_on_gpus_that_have_it(tiny
     for stage in (sft, reward):
         monkeypatch.setattr(stage, "TrainingArguments", lambda **kwargs: kwargs)
         assert stage.training_args(tiny_params, tmp_path)["tf32"] is None  # this CPU
-        monkeypatch.setattr(stage, "tf32_supported", lambda device: True)
+    monkeypatch.setattr("ppo_core.runtime.utils.tf32_supported", lambda device: True)  # what stages.shared.runtime asks
+    for stage in (sft, reward):
         assert stage.training_args(tiny_params, tmp_path)["tf32"] is True
 
 
 def test_mixed_precision_is_the_trainers_autocast(tiny_params, tmp_path, monkeypatch):
     """model.mixed_precision: sft and reward train float32 weights under transformers' bf16 or fp16 autocast."""
     from stages import reward
-    from stages.shared.models import autocast_args
+    from stages.shared.models import precision_args
 
-    assert autocast_args(None) == {"bf16": False, "fp16": False}
-    assert autocast_args("bf16") == {"bf16": True, "fp16": False}
-    assert autocast_args("fp16") == {"bf16": False, "fp16": True}
+    assert precision_args(None) == {"bf16": False, "fp16": False, "tf32": None}  # no TF32 on a CPU
+    assert precision_args("bf16") == {"bf16": True, "fp16": False, "tf32": None}
+    assert precision_args("fp16") == {"bf16": False, "fp16": True, "tf32": None}
     for stage in (sft, reward):
         monkeypatch.setattr(stage, "TrainingArguments", lambda **kwargs: kwargs)
         for precision in (None, "bf16", "fp16"):

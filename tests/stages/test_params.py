@@ -196,7 +196,7 @@ def test_an_unknown_ppo_key_suggests_and_lists_only_keys_a_user_may_set(tmp_path
 
 def test_ppo_keys_left_out_are_named_once_with_the_defaults_they_take(tmp_path, capsys):
     from stages.ppo import note_defaulted_keys
-    from stages.shared.params import defaulted_ppo_keys
+    from stages.shared.checks import defaulted_ppo_keys
 
     path = write_params(tmp_path, lambda p: (p["ppo"].pop("batch_size"), p["ppo"].pop("ppo_epochs")))
     params = load_params(path)

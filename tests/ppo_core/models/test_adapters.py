@@ -101,7 +101,8 @@ def test_the_reference_is_the_adapter_disabled_policy_without_a_copy(run):
 
     queries, responses = mixed_batch()
     inputs = build_model_inputs(queries, responses, PAD)
-    old, ref = rollout_passes(trainer.model, trainer._reference, inputs, 4, trainer._forward_precision)  # as step()
+    old, ref = rollout_passes(trainer.model, trainer.reference_policy, inputs, 4,
+                              trainer._forward_precision)  # as step()
     with torch.no_grad():
         expected = policy_outputs(run.base, inputs).logprobs  # the untouched base model
     torch.testing.assert_close(ref.logprobs, expected, atol=1e-6, rtol=0)

@@ -59,3 +59,35 @@ def test_a_rollout_mini_batch_is_every_tensor_sliced_by_hand():
         assert got is given is None or torch.equal(got, given[idx])
     for name in ("mask", "old_logprobs", "old_values", "ref_logprobs", "advantages", "returns"):
         assert torch.equal(getattr(mb, name), getattr(rollout, name)[idx][:, :cut]), name
+
+
+def test_response_logprobs_is_the_public_scoring_pass_of_any_lm():
+    """``ppo_core.response_logprobs``: each response token's log-probability under the full-vocabulary softmax of the
+    model's own logits, 0 past a response's end, the same from a plain LM and from its value-head model, and without a
+    draw from the global RNG (the wrapper's value head is made in a forked stream); an encoder-decoder scores the
+    response after the decoder start token."""
+    from ppo_core import AutoModelForCausalLMWithValueHead, response_logprobs
+    from tests.tiny import random_queries, tiny_causal_lm, tiny_seq2seq_lm
+
+    lm = tiny_causal_lm("llama").eval()
+    queries, responses = random_queries(3, seed=1), random_queries(3, seed=2, min_len=1, max_len=4)
+    state = torch.random.get_rng_state()
+    got = response_logprobs(lm, queries, responses)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert got.shape == (3, max(len(r) for r in responses))
+    for row, q, r in zip(got, queries, responses):
+        with torch.no_grad():
+            logits = lm(torch.cat([q, r])[None]).logits[0, len(q) - 1:-1]
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, r[:, None])[:, 0]
+        torch.testing.assert_close(row[:len(r)], expected, rtol=1e-5, atol=1e-5)
+        assert (row[len(r):] == 0).all()
+    torch.testing.assert_close(response_logprobs(AutoModelForCausalLMWithValueHead(lm), queries, responses), got)
+
+    t5 = tiny_seq2seq_lm("t5").eval()
+    got = response_logprobs(t5, queries, responses)
+    for row, q, r in zip(got, queries, responses):
+        start = torch.tensor([t5.config.decoder_start_token_id])
+        with torch.no_grad():
+            logits = t5(input_ids=q[None], decoder_input_ids=torch.cat([start, r])[None]).logits[0, :-1]
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, r[:, None])[:, 0]
+        torch.testing.assert_close(row[:len(r)], expected, rtol=1e-5, atol=1e-5)
