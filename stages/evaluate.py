@@ -81,7 +81,7 @@ def compare_policies(params: Params, root: Path) -> str:
             kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
                              logprob_sums(policies["sft"], query_ids, response_ids, bs))
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
-                "score": scores_of(score, scorer_texts(params, queries, responses), params, name),
+                "score": scores_of(score, scorer_texts(params.scorer, queries, responses), params, name),
                 "kl_to_sft": kl.tolist(),
                 "response_tokens": [len(r) for r in response_ids]}
         for judge, fn in judges.items():
@@ -108,7 +108,8 @@ def scores_of(score, texts: list[str], params: Params, policy: str, who: str | N
     out, size = [], params.evaluate.batch_size
     for start in range(0, len(texts), size):
         batch = texts[start:start + size]
-        out += scored(score, batch, params, f"the {policy} policy's samples {start + 1}-{start + len(batch)}", who)
+        at = f"the {policy} policy's samples {start + 1}-{start + len(batch)}"
+        out += scored(score, batch, params.scorer, at, who)
     return out
 
 

@@ -67,11 +67,11 @@ def run(params: Params, root: Path = Path(".")) -> str:
     warned_flat = False
     for step in range(start, total):
         idx = next(batches)[rank * sizes.batch_size:(rank + 1) * sizes.batch_size]  # this process's share
-        stats, rollouts = one_step(loop, step, idx, params, root)
+        stats, rollouts = one_step(loop, step, idx, root)
         tables.append(step, stats, rollouts["score"], rollouts.get("gold"))  # time/*: timings.csv
         progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
         warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.resolved.dynamic_sampling)
-        stop = watch_step(loop, step, total, stats, rollouts, tables, heldout, judges, params, root, main)
+        stop = watch_step(loop, step, total, stats, rollouts, tables, heldout, judges, params.watch, root, main)
         if main:  # only the main process writes
             record(root, step, rollouts, tables)
         every = params.checkpoint.ppo_every

@@ -18,7 +18,7 @@ from ppo_core.config import PPOConfig
 from stages.ppo.tables import gather_columns, rollout_table
 from stages.shared.artifacts import PPO_CHECKPOINTS, SFT_MODEL, loading
 from stages.shared.models import lora_config
-from stages.shared.params import Params
+from stages.shared.params import Params, ScorerParams
 from stages.shared.runtime import StageError, to_host, warning
 from stages.shared.scoring import build_scorer, reward_adapter, scored, scorer_texts
 from stages.shared.synthetic import gold_score
@@ -26,14 +26,18 @@ from stages.shared.synthetic import gold_score
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    """What every step of the loop uses, built once: the trainer (policy, reference, optimiser), the scorer, the
-    tokenizer, generate()'s keyword arguments and the tokenized prompts."""
+    """What every step of the loop uses, built once from the params: the trainer (policy, reference, optimiser), the
+    scorer and its params section, the tokenizer, generate()'s keyword arguments, the tokenized prompts, whether the
+    gold score is known (synthetic data) and the run's seed."""
 
     trainer: PPOTrainer
     score: Callable[[list[str]], list[float]]
+    scorer: ScorerParams
     tokenizer: Any
     generation: dict[str, Any]
     prompts: Any  # the DataFrame of data/tokenized/train.parquet: query, input_ids
+    gold: bool
+    seed: int
 
 
 def build_loop(params: Params, config: PPOConfig, prompts, tokenizer, seq2seq: bool, root: Path) -> Loop:
@@ -54,10 +58,10 @@ def build_loop(params: Params, config: PPOConfig, prompts, tokenizer, seq2seq: b
         trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
-    return Loop(trainer, score, tokenizer, generation, prompts)
+    return Loop(trainer, score, params.scorer, tokenizer, generation, prompts, params.data.is_synthetic, params.seed)
 
 
-def one_step(loop: Loop, step: int, idx: list[int], params: Params, root: Path) -> tuple[dict, dict[str, list]]:
+def one_step(loop: Loop, step: int, idx: list[int], root: Path) -> tuple[dict, dict[str, list]]:
     """One step of the seed's loop on this process's prompts ``idx``: generate, score, optimise. Returns the step's
     stats (with the wall-clock seconds of generating and scoring as ``time/*``) and every process's rollouts."""
     trainer, tokenizer = loop.trainer, loop.tokenizer
@@ -71,7 +75,7 @@ def one_step(loop: Loop, step: int, idx: list[int], params: Params, root: Path) 
     generated = time.perf_counter()
     # 2. score
     texts = [q + r for q, r in zip(queries, responses)]
-    scores = scored(loop.score, scorer_texts(params, queries, responses), params, f"PPO step {step + 1}")
+    scores = scored(loop.score, scorer_texts(loop.scorer, queries, responses), loop.scorer, f"PPO step {step + 1}")
     seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
     # 3. optimise
     try:
@@ -81,7 +85,7 @@ def one_step(loop: Loop, step: int, idx: list[int], params: Params, root: Path) 
                          f"{root / PPO_CHECKPOINTS} (if any) is intact: a rerun resumes from it once that is "
                          "changed") from None
     # 4. every process's rollouts, in process order (as step() gathers its per-sample stats, the KL among them)
-    gold = [gold_score(t) for t in texts] if params.data.is_synthetic else None
+    gold = [gold_score(t) for t in texts] if loop.gold else None
     gathered = gather_columns({
         "step": [step] * len(idx), "query": queries, "response": responses, "score": scores,
         "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_ids],

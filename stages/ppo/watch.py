@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from stages.ppo.checkpoints import save_best
-from stages.shared.params import AlertParams, Params, WatchParams
+from stages.shared.params import AlertParams, WatchParams
 from stages.shared.runtime import warning
 from stages.shared.scoring import scored, scorer_texts
 
@@ -39,14 +39,14 @@ def own_random_stream(seed: int) -> Iterator[None]:
         yield
 
 
-def heldout_row(loop, prompts, judges: dict, params: Params, step: int) -> dict[str, float]:
+def heldout_row(loop, prompts, judges: dict, step: int) -> dict[str, float]:
     """One held-out evaluation of the current policy at ``step`` (0-based, after its update): the scorer's mean
     (``reward``), each judge's (``gold`` first), the mean KL to the SFT policy over the samples (``kl``, summed over
     their tokens) and their mean length in tokens. Every process computes it alike (the policy is the same on all)."""
     trainer, tokenizer = loop.trainer, loop.tokenizer
     queries = prompts["query"].tolist()
     query_tensors = [torch.tensor(ids) for ids in prompts["input_ids"]]
-    with own_random_stream(params.seed + EVAL_SEED_OFFSET), torch.no_grad():
+    with own_random_stream(loop.seed + EVAL_SEED_OFFSET), torch.no_grad():
         responses = trainer.generate(query_tensors, batch_size=len(query_tensors), return_prompt=False,
                                      **loop.generation)
         logprobs, _, _, masks = trainer.batched_forward_pass(trainer.model, query_tensors, responses)
@@ -56,8 +56,9 @@ def heldout_row(loop, prompts, judges: dict, params: Params, step: int) -> dict[
     at = f"the held-out evaluation at step {step + 1}"
     row = {"step": step}
     for name, judge in judges.items():
-        row[name] = float(np.mean(scored(judge, [q + t for q, t in zip(queries, texts)], params, at, f"judge {name}")))
-    row["reward"] = float(np.mean(scored(loop.score, scorer_texts(params, queries, texts), params, at)))
+        row[name] = float(np.mean(scored(judge, [q + t for q, t in zip(queries, texts)], loop.scorer, at,
+                                         f"judge {name}")))
+    row["reward"] = float(np.mean(scored(loop.score, scorer_texts(loop.scorer, queries, texts), loop.scorer, at)))
     row["kl"] = float(((logprobs - ref_logprobs) * masks).sum(-1).mean())
     row["length"] = float(np.mean([len(r) for r in responses]))
     return row
@@ -74,11 +75,10 @@ def ranking(row: dict[str, float], watch: WatchParams) -> float:
 
 
 def watch_step(loop, step: int, total: int, stats: dict, rollouts: dict, tables, heldout, judges: dict,
-               params: Params, root, main: bool) -> bool:
+               watch: WatchParams, root, main: bool) -> bool:
     """After a recorded step: the doctor's checks (each alert a `warning:` line and a row of ``tables.alerts``), then
     the held-out evaluation when due (a row of ``tables.evals``; with keep: best, a better policy saved as the run's
     best). Returns whether the run stops here (an alert, with watch.on_alert: stop; the stop is evaluated too)."""
-    watch = params.watch
     now = health(tables.curves[-1], stats, rollouts["ends_with_eos"])
     tables.first_health = tables.first_health or now
     found = diagnose(now, tables.first_health, watch.alerts)
@@ -89,7 +89,7 @@ def watch_step(loop, step: int, total: int, stats: dict, rollouts: dict, tables,
     stop = bool(found) and watch.on_alert == "stop"
     started = time.perf_counter()
     if heldout is not None and (is_due(step, total, watch) or stop):
-        row = heldout_row(loop, heldout, judges, params, step)
+        row = heldout_row(loop, heldout, judges, step)
         tables.evals.append(row)
         if watch.keep == "best" and (tables.best is None or ranking(row, watch) > tables.best["value"]):
             save_best(loop.trainer, root, step, loop.tokenizer)

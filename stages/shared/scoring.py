@@ -22,7 +22,7 @@ from transformers import pipeline
 
 from stages.shared.artifacts import REWARD_ADAPTER, REWARD_MODEL
 from stages.shared.models import load_reward_model, reward_scores
-from stages.shared.params import Params
+from stages.shared.params import Params, ScorerParams
 from stages.shared.runtime import StageError, device, reason, untracked_hint
 from stages.shared.synthetic import gold_score
 
@@ -124,20 +124,20 @@ def judge_functions(params: Params) -> dict[str, Callable[[list[str]], list[floa
                      for name, spec in params.evaluate.judges.items()}
 
 
-def scorer_texts(params: Params, queries: list[str], responses: list[str]) -> list[str]:
+def scorer_texts(spec: ScorerParams, queries: list[str], responses: list[str]) -> list[str]:
     """What `scorer.input` gives the scorer for each sample: its query and response as one text, or the response."""
-    if params.scorer.input == "response":
+    if spec.input == "response":
         return list(responses)
     return [q + r for q, r in zip(queries, responses)]
 
 
-def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: Params, at: str,
+def scored(score: Callable[[list[str]], list[float]], texts: list[str], spec: ScorerParams, at: str,
            who: str | None = None) -> list[float]:
     """``score(texts)`` checked (see `checked_scores`); an exception the scorer raises becomes one line naming where
     (``at``: "PPO step 3", "the ppo policy's samples 1-100"), the scorer (``who``: by default `scorer`'s, e.g.
     "scorer (callable rewards.example:score)"), the exception and where it was raised (``--debug`` shows the
     traceback)."""
-    who = who or scorer_name(params)
+    who = who or scorer_name(spec)
     try:
         scores = score(texts)
     except StageError:
@@ -147,19 +147,19 @@ def scored(score: Callable[[list[str]], list[float]], texts: list[str], params: 
     except SystemExit as err:  # sys.exit() in a scorer would end the stage without a word
         raise StageError(f"{at}: {who} called sys.exit({err.code!r}){raised_where(err)}; a scorer returns its scores, "
                          "it does not end the process") from err
-    return checked_scores(scores, len(texts), params, at, who)
+    return checked_scores(scores, len(texts), spec, at, who)
 
 
-def scorer_name(params: Params) -> str:
+def scorer_name(spec: ScorerParams) -> str:
     """The scorer in messages: "scorer (reward_model)", "scorer (callable module:function)"."""
-    name = f" {params.scorer.name}" if params.scorer.name else ""
-    return f"scorer ({params.scorer.source}{name})"
+    name = f" {spec.name}" if spec.name else ""
+    return f"scorer ({spec.source}{name})"
 
 
-def checked_scores(scores, n: int, params: Params, at: str, who: str | None = None) -> list[float]:
+def checked_scores(scores, n: int, spec: ScorerParams, at: str, who: str | None = None) -> list[float]:
     """The scorer's output as n finite floats, or a StageError naming where (``at``: "PPO step 3", steps counted from
     1 as `step()`'s errors count them), the scorer (``who``, see `scored`), the text and the value."""
-    where = f"{at}: {who or scorer_name(params)}"
+    where = f"{at}: {who or scorer_name(spec)}"
     try:
         scores = list(scores)
     except TypeError:
