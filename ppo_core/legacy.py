@@ -118,14 +118,10 @@ def overridden_step_hooks(cls: type, cfg: PPOConfig) -> tuple[str, ...]:
     return hooks
 
 
-# Legacy ``step`` called these once per mini-batch: an override (a subclass's method, or one set on an instance) is
-# called in legacy's argument order, with the keywords ppo_core adds only where its signature takes them.
-MINIBATCH_HOOKS = ("train_minibatch", "loss")
-
-
 def overrides(trainer: LegacyMethods, name: str) -> bool:
     """Whether ``trainer.<name>`` is a user's (a subclass's override, or a function set on the instance) rather than
-    :class:`LegacyMethods`' own."""
+    :class:`LegacyMethods`' own. ``step`` calls a user's ``train_minibatch`` or ``loss`` once per mini-batch, as
+    legacy did, in legacy's argument order, with the keywords ppo_core adds only where its signature takes them."""
     method = getattr(trainer, name)
     return getattr(method, "__func__", method) is not getattr(LegacyMethods, name)
 
