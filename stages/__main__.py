@@ -41,9 +41,20 @@ def main() -> None:
     from stages.shared import numerics
 
     numerics.configure_from(numerics.params_path(sys.argv[1:]))
-    from stages.shared.cli import app
+    from stages.shared.cli import INTERRUPTED, app
 
-    app(prog_name="python3 -m stages" if Path(sys.argv[0]).name == "__main__.py" else Path(sys.argv[0]).name)
+    try:
+        app(prog_name="python3 -m stages" if Path(sys.argv[0]).name == "__main__.py" else Path(sys.argv[0]).name)
+    except SystemExit as end:
+        if end.code != INTERRUPTED:
+            raise
+        # Leave now with 130. Not through the interpreter's exit: a KeyboardInterrupt (Ctrl-C, or SIGTERM made one)
+        # that went through code a C extension ran (PyRun_*) leaves CPython set to kill itself with SIGINT at its
+        # exit, whatever the exit code: a job scheduler would read "killed by SIGINT", not 130. The stage cleaned up
+        # in its context managers (temporaries, locks) before SystemExit got here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ Debug = Annotated[bool, typer.Option("--debug", help="On error, show the traceba
 DEFAULT_PARAMS = Path("params.yaml")
 
 
+INTERRUPTED = 130  # the exit status of an interrupted stage: a shell's for Ctrl-C (128 + SIGINT)
+
+
 def _run(stage: str, params_path: Path, debug: bool) -> None:
     start, main = time.perf_counter(), os.environ.get("RANK", "0") == "0"  # under `accelerate launch`: the main one
     Progress.latest = None
@@ -46,7 +49,7 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
             traceback.print_exc()
         elif main:
             typer.echo(f"interrupted: {stage}: {interrupted(stage)}{restore_hint()}", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(INTERRUPTED) from None
     except (StageError, OSError) as err:
         if debug or (isinstance(err, OSError) and err.errno not in UNWRITABLE):
             raise

@@ -109,3 +109,31 @@ def test_version_names_the_project_and_its_key_libraries():
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0
     assert result.output.startswith(f"rlhf {version('rlhf-pipeline')} (torch {version('torch')}, transformers ")
+
+
+ENTRY = '''
+import ctypes, sys
+import stages.shared.cli as cli
+
+def interrupted_in_c(stage, params_path):  # a KeyboardInterrupt raised in code a C extension runs (PyRun_String)
+    run = ctypes.pythonapi.PyRun_String
+    run.restype, run.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+    run(b"raise KeyboardInterrupt", 257, {}, {})  # 257: Py_file_input
+
+cli._run_stage = interrupted_in_c
+from stages.__main__ import main
+sys.argv = ["python3 -m stages", "prepare", "--params", "params.yaml"]
+main()
+'''
+
+
+def test_an_interrupt_exits_130_even_where_a_c_extension_saw_it(tmp_path):
+    """Once a KeyboardInterrupt has gone through code run by PyRun_* (as C extensions run code), CPython started with
+    `-m` kills itself with SIGINT at exit whatever the exit code: `python3 -m stages` still ends with 130, the status
+    a job scheduler reads (the CI saw -2 once: SIGTERM landed in such code)."""
+    (tmp_path / "interrupted_entry.py").write_text(ENTRY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    run = subprocess.run([sys.executable, "-m", "interrupted_entry"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 130, (run.returncode, run.stderr[-2000:])
+    assert run.stderr.startswith("interrupted: prepare: nothing was published") and run.stdout == ""
