@@ -97,7 +97,9 @@ def same(a: list, b: list) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(common.SHAPES))
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=["generate", "static", "cb"], choices=ENGINES,
+                        help="default: the float32/autocast engines (the bf16 copy's are for GPUs: bf16 matmuls on a "
+                             "CPU without native bf16 are emulated and slow)")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds, after one of warmup")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="under bf16 autocast over float32 weights, as ppo_core")
