@@ -204,6 +204,11 @@ class PPOConfig:
     0.2), off without max_completion_length"""
     overlong_penalty_factor: float = 1.0
     """(ppo_core) the overlong penalty at max_completion_length"""
+    rollout_dtype: Literal["bfloat16", "float16"] | None = None
+    """(ppo_core) generate() samples from a copy of the policy in this dtype, synced whenever the policy's weights
+    changed (veRL's rollout.dtype): on a GPU bf16 rollouts without autocast's casts, and with
+    ``cache_implementation="static"`` a compiled decoding step; step()'s log-probs stay the policy's own passes. None:
+    sample from the policy itself. Not under ZeRO-3 (the weights are sharded)"""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -260,7 +260,8 @@ class LegacyMethods:
         if not remove_padding:
             raise ValueError("_generate_batched: remove_padding=False is not supported: each response is cut after "
                              "its first EOS (the EOS kept) and holds no padding; leave remove_padding=True.")
-        return self._sample(model, query_tensors, length_sampler, batch_size, return_prompt, **generation_kwargs)
+        return self._sample(*self._sampling(model), query_tensors, length_sampler, batch_size, return_prompt,
+                            **generation_kwargs)
 
     def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
         """Validate lengths, types and shapes; return device tensors (scores as one ``(B,)`` tensor)."""

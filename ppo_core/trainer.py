@@ -47,6 +47,7 @@ from .models.cpu_attention import scoring_precision
 from .models.generation import check_group_sampling, generate_batched
 from .models.modeling import PreTrainedModelWrapper, decoder_start_token_id
 from .models.reference import frozen_reference, placed_reference, reference_policy
+from .models.rollout_copy import RolloutCopy
 from .models.training import prepare_for_training
 from .runtime import checkpoint
 from .runtime.distributed import (
@@ -109,6 +110,12 @@ class PPOTrainer(LegacyMethods):
         self.is_distributed = self.accelerator.num_processes > 1
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None  # steps inside accelerator.backward
         self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``runtime.zero``)
+        if self._zero3 and config.rollout_dtype is not None:
+            raise ValueError(f"PPOTrainer: rollout_dtype={config.rollout_dtype!r} copies the policy's whole weights "
+                             "into a rollout copy, but under ZeRO-3 each process holds a shard of them; set "
+                             "rollout_dtype=None (or train with ZeRO-2).")
+        # generate()'s copy of the policy in rollout_dtype, made at the first call (None: sample from the policy)
+        self._rollout = RolloutCopy(config.rollout_dtype) if config.rollout_dtype is not None else None
         self._group = process_group(self.accelerator)  # the one path to the other processes (alone: to itself)
         if self.is_distributed:  # independent sampling noise per process (the weights are synced by DDP)
             set_seed(config.seed + self.accelerator.process_index)
@@ -195,24 +202,40 @@ class PPOTrainer(LegacyMethods):
                                                                    generation_config.max_new_tokens)
         sample = functools.partial(self._sample, query_tensors=query_tensor, length_sampler=length_sampler,
                                    batch_size=batch_size, return_prompt=return_prompt, **generation_kwargs)
-        outputs = sample(self.model)
+        if self._rollout is None:
+            outputs = sample(*self._sampling(self.model))
+        else:  # the copy: whole on this process, its weights already in the dtype it samples in
+            outputs = sample(self._rollout_lm(), contextlib.nullcontext())
         if not generate_ref_response:
             return outputs
         with self.reference_policy() as ref_model:
-            return outputs, sample(ref_model)
+            return outputs, sample(*self._sampling(ref_model))
+
+    def _sampling(self, model) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:
+        """The ``transformers`` LM of ``model`` (the policy or the reference, value-head models) and the context it
+        samples in: the run's autocast, and under ZeRO-3 its weights gathered once for the whole call, not per layer
+        and token."""
+        model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
+        precision = contextlib.ExitStack()
+        precision.enter_context(gathered_for_generation(model))
+        precision.enter_context(self.accelerator.autocast())
+        return self.accelerator.unwrap_model(model).pretrained_model, precision
+
+    def _rollout_lm(self) -> torch.nn.Module:
+        """The policy's rollout copy (``config.rollout_dtype``), its weights the policy's as they are now."""
+        return self._rollout.current(self.accelerator.unwrap_model(self.model).pretrained_model, self.step_count)
 
     @quiet_deepspeed_collectives
     @with_tf32
-    def _sample(self, model, query_tensors, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
-                return_prompt: bool = True, **generation_kwargs):
-        """``generate`` for ``model`` (the policy, or the reference): ``batch_size`` queries at a time, each response
-        cut after its first EOS."""
-        model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
-        # under ZeRO-3: the weights gathered once for the whole call, not per layer and token
-        with gathered_for_generation(model), self.accelerator.autocast():
-            return generate_batched(self.accelerator.unwrap_model(model).pretrained_model, self.tokenizer,
-                                    query_tensors, self.current_device, length_sampler, batch_size, return_prompt,
-                                    generation_kwargs, self.config.is_encoder_decoder)
+    def _sample(self, lm: torch.nn.Module, precision: contextlib.AbstractContextManager, query_tensors,
+                length_sampler: Callable[[], int] | None = None, batch_size: int = 4, return_prompt: bool = True,
+                **generation_kwargs):
+        """``generate`` for ``lm`` in the context ``precision`` (``_sampling``'s): ``batch_size`` queries at a time,
+        each response cut after its first EOS."""
+        lm.eval()
+        with precision:
+            return generate_batched(lm, self.tokenizer, query_tensors, self.current_device, length_sampler,
+                                    batch_size, return_prompt, generation_kwargs, self.config.is_encoder_decoder)
 
     @contextlib.contextmanager
     def whole_policy(self):

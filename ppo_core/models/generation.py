@@ -54,9 +54,24 @@ def fast_cpu_sampling():
     return swapped(torch, "multinomial", _torch_multinomial, _multinomial)
 
 
-def _pad(queries: list[torch.Tensor], pad_token_id: int, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[(L_i,)] -> input_ids (B, L), attention_mask (B, L)`` with padding on the left (or the right)."""
-    width = max(len(q) for q in queries)
+# Where transformers compiles the decoding step over a static cache (not on CPUs), queries are padded to a multiple of
+# this width: the cache's length is the padded width plus max_new_tokens, and the step is compiled (and graph-captured)
+# once per length, so prompts of every length share a few compiled steps instead of compiling one per batch.
+STATIC_CACHE_WIDTH = 64
+
+
+def pad_multiple(generation_kwargs: dict[str, Any], device: torch.device) -> int:
+    """What a batch's padded width is a multiple of: ``STATIC_CACHE_WIDTH`` for a static cache on a device where
+    transformers compiles the step over it, else 1 (the longest query; padding would only add work on a CPU)."""
+    static = generation_kwargs.get("cache_implementation") == "static" and not generation_kwargs.get("disable_compile")
+    return STATIC_CACHE_WIDTH if static and torch.device(device).type != "cpu" else 1
+
+
+def _pad(queries: list[torch.Tensor], pad_token_id: int, left: bool = True,
+         multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[(L_i,)] -> input_ids (B, L), attention_mask (B, L)`` with padding on the left (or the right), ``L`` the
+    longest query rounded up to a multiple of ``multiple``."""
+    width = -(-max(len(q) for q in queries) // multiple) * multiple
     input_ids = torch.full((len(queries), width), pad_token_id, dtype=torch.long, device=queries[0].device)
     attention_mask = torch.zeros_like(input_ids)
     for i, q in enumerate(queries):
@@ -114,6 +129,7 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
     sampling = fast_cpu_sampling if fast_sampling else contextlib.nullcontext
     kwargs = _clean_kwargs(generation_kwargs, tokenizer)
     eos = _eos_ids(kwargs, tokenizer, model)
+    multiple = pad_multiple(kwargs, device)
     if isinstance(query_tensor, torch.Tensor):
         if query_tensor.ndim != 1:
             raise ValueError(f"generate: a tensor query must be 1-D (got shape {tuple(query_tensor.shape)}); "
@@ -121,11 +137,13 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         if length_sampler is not None:
             kwargs["max_new_tokens"] = length_sampler()
         query = query_tensor.to(device)
+        input_ids, attention_mask = _pad([query.long()], kwargs["pad_token_id"], not is_encoder_decoder, multiple)
         with sampling():
-            out = model.generate(input_ids=query[None], attention_mask=torch.ones_like(query[None]), **kwargs)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         if is_encoder_decoder:
             return out[:, 1:]  # drop the decoder start token
-        return out if return_prompt else out[:, len(query):]
+        response = out[:, input_ids.shape[1]:]  # (1, new): after the query and any padding
+        return torch.cat([query[None].to(response.dtype), response], 1) if return_prompt else response
     if not isinstance(query_tensor, (list, tuple)) or not query_tensor:
         raise ValueError("generate: query_tensor must be a 1-D tensor or a non-empty list of 1-D tensors.")
     outputs: list[torch.Tensor] = []
@@ -133,7 +151,7 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         queries = [q.long() for q in moved(list(query_tensor[start:start + batch_size]), device)]
         if length_sampler is not None:
             kwargs["max_new_tokens"] = length_sampler()
-        input_ids, attention_mask = _pad(queries, kwargs["pad_token_id"], left=not is_encoder_decoder)
+        input_ids, attention_mask = _pad(queries, kwargs["pad_token_id"], not is_encoder_decoder, multiple)
         with sampling():
             generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         # decoder-only: (b, L + new) with the prompt; encoder-decoder: (b, 1 + new) after the start token

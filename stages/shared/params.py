@@ -186,6 +186,9 @@ class GenerationParams:
     """1.0 disables nucleus filtering."""
     temperature: float
     """Softmax temperature."""
+    cache_implementation: Literal["dynamic", "static"]
+    """transformers' KV cache: dynamic (grows token by token) or static (preallocated; with a model in its own bf16
+    weights, e.g. ppo.rollout_dtype: bfloat16, transformers compiles the decoding step on a GPU)."""
 
 
 @dataclass(frozen=True)

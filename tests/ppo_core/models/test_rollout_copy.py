@@ -1,0 +1,175 @@
+"""The rollout copy (``PPOConfig.rollout_dtype``): generate() samples from a bf16 copy of the policy, brought up to date
+whenever the policy's weights change, while step() computes exactly what it computes without it; and the static
+cache's padded widths (``models.generation.STATIC_CACHE_WIDTH``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ppo_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+from ppo_core.fields import ConfigError
+from ppo_core.models import generation, rollout_copy
+from ppo_core.models.generation import STATIC_CACHE_WIDTH, generate_batched
+from ppo_core.models.rollout_copy import low_precision_copy, sync_weights
+from tests.ppo_core.test_trainer import make_batch, make_trainer
+from tests.tiny import ARCHS, random_queries, randomize_lora, tiny_causal_lm, tiny_lora_config, tiny_tokenizer
+
+torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
+
+GREEDY = dict(max_new_tokens=5, do_sample=False)
+
+
+def greedy(lm, queries, **kwargs) -> list[list[int]]:
+    """``lm``'s greedy responses to ``queries``, as lists of ids."""
+    out = generate_batched(lm, tiny_tokenizer(), queries, "cpu", None, 4, False, {**GREEDY, **kwargs})
+    return [r.tolist() for r in out]
+
+
+def rounded(model: torch.nn.Module, dtype=torch.bfloat16) -> torch.nn.Module:
+    """A plain LM with ``model``'s weights rounded to ``dtype``: what the copy should be, made the usual way."""
+    lm = tiny_causal_lm(model.config.model_type)  # the ARCHS are named as transformers' model types
+    lm.load_state_dict(model.state_dict())
+    return lm.to(dtype).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_copy_holds_the_weights_in_its_dtype_tied_frozen_and_apart(arch):
+    model = tiny_causal_lm(arch)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lm = low_precision_copy(model, torch.bfloat16)
+    sync_weights(lm, model)
+    params = dict(lm.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    assert all(not p.requires_grad for p in params.values()) and not lm.training
+    assert all(torch.equal(params[n], p.to(torch.bfloat16)) for n, p in model.named_parameters())
+    assert not {p.data_ptr() for p in params.values()} & {p.data_ptr() for p in model.parameters()}
+    assert all(torch.equal(p, before[n]) and p.dtype == torch.float32 for n, p in model.named_parameters())
+    assert {b.dtype for b in lm.buffers()} == {b.dtype for b in model.buffers()}  # rotary frequencies stay float32
+    if model.config.tie_word_embeddings:
+        assert lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    assert lm.config.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_samples_from_the_copy_and_it_follows_the_updates(arch):
+    """Greedy responses: those of the policy's weights rounded to bf16, before the first step and after it (the copy
+    synced); the policy's own weights stay float32, and step() trains them as before."""
+    trainer = make_trainer(arch, rollout_dtype="bfloat16")
+    policy = trainer.model.pretrained_model
+    queries = random_queries(6, seed=3)
+    for _ in range(2):
+        out = trainer.generate(queries, return_prompt=False, **GREEDY)
+        assert [r.tolist() for r in out] == greedy(rounded(policy), queries)
+        before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        trainer.step(*make_batch(4))
+        assert any(not torch.equal(p, before[n]) for n, p in policy.named_parameters())
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    copy, weights = trainer._rollout.lm, dict(policy.named_parameters())
+    synced = lambda: all(torch.equal(p, weights[n].to(torch.bfloat16)) for n, p in copy.named_parameters())  # noqa: E731
+    assert not synced()  # the last step's update reaches the copy at the next generate(), not before
+    trainer.generate(queries, return_prompt=False, **GREEDY)
+    assert synced()
+
+
+def test_the_copy_syncs_only_when_the_weights_changed(monkeypatch):
+    """No copy between two generate() calls with no update between them; one after a step, and one after any in-place
+    write to the weights (here a load_state_dict), which the step count alone would miss."""
+    calls = []
+    real = rollout_copy.sync_weights
+    monkeypatch.setattr(rollout_copy, "sync_weights", lambda lm, model: (calls.append(1), real(lm, model)))
+    trainer = make_trainer(rollout_dtype="bfloat16")
+    queries = random_queries(4)
+    trainer.generate(queries, **GREEDY)
+    trainer.generate(queries, **GREEDY)
+    assert len(calls) == 1
+    trainer.step(*make_batch(4))
+    trainer.generate(queries, **GREEDY)
+    assert len(calls) == 2
+    policy = trainer.model.pretrained_model
+    policy.load_state_dict(tiny_causal_lm("gpt2", seed=7).state_dict())
+    assert greedy(trainer._rollout_lm(), queries) == greedy(rounded(policy), queries)
+    assert len(calls) == 3
+
+
+def test_step_computes_the_same_with_or_without_the_copy():
+    """The step's log-probs are the policy's own passes whatever samples: the same inputs give the same stats and the
+    same weights, bit for bit (so the first ratio stays exactly 1)."""
+    batch = make_batch(4)
+    plain, copied = make_trainer(), make_trainer(rollout_dtype="bfloat16")
+    copied.generate(random_queries(4), **GREEDY)  # the copy exists and has sampled
+    a, b = plain.step(*batch), copied.step(*batch)
+    for key in a:
+        if not key.startswith("time/"):
+            np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+    assert all(torch.equal(p, q) for p, q in zip(plain.model.parameters(), copied.model.parameters()))
+
+
+def test_a_lora_policy_copy_has_its_adapter_merged_and_does_not_drift(tmp_path):
+    """A LoRA policy's copy samples with the adapter merged into its bf16 base weights (no LoRA branch per token): its
+    logits are the policy's within bf16 rounding, and two syncs of the same weights give the same copy bit for bit
+    (each merge starts from the policy's base weights, not from the last merge)."""
+    pytest.importorskip("peft")
+    tiny_causal_lm("gpt2").save_pretrained(str(tmp_path))
+    torch.manual_seed(1)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path), peft_config=tiny_lora_config())
+    randomize_lora(model)
+    trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, learning_rate=1e-2, rollout_dtype="bfloat16"),
+                         model, tokenizer=tiny_tokenizer())
+    trainer.generate(random_queries(4), **GREEDY)
+    lm, policy = trainer._rollout.lm, model.pretrained_model
+    assert lm.dtype == torch.bfloat16 and all(m.merged for m in lm.modules() if hasattr(m, "merged_adapters"))
+    x = torch.randint(3, 64, (3, 9))
+    with torch.no_grad():
+        want, got = policy(x).logits, lm(x).logits.float()
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    merged = {n: p.detach().clone() for n, p in lm.named_parameters()}
+    sync_weights(lm, policy)
+    assert all(torch.equal(p, merged[n]) for n, p in lm.named_parameters())
+
+
+def test_rollout_dtype_is_checked_and_refused_under_zero3(monkeypatch):
+    with pytest.raises(ConfigError, match="rollout_dtype"):
+        PPOConfig(rollout_dtype="float32")
+    monkeypatch.setattr("ppo_core.trainer.is_zero3", lambda accelerator: True)
+    with pytest.raises(ValueError, match="rollout_dtype='bfloat16'.*ZeRO-3.*rollout_dtype=None"):
+        make_trainer(rollout_dtype="bfloat16")
+
+
+def test_the_static_cache_is_padded_to_a_few_widths_where_it_compiles():
+    assert generation.pad_multiple({"cache_implementation": "static"}, torch.device("cuda")) == STATIC_CACHE_WIDTH
+    assert generation.pad_multiple({"cache_implementation": "static"}, torch.device("cpu")) == 1  # not compiled there
+    assert generation.pad_multiple({"cache_implementation": "static", "disable_compile": True}, "cuda") == 1
+    assert generation.pad_multiple({}, "cuda") == 1
+    assert generation.pad_multiple({"cache_implementation": "dynamic"}, "cuda") == 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_static_cache_samples_what_the_dynamic_one_does(arch, padded, monkeypatch):
+    """On the CPU in float32, cache_implementation="static" returns the tokens of the dynamic cache, greedy and sampled
+    from the same seed, also with the batch padded to STATIC_CACHE_WIDTH as on a GPU (forced here); a single 1-D query
+    keeps its legacy (1, L) result."""
+    lm = tiny_causal_lm(arch).eval()
+    if padded:
+        monkeypatch.setattr(generation, "pad_multiple", lambda kwargs, device: STATIC_CACHE_WIDTH
+                            if kwargs.get("cache_implementation") == "static" else 1)
+    widths = []
+    real = type(lm).generate
+    monkeypatch.setattr(type(lm), "generate", lambda self, **kw: (widths.append(kw["input_ids"].shape[1]),
+                                                                  real(self, **kw))[1])
+    queries = random_queries(6, seed=4)
+    static = greedy(lm, queries, cache_implementation="static")
+    assert static == greedy(lm, queries)
+    longest = max(len(q) for q in queries)
+    assert widths[0] == (STATIC_CACHE_WIDTH if padded else longest) and widths[-1] == longest
+    sampled = {}
+    for cache in ("static", "dynamic"):
+        torch.manual_seed(5)
+        sampled[cache] = greedy(lm, queries, do_sample=True, top_k=0, cache_implementation=cache)
+    assert sampled["static"] == sampled["dynamic"]
+    one = generate_batched(lm, tiny_tokenizer(), queries[0], "cpu", None, 4, True,
+                           {**GREEDY, "cache_implementation": "static"})
+    assert one.shape == (1, len(queries[0]) + 5) and torch.equal(one[0, :len(queries[0])], queries[0])
+    assert one[0, len(queries[0]):].tolist() == static[0]
