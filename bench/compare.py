@@ -60,13 +60,17 @@ TRL_GRPO_PYTHON = os.environ.get("TRL_GRPO_PYTHON",  # trl 1.16, transformers 5
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dapo", "gspo",
               "cispo"]  # critic-free
 IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS, "grpo_lora",
-         "trl_grpo", "trl_grpo_lora", "ppo_core_bf16w", "grpo_bf16w"]
+         "trl_grpo", "trl_grpo_lora", "ppo_core_bf16w", "grpo_bf16w", "ppo_core_fastgen", "grpo_fastgen",
+         "ppo_core_fastgen_compiled"]
 DEFAULT_IMPLS = IMPLS[:5]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
 BF16 = "ppo_core, bf16 mixed"
 LORA = "ppo_core, LoRA r=16"
 GRPO_LORA = "ppo_core, grpo, LoRA r=16"
 BF16W = "ppo_core, bf16 weights"
 GRPO_BF16W = "ppo_core, grpo, bf16 weights"
+FASTGEN = "ppo_core, bf16 rollout copy + static cache"
+GRPO_FASTGEN = "ppo_core, grpo, bf16 rollout copy + static cache"
+FASTGEN_COMPILED = "ppo_core, bf16 rollout copy + static cache, compiled layers"
 TRL_GRPO = "TRL GRPOTrainer G=4"
 TRL_GRPO_LORA = "TRL GRPOTrainer G=4, LoRA r=16"
 
@@ -121,6 +125,17 @@ def planned_runs(impls: list) -> tuple:
         runs.append(Run(GRPO_BF16W, sys.executable,
                         ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", "grpo", "--bf16-weights"), "floor",
                         TRL_GRPO))
+    if "ppo_core_fastgen" in impls:  # generate() from a bf16 rollout copy, static cache (compiled on CUDA)
+        runs.append(Run(FASTGEN, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--fast-generate"),
+                        "floor", "trl"))
+    if "grpo_fastgen" in impls:
+        runs.append(Run(GRPO_FASTGEN, sys.executable,
+                        ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", "grpo", "--fast-generate"), "floor",
+                        TRL_GRPO))
+    if "ppo_core_fastgen_compiled" in impls:  # and each decoder layer of the policy compiled: the update's launches
+        runs.append(Run(FASTGEN_COMPILED, sys.executable,
+                        ("bench/ppo_step.py", "--impl", "ppo_core", "--fast-generate", "--compile-layers"), "floor",
+                        "trl"))
     for impl, label, flags in (("trl_grpo", TRL_GRPO, ()), ("trl_grpo_lora", TRL_GRPO_LORA, ("--lora",))):
         if impl not in impls:  # TRL 1.16's GRPOTrainer on ppo_core grpo's work (bench/grpo_trl.py says what differs)
             continue

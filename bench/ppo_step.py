@@ -8,6 +8,8 @@ The two libraries share one API, so the code below is the same for both apart fr
     /work/trl-venv/bin/python bench/ppo_step.py --impl trl --shape 32k --steps 5 --warmup 1
     # ppo_core with a LoRA policy (reference = the adapter-disabled model, no second copy of the weights)
     .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --steps 5 --warmup 1 --lora
+    # ppo_core sampling from a bf16 rollout copy with the static cache (on CUDA: a compiled decoding step)
+    .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --steps 5 --warmup 1 --bf16 --fast-generate
     # a worker of compare.py's interleaved runs: builds the trainer, then runs steps on request
     .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --serve
 
@@ -27,6 +29,8 @@ import common
 import torch
 
 # Stats both libraries report under TRL's names; kept per step as a sanity check that the impls agree.
+# --fast-generate's generate() kwargs: a static KV cache, which on CUDA transformers compiles (CUDA graphs)
+FAST_GENERATE = {"cache_implementation": "static"}
 STAT_KEYS = ("objective/kl", "objective/kl_coef", "ppo/loss/total", "ppo/policy/approxkl", "ppo/policy/clipfrac")
 
 
@@ -63,13 +67,17 @@ def group_size(estimator: str) -> int:
 
 
 def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lora=None, estimator: str = "gae",
-                  bf16_weights: bool = False):
+                  bf16_weights: bool = False, fast_generate: bool = False, compile_layers: bool = False):
     """The seed's construction: value-head model from a local dir, default reference, local tokenizer.
 
     With `lora` (a peft LoraConfig) the policy gets a fresh adapter on the loaded model: the trainer then
     trains the adapter and the value head only, and takes the reference from the adapter-disabled model.
     With `bf16_weights` the model's weights are bf16 (the value head stays float32), no autocast, and the optimizer
-    is `common.MasterAdamW` (float32 master copies): the lever against autocast's per-use casts."""
+    is `common.MasterAdamW` (float32 master copies): the lever against autocast's per-use casts. With `fast_generate`
+    generate() samples from a bf16 rollout copy of the policy (`rollout_dtype`; with `FAST_GENERATE`'s static cache).
+    With `compile_layers` each decoder layer of the policy is compiled (`torch.compile`, dynamic shapes): the lever
+    against the update's kernel launches (its elementwise work fused per layer); the reference, a copy made before,
+    stays as it is."""
     bf16 = bf16 and not bf16_weights
     PPOConfig, PPOTrainer, AutoModelForCausalLMWithValueHead = import_impl(impl)
     config = PPOConfig(
@@ -82,6 +90,7 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
         accelerator_kwargs={"mixed_precision": "bf16"} if bf16 else {},
         # ppo_core's critic-free estimators (each with its reference defaults); the legacy PPOConfig has no such field
         **({"advantage_estimator": estimator, "num_generations": group_size(estimator)} if estimator != "gae" else {}),
+        **({"rollout_dtype": "bfloat16"} if fast_generate else {}),  # ppo_core's; the legacy PPOConfig has none
     )
     torch.manual_seed(setting.seed)  # the value head is initialised at load time
     if common.SHAPES[shape].config:  # GBs of weights: handed over in memory (from_pretrained takes a model too)
@@ -99,7 +108,16 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
         model.pretrained_model.to(torch.bfloat16)
         optimizer = common.MasterAdamW(model.parameters(), lr=config.learning_rate)
     trainer = PPOTrainer(config=config, model=model, ref_model=None, tokenizer=tokenizer, optimizer=optimizer)
+    if compile_layers:
+        for layer in decoder_layers(trainer.model.pretrained_model):
+            layer.compile(dynamic=True)
     return trainer, digest
+
+
+def decoder_layers(lm) -> torch.nn.ModuleList:
+    """The decoder blocks of a transformers causal LM: Llama-like `model.layers`, GPT-2's `transformer.h`."""
+    body = lm.model if hasattr(lm, "model") else lm.transformer
+    return body.layers if hasattr(body, "layers") else body.h
 
 
 def memory_breakdown(trainer) -> dict:
@@ -121,17 +139,19 @@ def memory_breakdown(trainer) -> dict:
     }
 
 
-def run_step(trainer, step: int, vocab_size: int, setting: common.Setting, group: int = 1) -> dict:
+def run_step(trainer, step: int, vocab_size: int, setting: common.Setting, group: int = 1,
+             generation: dict | None = None) -> dict:
     """One iteration of the seed's loop; returns its timings, mean score and a few trainer stats. With ``group``
     G, the batch is its first ``batch_size / G`` queries, each G times in a row (as the trainer's dataloader lays
-    it out)."""
+    it out); ``generation``: kwargs of generate() over the seed's."""
     queries = common.make_queries(step, vocab_size, setting)
     queries = [q for q in queries[: len(queries) // group] for _ in range(group)]
 
     # 1. generate (the trainer pads, batches and strips the prompt)
     with common.Timer() as t_gen:
         responses = trainer.generate(
-            queries, batch_size=setting.batch_size, return_prompt=False, **common.gen_kwargs(setting)
+            queries, batch_size=setting.batch_size, return_prompt=False,
+            **common.gen_kwargs(setting), **(generation or {})
         )
     # 2. score with a rule
     with common.Timer() as t_score:
@@ -167,7 +187,15 @@ def main() -> None:
     parser.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (TRL's example: 16)")
     parser.add_argument("--estimator", default="gae", choices=ESTIMATORS,
                         help=f"advantage estimator (ppo_core only; the group ones with G={GROUP_SIZE})")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="torch.compile each decoder layer of the policy (ppo_core only)")
+    parser.add_argument("--fast-generate", action="store_true",
+                        help="sample from a bf16 rollout copy with the static cache (ppo_core only; rollout_dtype)")
     args = parser.parse_args()
+    if args.compile_layers and args.impl != "ppo_core":
+        parser.error("--compile-layers is benchmarked for --impl ppo_core")
+    if args.fast_generate and (args.impl != "ppo_core" or args.bf16_weights):
+        parser.error("--fast-generate is ppo_core's rollout copy of float32 weights (not with --bf16-weights)")
     if args.lora and args.impl != "ppo_core":
         parser.error("--lora is benchmarked for --impl ppo_core only (the TRL venv has no peft)")
     if args.estimator != "gae" and args.impl != "ppo_core":
@@ -179,18 +207,22 @@ def main() -> None:
     if args.bf16_weights and (args.impl != "ppo_core" or args.lora):
         parser.error("--bf16-weights is benchmarked for --impl ppo_core without --lora")
     trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora, args.estimator,
-                                    args.bf16_weights)
+                                    args.bf16_weights, args.fast_generate, args.compile_layers)
+    generation = FAST_GENERATE if args.fast_generate else None
     vocab, group = common.SHAPES[args.shape].vocab_size, group_size(args.estimator)
 
     impl = f"{args.impl}, LoRA r={args.lora_r}" if args.lora else args.impl
     impl += ", bf16 weights" if args.bf16_weights else ""
+    impl += ", bf16 rollout copy + static cache" if args.fast_generate else ""
+    impl += ", compiled layers" if args.compile_layers else ""
     impl += f", {args.estimator}" + (f" G={group}" if group > 1 else "") if args.estimator != "gae" else ""
     if args.serve:
-        common.serve(lambda step: run_step(trainer, step, vocab, setting, group),
+        common.serve(lambda step: run_step(trainer, step, vocab, setting, group, generation),
                      lambda: dict(common.describe(impl, args, setting, digest), memory=memory_breakdown(trainer)))
         return
     n_steps = args.warmup + args.steps
-    steps, others_frac = common.run_steps(lambda step: run_step(trainer, step, vocab, setting, group), n_steps)
+    one_step = lambda step: run_step(trainer, step, vocab, setting, group, generation)  # noqa: E731
+    steps, others_frac = common.run_steps(one_step, n_steps)
     last = steps[-max(1, len(steps) // 4) :]  # the last quarter of the run
     result = common.summarize(impl, args, setting, digest, steps, others_frac)
     result.update(
