@@ -209,6 +209,13 @@ class PPOConfig:
     changed (veRL's rollout.dtype): on a GPU bf16 rollouts without autocast's casts, and with
     ``cache_implementation="static"`` a compiled decoding step; step()'s log-probs stay the policy's own passes. None:
     sample from the policy itself. Not under ZeRO-3 (the weights are sharded)"""
+    rollout_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
+    """(ppo_core) with rollout_dtype: weight each token's policy loss by pi_old / pi_copy, the policy's probability of
+    the sampled token over the rollout copy's that sampled it, per token or per sequence, truncated at or zeroed above
+    rollout_correction_cap (TRL's vLLM importance-sampling correction; TIS); costs one no-grad pass of the copy a
+    step, and adds the rollout/* stats. None: no correction (the samples count as the policy's own)"""
+    rollout_correction_cap: float = 2.0
+    """(ppo_core) the largest importance weight of rollout_correction"""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -461,7 +468,7 @@ PPOConfig.__init__ = _reject_unknown_keys(PPOConfig.__init__)
 _POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
              "cliprange", "cliprange_value", "target_kl", "compare_steps", "ratio_threshold", "max_grad_norm",
              "score_clip", "target", "horizon", "world_size", "dataset_num_proc", "max_consecutive_overflows",
-             "num_generations", "epsilon_high", "max_completion_length"]
+             "num_generations", "epsilon_high", "max_completion_length", "rollout_correction_cap"]
 _NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed", "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor"]
 _UNIT_INTERVAL = ["gamma", "lam"]
 
@@ -479,3 +486,6 @@ def _check_ranges(config: PPOConfig) -> None:
     for name in ("target", "horizon"):
         check_range(name, None, "set for the adaptive KL controller (or adap_kl_ctrl: false)",
                     not config.adap_kl_ctrl or getattr(config, name) is not None)
+    check_range("rollout_correction", config.rollout_correction, "None without rollout_dtype (without a rollout copy "
+                "the policy samples itself: every weight would be 1)",
+                config.rollout_correction is None or config.rollout_dtype is not None, "set rollout_dtype")

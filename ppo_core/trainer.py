@@ -32,6 +32,7 @@ from .algo.functional import convert_to_scalar, flatten_dict
 from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacement, RunningMoments, scale_scores
 from .algo.ppo_math import Advantages, Divisors, ShapedRewards
 from .algo.registry import get_estimator
+from .algo.rollout_correction import sampling_stats, sampling_weights
 from .config import PPOConfig, RunSizes, resolve, run_config
 from .legacy import (
     LegacyMethods,
@@ -69,7 +70,7 @@ from .step.inputs import (
     model_inputs,
     warn_if_start_token_included,
 )
-from .step.rollout import PolicyOutputs, Rollout, kl_per_token, policy_outputs, rollout_passes
+from .step.rollout import PolicyOutputs, Rollout, chunked_outputs, kl_per_token, policy_outputs, rollout_passes
 from .step.stats import lengths, step_stats, step_summary, warn_if_negative_kl
 from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss, window_divisors
 
@@ -296,15 +297,16 @@ class PPOTrainer(LegacyMethods):
         shaped, adv = self._advantages(inputs, mask, old, ref, scores_in, with_reference, timing)
         cut = truncated(responses, self.tokenizer.eos_token_id) if cfg.mask_truncated_completions else None
         trained = loss_mask(cfg, mask, scores_in, cut)  # the tokens the loss trains on: all, or fewer
+        weights, sampling = self._sampling_correction(inputs, mask, old.logprobs, timing)  # with rollout_correction
         rollout = Rollout(inputs, trained, old.logprobs, old.values, ref.logprobs, adv.advantages, adv.returns,
-                          self._norm_length(mask))
+                          self._norm_length(mask), weights)
         # 6. PPO epochs over shuffled mini-batches
         with timed(timing, "time/ppo/optimize_step"):
             train_stats = self._optimize(rollout)
         # 7. statistics
         with timed(timing, "time/ppo/calc_stats"):
             stats = self._step_stats(rollout, mask, scores, scores_in, shaped, penalties, queries, responses,
-                                     train_stats, with_reference)
+                                     train_stats, with_reference) | sampling
         if stats["ppo/policy/empty_minibatches"] == len(train_stats):  # said where it happens: nothing trained
             warnings.warn(f"PPOTrainer: step {self.step_count + 1}: no mini-batch had a token to train on "
                           "(mask_truncated_completions, dynamic_sampling or response_masks left none out of the "
@@ -314,6 +316,27 @@ class PPOTrainer(LegacyMethods):
         self._end_step(float(stats["objective/kl"]) if with_reference and not self._kl.in_loss else None)
         timing["time/ppo/total"] = time.perf_counter() - t_start
         return convert_to_scalar(stats | timing)
+
+    def _sampling_correction(self, inputs: ModelInputs, mask: torch.Tensor, old_logprobs: torch.Tensor,
+                             timing: dict[str, float]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """With ``rollout_correction``: the ``(B, R)`` importance weights of the samples, the policy's probability of
+        each sampled token over the rollout copy's (``algo.rollout_correction``), and their ``sampling/*`` stats (TRL's
+        names). The copy's log-probs come from one no-grad pass of the copy as it sampled them (synced again only
+        where the policy's weights changed since generate(), which within the loop they have not). Else ``(None, {})``.
+        """
+        cfg = self.config
+        if cfg.rollout_correction is None:
+            return None, {}
+        with timed(timing, "time/ppo/sampling_pass"), torch.no_grad():
+            self._rollout_lm()
+            sampling = chunked_outputs(self._rollout.scorer(), inputs, cfg.mini_batch_size).logprobs.float()
+        weights = sampling_weights(old_logprobs, sampling, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
+        s = sampling_stats(old_logprobs, sampling, weights, mask, self._group.sum_across, self._group.gather)
+        return weights, {"sampling/sampling_logp_difference/mean": s.logprob_diff_mean,
+                         "sampling/sampling_logp_difference/max": s.logprob_diff_max,
+                         "sampling/importance_sampling_ratio/min": s.weight_min,
+                         "sampling/importance_sampling_ratio/mean": s.weight_mean,
+                         "sampling/importance_sampling_ratio/max": s.weight_max}
 
     def _norm_length(self, mask: torch.Tensor):
         """Dr. GRPO's constant (``algo.advantages.norm_length``), with a warning, once, where it is not one."""

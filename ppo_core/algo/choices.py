@@ -11,6 +11,9 @@ KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "k3", "full")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # PPOConfig.loss_aggregation's
 POLICY_LOSSES = ("clip", "gspo", "cispo")  # the built-in policy losses (registry.POLICY_LOSS_REGISTRY holds users' too)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # PPO's ratio per token, GSPO's per sequence
+# How the step corrects for sampling from a rollout copy (PPOConfig.rollout_correction), TRL's vLLM modes: the weight
+# per token or per sequence, above the cap truncated to it (TIS) or zeroed (masked importance sampling)
+ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # TRL GRPOConfig's loss_type: the loss aggregation and the policy loss it stands for (TRL's "bnpo" takes the token
 # mean of each process's batch; ppo_core's token mean is always the global batch's, DAPO's).

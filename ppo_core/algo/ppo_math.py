@@ -249,7 +249,7 @@ def cispo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, logprobs: tor
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cliprange: float, n_tokens: torch.Tensor | float | None = None,
                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, cliprange_high: float | None = None,
-                level: str = "token", kind: str = "clip", **params) -> PolicyLoss:
+                level: str = "token", kind: str = "clip", weights: torch.Tensor | None = None, **params) -> PolicyLoss:
     """The policy loss, all inputs ``(B, R)``; every ``E_mask`` is a :func:`token_mean`.
 
     # ratio = exp(log p_new - log p_old)   (per sequence with level="sequence": :func:`importance_log_ratio`)
@@ -259,11 +259,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ``kind`` names a registered policy loss (``registry.POLICY_LOSS_REGISTRY``: ``clip``, ``gspo``, ``cispo``, or a
     user's), ``params`` its own parameters (CISPO's ``cap``). ``cliprange`` is eps_low, ``cliprange_high`` eps_high
     (None: ``cliprange``, PPO's symmetric clip). ``reduce`` replaces the loss's token mean (the per-sequence means of
-    :func:`aggregate`); the statistics stay token means.
+    :func:`aggregate`); the statistics stay token means. ``weights`` ``(B, R)``, where given, multiply each token's
+    loss before the mean (the rollout correction's importance weights, ``rollout_correction.sampling_weights``).
     """
     high = cliprange if cliprange_high is None else cliprange_high
     ratio = torch.exp(importance_log_ratio(logprobs, old_logprobs, mask, level))
     per_token, was_clipped = get_policy_loss(kind).function()(ratio, advantages, logprobs, cliprange, high, **params)
+    if weights is not None:
+        per_token = per_token * weights
     loss = token_mean(per_token, mask, n_tokens) if reduce is None else reduce(per_token)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs

@@ -379,6 +379,17 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
 SUPPORTED_ARCHITECTURES = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)  # legacy name
 
 
+def scoring_view(lm: nn.Module) -> PreTrainedModelWrapper:
+    """A plain transformers LM (causal or encoder-decoder) in its value-head class, for a no-grad scoring pass
+    (``step.rollout.policy_outputs``): the head it adds is never read, is made without drawing from the global RNG, and
+    sits on the LM's device (its values would otherwise bring every hidden state to the CPU)."""
+    wrapper = AutoModelForSeq2SeqLMWithValueHead if lm.config.is_encoder_decoder else AutoModelForCausalLMWithValueHead
+    with torch.random.fork_rng(devices=[]):
+        model = wrapper(lm, summary_dropout_prob=None).eval()
+    model.v_head.to(lm.device)
+    return model
+
+
 def _decoder_output_scale(config) -> float:
     """T5-family models multiply the decoder output by ``d_model ** -0.5`` before the (tied) LM head."""
     flag = getattr(config, "scale_decoder_outputs", None)  # T5, LongT5, Pop2Piano (transformers 5)

@@ -18,6 +18,8 @@ import copy
 
 import torch
 
+from .modeling import scoring_view
+
 ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,6 +80,7 @@ class RolloutCopy:
         self.dtype = ROLLOUT_DTYPES[dtype_name]
         self.lm: torch.nn.Module | None = None
         self._synced: tuple | None = None
+        self._scorer: torch.nn.Module | None = None
 
     def current(self, lm: torch.nn.Module, step: int) -> torch.nn.Module:
         """The copy of ``lm`` (made on first call), its weights ``lm``'s as they are now."""
@@ -88,3 +91,10 @@ class RolloutCopy:
             sync_weights(self.lm, lm)
             self._synced = stamp
         return self.lm
+
+    def scorer(self) -> torch.nn.Module:
+        """The copy (made by :meth:`current`) in its value-head class, for a scoring pass over its samples: the
+        rollout correction's log-probabilities of the sampler."""
+        if self._scorer is None:
+            self._scorer = scoring_view(self.lm)
+        return self._scorer

@@ -14,7 +14,7 @@ from accelerate.utils import extract_model_from_parallel
 
 from ..algo.ppo_math import kl_penalty
 from ..models.logprobs import full_kl
-from ..models.modeling import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
+from ..models.modeling import scoring_view
 from ..runtime.zero import gathered
 from .inputs import ModelInputs, model_inputs
 
@@ -76,15 +76,12 @@ def response_logprobs(model, queries: list[torch.Tensor], responses: list[torch.
     ``(response_logprobs(policy, q, r) - response_logprobs(reference, q, r)).sum(-1)``.
 
     ``model``: a ppo_core value-head model, or a plain transformers LM (causal or encoder-decoder), which is wrapped in
-    its value-head class for the pass (the head it adds is never read, and is made without drawing from the global
-    RNG). ``queries``, ``responses``: 1-D token tensors on the model's device, as ``step()`` takes them; an
-    encoder-decoder's responses without the decoder start token (it is prepended here).
+    its value-head class for the pass (``models.modeling.scoring_view``: the head it adds is never read). ``queries``,
+    ``responses``: 1-D token tensors on the model's device, as ``step()`` takes them; an encoder-decoder's responses
+    without the decoder start token (it is prepended here).
     """
     if not hasattr(model, "v_head"):
-        wrapper = AutoModelForSeq2SeqLMWithValueHead if model.config.is_encoder_decoder else \
-            AutoModelForCausalLMWithValueHead
-        with torch.random.fork_rng(devices=[]):
-            model = wrapper(model, summary_dropout_prob=None).eval()
+        model = scoring_view(model)
     config = model.pretrained_model.config
     start = config.decoder_start_token_id if config.is_encoder_decoder else None
     return policy_outputs(model, model_inputs(queries, responses, config.pad_token_id, start)).logprobs
@@ -128,6 +125,7 @@ class Rollout(NamedTuple):
     advantages: torch.Tensor  # (B, R) the estimator's advantages (GAE's whitened over the global batch)
     returns: torch.Tensor  # (B, R) the value target (GAE: advantages + values; critic-free: unused)
     norm_length: torch.Tensor | None = None  # 0-d: Dr. GRPO's constant, the global batch's longest response
+    sampling_weights: torch.Tensor | None = None  # (B, R) the rollout correction's importance weights (None: off)
 
     def minibatch(self, idx: torch.Tensor, host_idx: torch.Tensor | None = None) -> Rollout:
         """The samples ``idx`` ``(b,)`` (``host_idx``: the same on the host), each ``(B, R)`` tensor trimmed to their
@@ -135,7 +133,9 @@ class Rollout(NamedTuple):
         inputs = self.inputs.index(idx, host_idx)
         width = inputs.sizes().width
         per_sample = (self.mask, self.old_logprobs, self.old_values, self.ref_logprobs, self.advantages, self.returns)
-        return Rollout(inputs, *(t[idx, :width] for t in per_sample), norm_length=self.norm_length)
+        weights = None if self.sampling_weights is None else self.sampling_weights[idx, :width]
+        return Rollout(inputs, *(t[idx, :width] for t in per_sample), norm_length=self.norm_length,
+                       sampling_weights=weights)
 
 
 def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.Tensor,

@@ -79,7 +79,7 @@ def ppo_loss(config, group, mb: Rollout, out: PolicyOutputs,
     pg = policy_loss(out.logprobs, mb.old_logprobs, mb.advantages, mask, resolved.cliprange, n_tokens,
                      loss_reduction(cfg, mask, divisors, norm_length), cliprange_high=resolved.epsilon_high,
                      level=resolved.importance_sampling_level, kind=resolved.policy_loss,
-                     **resolved.policy_loss_kwargs)
+                     weights=mb.sampling_weights, **resolved.policy_loss_kwargs)
     critic = resolved.uses_critic
     vf = value_loss(out.values, mb.old_values, mb.returns, mask, cfg.cliprange_value, n_tokens) if critic else None
     kl = kl_loss(cfg, out.logprobs, mb.ref_logprobs, mask, divisors, norm_length)

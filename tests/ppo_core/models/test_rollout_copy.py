@@ -1,14 +1,18 @@
 """The rollout copy (``PPOConfig.rollout_dtype``): generate() samples from a bf16 copy of the policy, brought up to date
-whenever the policy's weights change, while step() computes exactly what it computes without it; and the static
-cache's padded widths (``models.generation.STATIC_CACHE_WIDTH``)."""
+whenever the policy's weights change, while step() computes exactly what it computes without it; the static cache's
+padded widths (``models.generation.STATIC_CACHE_WIDTH``); and the rollout correction (``rollout_correction``), the
+importance weights between the policy and the copy that sampled."""
 
 from __future__ import annotations
+
+import typing
 
 import numpy as np
 import pytest
 import torch
 
 from ppo_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+from ppo_core.algo.rollout_correction import sampling_stats, sampling_weights
 from ppo_core.fields import ConfigError
 from ppo_core.models import generation, rollout_copy
 from ppo_core.models.generation import STATIC_CACHE_WIDTH, generate_batched
@@ -173,3 +177,83 @@ def test_the_static_cache_samples_what_the_dynamic_one_does(arch, padded, monkey
                            {**GREEDY, "cache_implementation": "static"})
     assert one.shape == (1, len(queries[0]) + 5) and torch.equal(one[0, :len(queries[0])], queries[0])
     assert one[0, len(queries[0]):].tolist() == static[0]
+
+
+# ---- the rollout correction: importance weights between the policy and the copy that sampled -----------------------
+
+def test_sampling_weights_per_token_and_per_sequence_truncated_or_masked():
+    old = torch.tensor([[0.0, -1.0, -2.0], [-1.0, -1.0, 0.0]])
+    sampler = torch.tensor([[-0.5, -1.0, -1.0], [-2.0, -0.5, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the last token of row 2 is padding
+    token = torch.exp(old - sampler) * mask  # e^0.5, 1, e^-1 | e^1, e^-0.5, 0
+    got = sampling_weights(old, sampler, mask, "token_truncate", 2.0)
+    torch.testing.assert_close(got, torch.where(token > 2.0, 2.0, token) * mask)
+    got = sampling_weights(old, sampler, mask, "token_mask", 2.0)
+    torch.testing.assert_close(got, torch.where(token > 2.0, 0.0, token) * mask)  # e^1 > 2: that token is left out
+    seq = torch.tensor([[np.exp(0.5 - 1.0)], [np.exp(1.0 - 0.5)]], dtype=torch.float32)  # padding not counted
+    torch.testing.assert_close(sampling_weights(old, sampler, mask, "sequence_truncate", 1.5),
+                               seq.clamp(max=1.5).expand(2, 3) * mask)
+    torch.testing.assert_close(sampling_weights(old, sampler, mask, "sequence_mask", 1.5),
+                               torch.where(seq > 1.5, 0.0, seq).expand(2, 3) * mask)
+    with pytest.raises(ValueError, match="not one of"):
+        sampling_weights(old, sampler, mask, "token", 2.0)
+
+
+def test_sampling_stats_are_over_the_masked_tokens():
+    old = torch.tensor([[0.0, -1.0], [-1.0, 0.0]])
+    sampler = torch.tensor([[-0.5, -1.0], [-1.25, 9.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    weights = sampling_weights(old, sampler, mask, "token_truncate", 2.0)
+    s = sampling_stats(old, sampler, weights, mask, lambda x: x, lambda x: x)
+    assert s.logprob_diff_mean.item() == pytest.approx(0.75 / 3) and s.logprob_diff_max.item() == pytest.approx(0.5)
+    on = weights[mask.bool()]
+    assert s.weight_mean.item() == pytest.approx(on.mean().item())
+    assert (s.weight_min.item(), s.weight_max.item()) == pytest.approx((on.min().item(), on.max().item()))
+
+
+def test_the_policy_loss_takes_the_weights_into_each_tokens_loss():
+    from ppo_core.algo.ppo_math import policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    logprobs, old, adv = (torch.randn(3, 4, generator=g) for _ in range(3))
+    mask = torch.ones(3, 4)
+    plain = policy_loss(logprobs, old, adv, mask, 0.2)
+    assert torch.equal(policy_loss(logprobs, old, adv, mask, 0.2, weights=torch.ones(3, 4)).loss, plain.loss)
+    weights = torch.rand(3, 4, generator=g)
+    weighted = policy_loss(logprobs, old, adv, mask, 0.2, weights=weights)
+    per_token = -adv * torch.exp(logprobs - old)  # PPO's clipped surrogate, by hand
+    clipped = -adv * torch.exp(logprobs - old).clamp(0.8, 1.2)
+    torch.testing.assert_close(weighted.loss, (torch.max(per_token, clipped) * weights).mean())
+    assert torch.equal(weighted.clipfrac, plain.clipfrac)  # the statistics stay the unweighted ones
+
+
+def test_the_correction_reaches_the_update_and_reports_the_mismatch():
+    """Weights zeroed for every token (token_mask, a cap below every ratio) leave a critic-free policy without a KL
+    where it was; without the correction the same step moves it. The sampling/* stats measure the bf16 copy's
+    distance from the policy: above 0, small."""
+    queries = random_queries(4, seed=1)
+    moved = {}
+    for cap in (None, 1e-6):
+        correction = {} if cap is None else {"rollout_correction": "token_mask", "rollout_correction_cap": cap}
+        trainer = make_trainer("llama", rollout_dtype="bfloat16", advantage_estimator="dr_grpo", num_generations=2,
+                               **correction)
+        responses = trainer.generate(queries, return_prompt=False, max_new_tokens=5, do_sample=True, top_k=0)
+        policy = trainer.model.pretrained_model
+        before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        stats = trainer.step([queries[0]] * 2 + [queries[1]] * 2, responses, [torch.tensor(float(i)) for i in range(4)])
+        moved[cap] = any(not torch.equal(p, before[n]) for n, p in policy.named_parameters())
+    assert moved[None] and not moved[1e-6]
+    assert stats["sampling/importance_sampling_ratio/max"] == 0.0
+    assert 0 < stats["sampling/sampling_logp_difference/mean"] <= stats["sampling/sampling_logp_difference/max"] < 0.1
+    assert stats["time/ppo/sampling_pass"] > 0
+
+
+def test_the_correction_needs_a_rollout_copy():
+    from ppo_core.algo.choices import ROLLOUT_CORRECTIONS
+    from ppo_core.config import _HINTS
+
+    assert typing.get_args(typing.get_args(_HINTS["rollout_correction"])[0]) == ROLLOUT_CORRECTIONS
+    with pytest.raises(ConfigError, match="rollout_correction must be None without rollout_dtype"):
+        PPOConfig(rollout_correction="token_truncate")
+    with pytest.raises(ConfigError, match="rollout_correction_cap must be > 0"):
+        PPOConfig(rollout_dtype="bfloat16", rollout_correction="token_truncate", rollout_correction_cap=0)
