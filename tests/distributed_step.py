@@ -59,6 +59,8 @@ CONFIGS = {  # per-config options; batch sizes are set per process below
     # the constant normaliser of Dr. GRPO is the global batch's longest response, whichever process holds it
     "dr_grpo": dict(ppo_epochs=2, advantage_estimator="dr_grpo", num_generations=2),
     "reinforce_baseline": dict(ppo_epochs=2, advantage_estimator="reinforce_plus_plus_baseline", num_generations=2),
+    # the rollout correction: importance weights per sample, their sampling/* stats over every process's tokens
+    "rollout_correction": dict(ppo_epochs=2, rollout_dtype="bfloat16", rollout_correction="token_truncate"),
 }
 
 # Windows of 2 mini-batches of 2 (batch 8); the ratio threshold skips some mini-batches, some of them at the end
