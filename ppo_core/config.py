@@ -486,6 +486,6 @@ def _check_ranges(config: PPOConfig) -> None:
     for name in ("target", "horizon"):
         check_range(name, None, "set for the adaptive KL controller (or adap_kl_ctrl: false)",
                     not config.adap_kl_ctrl or getattr(config, name) is not None)
-    check_range("rollout_correction", config.rollout_correction, "None without rollout_dtype (without a rollout copy "
+    check_range("rollout_correction", config.rollout_correction, "unset without rollout_dtype (without a rollout copy "
                 "the policy samples itself: every weight would be 1)",
                 config.rollout_correction is None or config.rollout_dtype is not None, "set rollout_dtype")

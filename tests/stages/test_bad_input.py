@@ -299,6 +299,9 @@ CASES += [
     ("kl-loss-coef-with-the-kl-in-the-reward", "ppo", "ppo", {"ppo.kl_loss_coef": 0.5},
      None, "params.yaml: ppo.kl_loss_coef must be unset (or 0) when the KL is in the reward (kl_in 'reward', whose "
            "coefficient is init_kl_coef), got 0.5; set kl_in: 'loss' for a KL loss term"),
+    ("rollout-correction-without-a-rollout-copy", "ppo", "ppo", {"ppo.rollout_correction": "token_truncate"},
+     None, "params.yaml: ppo.rollout_correction must be unset without rollout_dtype (without a rollout copy the policy "
+           "samples itself: every weight would be 1), got 'token_truncate'; set rollout_dtype"),
     ("group-estimator-decoding-greedily", "ppo", "ppo",
      {"ppo.advantage_estimator": "grpo", "ppo.num_generations": 4, "generation.do_sample": False},
      None, "params.yaml: generation.do_sample is false, but ppo.advantage_estimator grpo compares "

@@ -253,7 +253,7 @@ def test_the_correction_needs_a_rollout_copy():
     from ppo_core.config import _HINTS
 
     assert typing.get_args(typing.get_args(_HINTS["rollout_correction"])[0]) == ROLLOUT_CORRECTIONS
-    with pytest.raises(ConfigError, match="rollout_correction must be None without rollout_dtype"):
+    with pytest.raises(ConfigError, match="rollout_correction must be unset without rollout_dtype"):
         PPOConfig(rollout_correction="token_truncate")
     with pytest.raises(ConfigError, match="rollout_correction_cap must be > 0"):
         PPOConfig(rollout_dtype="bfloat16", rollout_correction="token_truncate", rollout_correction_cap=0)
