@@ -160,6 +160,7 @@ class PPOTrainer(LegacyMethods):
         self.step_count = 0  # completed step() calls
         self._shuffle = torch.Generator().manual_seed(config.seed + self.accelerator.process_index)
         self._warned_negative_kl = self._warned_start_token = self._warned_norm_length = False
+        self._warned_unweighted_loss = False  # rollout_correction beside a user's legacy loss hook
         self._generated_max_new_tokens = None  # the max_new_tokens of the last generate() call: Dr. GRPO's constant
         # each mini-batch's backward, clipping and optimizer step (under DDP and DeepSpeed: synced in the backward)
         self._updates = Updates(self.accelerator, self.model, self.optimizer, config.max_grad_norm,
@@ -331,6 +332,12 @@ class PPOTrainer(LegacyMethods):
             self._rollout_lm()
             sampling = chunked_outputs(self._rollout.scorer(), inputs, cfg.mini_batch_size).logprobs.float()
         weights = sampling_weights(old_logprobs, sampling, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
+        if not self._warned_unweighted_loss and (overrides(self, "loss") or overrides(self, "train_minibatch")):
+            self._warned_unweighted_loss = True
+            warnings.warn("PPOTrainer: rollout_correction weights ppo_core's policy loss, but this trainer's own "
+                          "loss (or train_minibatch) computes it, in legacy's signature, which has no place for the "
+                          "importance weights: they do not reach the loss (the sampling/* stats are still reported).",
+                          stacklevel=3)
         s = sampling_stats(old_logprobs, sampling, weights, mask, self._group.sum_across, self._group.gather)
         return weights, {"sampling/sampling_logp_difference/mean": s.logprob_diff_mean,
                          "sampling/sampling_logp_difference/max": s.logprob_diff_max,

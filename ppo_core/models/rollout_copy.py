@@ -72,9 +72,9 @@ def weights_stamp(model: torch.nn.Module) -> tuple[int, ...]:
 
 class RolloutCopy:
     """The policy's rollout copy, made at first use and synced lazily: :meth:`current` returns it up to date with
-    the policy (``lm``, the unwrapped ``transformers`` model) and copies weights only where they have changed since the
-    last sync (:func:`weights_stamp`, and ``step``: the trainer's count of updates, for engines that write the weights
-    outside autograd's view, as DeepSpeed does)."""
+    the policy (``lm``, the unwrapped ``transformers`` model), copying the weights only when any of them has changed
+    since the last sync (:func:`weights_stamp`, and ``step``: the trainer's count of updates, for engines that write the
+    weights outside autograd's view, as DeepSpeed does)."""
 
     def __init__(self, dtype_name: str):
         self.dtype = ROLLOUT_DTYPES[dtype_name]

@@ -6,6 +6,7 @@ importance weights between the policy and the copy that sampled."""
 from __future__ import annotations
 
 import typing
+import warnings
 
 import numpy as np
 import pytest
@@ -18,7 +19,15 @@ from ppo_core.models import generation, rollout_copy
 from ppo_core.models.generation import STATIC_CACHE_WIDTH, generate_batched
 from ppo_core.models.rollout_copy import low_precision_copy, sync_weights
 from tests.ppo_core.test_trainer import make_batch, make_trainer
-from tests.tiny import ARCHS, random_queries, randomize_lora, tiny_causal_lm, tiny_lora_config, tiny_tokenizer
+from tests.tiny import (
+    ARCHS,
+    random_queries,
+    randomize_lora,
+    tiny_causal_lm,
+    tiny_lora_config,
+    tiny_tokenizer,
+    tiny_value_model,
+)
 
 torch.set_num_threads(1)  # tiny models: extra threads only add spin-up cost
 
@@ -257,3 +266,21 @@ def test_the_correction_needs_a_rollout_copy():
         PPOConfig(rollout_correction="token_truncate")
     with pytest.raises(ConfigError, match="rollout_correction_cap must be > 0"):
         PPOConfig(rollout_dtype="bfloat16", rollout_correction="token_truncate", rollout_correction_cap=0)
+
+
+def test_a_legacy_loss_override_beside_the_correction_is_warned_about_once():
+    """A subclass's own legacy ``loss`` computes the policy loss in legacy's signature, where the weights have no
+    place: the trainer says so once, and still reports the sampling/* stats."""
+    class OwnLoss(PPOTrainer):
+        def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
+            return super().loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
+
+    options = dict(batch_size=4, mini_batch_size=2, ppo_epochs=1, rollout_dtype="bfloat16",
+                   rollout_correction="token_truncate")
+    trainer = OwnLoss(PPOConfig(**options), tiny_value_model(), tokenizer=tiny_tokenizer())
+    with pytest.warns(UserWarning, match="importance weights: they do not reach the loss"):
+        stats = trainer.step(*make_batch(4))
+    assert "sampling/importance_sampling_ratio/mean" in stats
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer.step(*make_batch(4, seed=1))

@@ -67,6 +67,9 @@ def test_two_deepspeed_processes_equal_one_process_and_generate_from_gathered_we
     assert code == 0, output[-3000:]
     ranks = load_ranks(tmp_path)
     for name, expected in one_process.items():
+        if config == "zero3" and "rollout_dtype" in distributed_step.CONFIGS[name]:  # no whole weights to copy
+            assert all("under ZeRO-3 each process holds a shard of them" in r[name]["refused"] for r in ranks)
+            continue
         for key, param in ranks[0][name]["params"].items():  # same full weights and stats on both processes
             assert param.numel() > 0 and torch.equal(param, ranks[1][name]["params"][key]), (name, key)
         for a, b in zip(ranks[0][name]["stats"], ranks[1][name]["stats"]):
