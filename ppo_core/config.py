@@ -229,6 +229,7 @@ class PPOConfig:
                           FutureWarning, stacklevel=3)
             self.optimize_device_cache = self.optimize_cuda_cache
         _check_ranges(self)
+        _check_accelerate_kwargs(self)
         if self.log_with is not None and not any(importlib.util.find_spec(m) for m in TRACKER_MODULES[self.log_with]):
             raise ConfigError("log_with", f"{{key}} is {self.log_with!r}, but {TRACKER_MODULES[self.log_with][0]} is "
                               f"not installed (pip install {TRACKER_MODULES[self.log_with][0]}), so nothing would be "
@@ -471,6 +472,30 @@ _POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradien
              "num_generations", "epsilon_high", "max_completion_length", "rollout_correction_cap"]
 _NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed", "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor"]
 _UNIT_INTERVAL = ["gamma", "lam"]
+
+
+# The Accelerator arguments the trainer passes from PPOConfig's own fields (``runtime.distributed.accelerator_for``)
+_ACCELERATOR_FIELDS = {"log_with": "log_with", "gradient_accumulation_steps": "gradient_accumulation_steps",
+                       "project_config": "project_kwargs"}
+
+
+def _check_accelerate_kwargs(config: PPOConfig) -> None:
+    """accelerator_kwargs' keys against ``Accelerator``'s arguments (of the accelerate installed), project_kwargs'
+    against ``ProjectConfiguration``'s fields: a misspelt key fails here, not as a TypeError once the models loaded."""
+    if not config.accelerator_kwargs and not config.project_kwargs:
+        return
+    import inspect
+
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    for name, own in _ACCELERATOR_FIELDS.items():
+        if name in config.accelerator_kwargs:
+            raise ConfigError(f"accelerator_kwargs.{name}", f"{{key}}: the trainer passes it from {{prefix}}{own}; set "
+                              "that instead")
+    arguments = set(inspect.signature(Accelerator).parameters) - {"self"}
+    check_keys(config.accelerator_kwargs, arguments - _ACCELERATOR_FIELDS.keys(), "accelerator_kwargs.")
+    check_keys(config.project_kwargs, [f.name for f in dataclasses.fields(ProjectConfiguration)], "project_kwargs.")
 
 
 def _check_ranges(config: PPOConfig) -> None:

@@ -198,6 +198,33 @@ def test_one_wording_for_every_problem(kwargs, message):
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"accelerator_kwargs": {"mixed_precison": "bf16"}},
+     "unknown key 'PPOConfig.accelerator_kwargs.mixed_precison'; did you mean "
+     "'PPOConfig.accelerator_kwargs.mixed_precision'?"),
+    ({"accelerator_kwargs": {"gradient_accumulation_steps": 2}},
+     "PPOConfig.accelerator_kwargs.gradient_accumulation_steps: the trainer passes it from "
+     "PPOConfig.gradient_accumulation_steps; set that instead"),
+    ({"accelerator_kwargs": {"project_config": None}},
+     "PPOConfig.accelerator_kwargs.project_config: the trainer passes it from PPOConfig.project_kwargs; set that "
+     "instead"),
+    ({"project_kwargs": {"total_limt": 2}},
+     "unknown key 'PPOConfig.project_kwargs.total_limt'; did you mean 'PPOConfig.project_kwargs.total_limit'?"),
+])
+def test_accelerate_kwargs_are_checked_against_accelerate_s_arguments(kwargs, message):
+    """A misspelt Accelerator or ProjectConfiguration argument, or one the trainer passes itself (legacy: a TypeError
+    when the trainer builds its Accelerator, after the models loaded), fails at the config with the key named."""
+    with pytest.raises(ValueError) as info:
+        PPOConfig(**kwargs)
+    assert str(info.value) == message
+
+
+def test_accelerate_s_own_arguments_are_accepted():
+    config = PPOConfig(accelerator_kwargs={"mixed_precision": "bf16", "cpu": True, "kwargs_handlers": []},
+                       project_kwargs={"logging_dir": "logs", "total_limit": 2})
+    assert config.accelerator_kwargs["mixed_precision"] == "bf16" and config.project_kwargs["total_limit"] == 2
+
+
 # ---- RunSizes and the trainer's copy of the config -------------------------------------------------------------------
 def test_run_sizes_of_a_config_over_processes_by_hand():
     from ppo_core.config import RunSizes
