@@ -12,10 +12,9 @@ from pathlib import Path
 from ppo_core import set_seed
 from stages.shared import synthetic
 from stages.shared.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
+from stages.shared.origins import LOCAL_READERS, local_data_file
 from stages.shared.params import COLUMNS, SYNTHETIC, DatasetSpec, Params
-from stages.shared.runtime import StageError, note, reason, untracked_hint
-
-LOCAL_READERS = {".parquet": "read_parquet", ".jsonl": "read_json", ".json": "read_json", ".csv": "read_csv"}
+from stages.shared.runtime import StageError, note, reason
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -56,10 +55,12 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
         if theirs not in frame.columns:
             raise StageError(f"{spec.source}: column '{theirs}' not found ({where} maps '{ours}' to it); "
                              f"its columns are {list(frame.columns)}")
-        bad = frame[theirs].map(lambda v: not isinstance(v, str)).sum()
-        if bad:
-            raise StageError(f"{spec.source}: column '{theirs}' has {bad} values that are not text "
-                             "(missing or numbers); clean the file")
+        bad = frame[theirs].map(lambda v: not isinstance(v, str)).to_numpy()
+        if bad.any():  # the first bad row, counted from 1 as an editor shows rows (after a CSV's header)
+            count, first = int(bad.sum()), int(bad.argmax())
+            values = "values that are" if count > 1 else "value that is"
+            raise StageError(f"{spec.source}: column '{theirs}' has {count} {values} not text (missing or numbers), "
+                             f"the first in row {first + 1} ({frame[theirs].iloc[first]!r}); clean the file")
     frame = without_blank_texts(frame, spec, name)
     order = list(range(len(frame)))
     random.Random(f"{params.seed}-{name}").shuffle(order)
@@ -100,16 +101,10 @@ def read_source(spec: DatasetSpec, name: str):
     """A local file with pandas, or a Hugging Face dataset with `datasets.load_dataset` (hub, then pandas)."""
     import pandas as pd
 
-    path = Path(spec.source)
-    reader = LOCAL_READERS.get(path.suffix.lower())
-    if reader is None and not path.exists():
+    path = local_data_file(spec, name)
+    if path is None:
         return read_hub(spec, name)
-    if reader is not None and not path.exists():
-        raise StageError(f"{path}: file not found (data.{name}.source); give an existing file, a Hugging Face "
-                         f"dataset id, or '{SYNTHETIC}'{untracked_hint(path)}")
-    if reader is None or not path.is_file():
-        raise StageError(f"{path}: not a readable .parquet/.jsonl/.json/.csv file (data.{name}.source); "
-                         f"give one of those, a Hugging Face dataset id, or '{SYNTHETIC}'")
+    reader = LOCAL_READERS[path.suffix.lower()]
     if path.suffix.lower() == ".jsonl":
         return read_jsonl(path)
     # utf-8-sig: a byte-order mark would otherwise begin the first column's name

@@ -44,12 +44,12 @@ from stages.shared.artifacts import (
 )
 from stages.shared.models import (
     check_mixed_precision,
-    check_model_source,
     load_float32,
     merged,
     precision_args,
     with_lora,
 )
+from stages.shared.origins import check_model_source
 from stages.shared.params import MIN_TEXTS_FROM_SCRATCH, ModelParams, Params
 from stages.shared.resume import discard, trainer_callback, trainer_resume_point
 from stages.shared.runtime import StageError, device, note, quiet_trainer, reason, trainer_progress, warning

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from stages.shared.artifacts import SOURCES_DATA, SOURCES_MODEL, SOURCES_SCORER, publishing, write_json
-from stages.shared.origins import callable_origin, scorer_origin
+from stages.shared.origins import callable_origin, check_model_source, local_data_file, scorer_origin
 from stages.shared.params import SYNTHETIC, Params
 from stages.shared.resume import digest
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
+    check_sources(params)
     records = records_now(params)
     with publishing():  # all three or none
         for path, record in records.items():
@@ -33,6 +34,17 @@ def run(params: Params, root: Path = Path(".")) -> str:
     if not local:
         return f"no local data, model or scorer files in the params -> {SOURCES_DATA.parent}"
     return f"hashed {len(local)} local source{'s' * (len(local) > 1)} ({', '.join(local)}) -> {SOURCES_DATA.parent}"
+
+
+def check_sources(params: Params) -> None:
+    """Each local data file, model and scorer model the params name exists: a missing one fails here, first in every
+    `dvc repro`, where DVC deleted nothing, not at its reader after DVC deleted that stage's last outputs."""
+    for name in ("sft", "pairs", "prompts"):
+        local_data_file(getattr(params.data, name), name)
+    if params.model.name_or_path is not None:
+        check_model_source(params.model.name_or_path)
+    if params.scorer.source == "pipeline":
+        check_model_source(params.scorer.name, "scorer.name")
 
 
 # What reads each record (and so reruns, with what follows it, when the record changes), and the params it records.

@@ -91,7 +91,11 @@ def heldout_prompts(params: Params, root: Path):
     if params.watch.eval_every == 0:
         return None
     check_tokenized_with(root / TOKENIZED_EVAL, root / SFT_MODEL)
-    return read_prompts(root / TOKENIZED_EVAL).head(params.watch.eval_prompts)
+    prompts = read_prompts(root / TOKENIZED_EVAL)
+    if params.watch.eval_prompts > len(prompts):
+        note(f"ppo: watch.eval_prompts is {params.watch.eval_prompts}, but {TOKENIZED_EVAL} holds {len(prompts)} "
+             f"held-out prompts: each held-out evaluation uses all {len(prompts)}")
+    return prompts.head(params.watch.eval_prompts)
 
 
 def note_defaulted_keys(params: Params) -> None:

@@ -51,7 +51,8 @@ def write_sweep_page(root: Path, params_path: Path) -> str:
                 ("PPO curves, overlaid", overlay({n: c for n, c in curves.items() if c is not None}))]
     with atomic_path(Path(root) / REPORT_SWEEP) as tmp:
         tmp.write_text(page("RLHF sweep report", sections))
-    return f"{len(rows)} experiments, {len(varying)} params differ -> {REPORT_SWEEP}"
+    return (f"{len(rows)} experiment{'s' * (len(rows) != 1)}, {len(varying)} param{'s' * (len(varying) != 1)} "
+            f"differ{'s' * (len(varying) == 1)} -> {REPORT_SWEEP}")
 
 
 WORKSPACE_BASELINE = "workspace (this machine's run of main's params)"

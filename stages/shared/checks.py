@@ -105,6 +105,7 @@ def range_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
         ("data.n_eval_prompts", p.data.n_eval_prompts, ">= 1", p.data.n_eval_prompts >= 1),
         *((f"data.{name}.n", spec.n, "null or >= 1", spec.n is None or spec.n >= 1)
           for name, spec in (("sft", p.data.sft), ("pairs", p.data.pairs), ("prompts", p.data.prompts))),
+        ("sft.weight_decay", p.sft.weight_decay, ">= 0", p.sft.weight_decay >= 0),
         ("sft.eval_fraction", p.sft.eval_fraction, "in (0, 1)", 0 < p.sft.eval_fraction < 1),
         ("reward.eval_fraction", p.reward.eval_fraction, "in (0, 1)", 0 < p.reward.eval_fraction < 1),
         ("sft.warmup_ratio", p.sft.warmup_ratio, "in [0, 1)", 0 <= p.sft.warmup_ratio < 1),
@@ -114,6 +115,8 @@ def range_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
          p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens),
         ("scorer.name", p.scorer.name, f"set for scorer.source {p.scorer.source}",
          p.scorer.source == "reward_model" or bool(p.scorer.name)),
+        ("scorer.name", p.scorer.name, "a 'module:function' with scorer.source callable",
+         p.scorer.source != "callable" or not p.scorer.name or p.scorer.name.partition(":")[2] != ""),
         ("scorer.name", p.scorer.name, "null with scorer.source reward_model (the reward stage's model scores; a "
          "function goes with scorer.source: callable, a classifier with pipeline)",
          p.scorer.source != "reward_model" or p.scorer.name is None),
@@ -156,6 +159,8 @@ def watch_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
          or p.watch.best_by in ("reward", *(("gold",) if p.data.is_synthetic else ()), *p.evaluate.judges)),
         ("watch.kl_price", p.watch.kl_price, ">= 0", p.watch.kl_price >= 0),
         *((f"watch.alerts.{name}", value, "> 0", value > 0) for name, value in vars(p.watch.alerts).items()),
+        ("watch.alerts.entropy_ratio", p.watch.alerts.entropy_ratio, "< 1 (a share of the first step's entropy)",
+         p.watch.alerts.entropy_ratio < 1),
     ]
 
 

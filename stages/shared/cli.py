@@ -53,7 +53,7 @@ def _run(stage: str, params_path: Path, debug: bool) -> None:
     except (StageError, OSError) as err:
         if debug or (isinstance(err, OSError) and err.errno not in UNWRITABLE):
             raise
-        message = err if isinstance(err, StageError) else unwritable(err)
+        message = err if isinstance(err, StageError) else unusable(err)
         typer.echo(f"error: {stage}: {message}{restore_hint()}", err=True)
         raise typer.Exit(2) from None
     if main:  # the main process reports
@@ -90,11 +90,14 @@ def interrupted(stage: str) -> str:
     return f"{progress.stopped()}; nothing was published or saved yet: rerunning the stage starts over"
 
 
-def unwritable(err: OSError) -> str:
-    """One line for an output the stage could not write (what it writes is written atomically: nothing half-written
-    is left, and the previous outputs stay as they were)."""
+def unusable(err: OSError) -> str:
+    """One line for a file the stage was denied (an input this user may not read), or for an output it could not
+    write (what it writes is written atomically: nothing half-written is left, and the previous outputs stay as they
+    were)."""
     what = f"{err.filename}: " if err.filename else ""
     problem = err.strerror.lower() if err.strerror else str(err)
+    if err.filename and os.path.exists(err.filename) and not os.access(err.filename, os.R_OK):
+        return f"{what}{problem}; cannot read it (make it readable by this user)"
     return f"{what}{problem}; cannot write there (make it writable, or free space)"
 
 

@@ -16,43 +16,6 @@ warnings.filterwarnings("ignore", message="Setting `save_embedding_layers` to `T
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
-def check_model_source(name: str, key: str = "model.name_or_path") -> None:
-    """A clear line, before any loader runs, for a model name that can load nothing: a directory without a saved
-    model, or neither a directory nor a hub id in the local cache while downloads are off (HF_HUB_OFFLINE=1)."""
-    import os
-
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise StageError(f"{key} '{name}': the directory holds no saved model (no config.json); give the "
-                             "directory that save_pretrained wrote")
-        return
-    if path.exists():
-        raise StageError(f"{key} '{name}' is a file; give the directory that save_pretrained wrote")
-    if not is_hub_id(name):  # a path (absolute, ./x, a/b/c): no hub model could have that name
-        raise StageError(f"{key} '{name}': no such directory; give the directory that save_pretrained wrote, or a "
-                         "Hugging Face hub id (namespace/name)")
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-            raise StageError(f"{key} '{name}': no such directory, and no hub model of that id in the local cache "
-                             "(downloads are off: HF_HUB_OFFLINE=1); give the directory that save_pretrained wrote, "
-                             "or set HF_HUB_OFFLINE=0 to download it")
-
-
-def is_hub_id(name: str) -> bool:
-    """Whether ``name`` has the form of a Hugging Face hub repo id (``name`` or ``namespace/name``)."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
 def model_context(path: Path) -> int:
     """The most tokens the model at `path` attends to (its position embeddings), from its config."""
     from transformers import AutoConfig

@@ -341,6 +341,12 @@ def load_params(path: str | Path) -> Params:
         raw = YAML(typ="safe", pure=True).load(path.read_text())
     except FileNotFoundError:
         raise ParamsError(f"{path}: params file not found; pass --params PATH or run from the project root") from None
+    except IsADirectoryError:
+        raise ParamsError(f"{path}: is a directory; pass --params the params file (YAML), e.g. params.yaml") from None
+    except UnicodeDecodeError as err:
+        line = err.object[:err.start].count(b"\n") + 1
+        raise ParamsError(f"{path}:{line}: not UTF-8 text (byte 0x{err.object[err.start]:02x}); save it as "
+                          "UTF-8") from None
     except YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(raw, dict):

@@ -22,6 +22,7 @@ from transformers import pipeline
 
 from stages.shared.artifacts import REWARD_ADAPTER, REWARD_MODEL
 from stages.shared.models import load_reward_model, reward_scores
+from stages.shared.origins import check_model_source
 from stages.shared.params import Params, ScorerParams
 from stages.shared.runtime import StageError, device, reason, untracked_hint
 from stages.shared.synthetic import gold_score
@@ -38,6 +39,7 @@ def build_scorer(params: Params, root: Path, policy=None) -> Callable[[list[str]
         model, tokenizer = load_reward_model(root / REWARD_MODEL, policy)
         return lambda texts: reward_scores(model, tokenizer, texts, spec.batch_size)
     if spec.source == "pipeline":
+        check_model_source(spec.name, "scorer.name")
         try:
             pipe = pipeline("text-classification", model=spec.name, device=device())
         except (OSError, ValueError) as err:

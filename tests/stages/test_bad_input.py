@@ -318,6 +318,37 @@ CASES += [
 ]
 
 
+def setup_numbers_in_texts(root):
+    texts = ["a fine film", 5, "slow", None]
+    (root / "numbers.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+# Mistakes found only by the stage that reads them, after DVC had deleted that stage's outputs, or as a library's
+# TypeError: the sources stage (first in every `dvc repro`, deleting nothing) or the params' load now stops them.
+CASES += [
+    ("sources-model-path-missing", "sources", None, {"model.name_or_path": "/no/such/model"},
+     None, "model.name_or_path '/no/such/model': no such directory; give the directory that save_pretrained wrote, "
+           "or a Hugging Face hub id (namespace/name)"),
+    ("sources-dataset-missing", "sources", None, {"data.prompts.source": "my_prompts.jsonl"},
+     None, "my_prompts.jsonl: file not found (data.prompts.source); give an existing file, a Hugging Face dataset id, "
+           "or 'synthetic'"),
+    ("sources-pipeline-scorer-missing", "sources", None, {"scorer.source": "pipeline", "scorer.name": "./no_clf"},
+     None, "scorer.name './no_clf': no such directory; give the directory that save_pretrained wrote, or a Hugging "
+           "Face hub id (namespace/name)"),
+    ("ppo-pipeline-scorer-missing", "ppo", "ppo", {"scorer.source": "pipeline", "scorer.name": "./no_clf"},
+     None, "scorer.name './no_clf': no such directory; give the directory that save_pretrained wrote"),
+    ("scorer-callable-without-function", "sources", None,
+     {"scorer.source": "callable", "scorer.name": "rewards.example"},
+     None, "params.yaml: scorer.name must be a 'module:function' with scorer.source callable, got 'rewards.example'"),
+    ("accelerator-kwargs-typo", "ppo", "ppo", {"ppo.accelerator_kwargs": {"mixed_precison": "bf16"}},
+     None, "params.yaml: unknown key 'ppo.accelerator_kwargs.mixed_precison'; did you mean "
+           "'ppo.accelerator_kwargs.mixed_precision'?"),
+    ("column-not-text", "prepare", None, {"data.sft.source": "numbers.jsonl"},
+     setup_numbers_in_texts, "numbers.jsonl: column 'text' has 2 values that are not text (missing or numbers), the "
+                             "first in row 2 (5); clean the file"),
+]
+
+
 def setup_metrics(text: str):
     def setup(root):
         (root / "data" / "eval" / "metrics.json").write_text(text)

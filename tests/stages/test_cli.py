@@ -63,6 +63,35 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_an_input_this_user_may_not_read_is_said_to_be_unreadable(tmp_path, monkeypatch):
+    """A prompts file without read permission: one line naming it and asking to make it readable (not "cannot
+    write there": that is an output's problem). The tests run as root, who reads any file, so the denial is the
+    non-root user's: open raises what it raises for them, and os.access answers as for them."""
+    import builtins
+
+    from stages import prepare
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"query": "the film was"}\n' * 20)
+    params = tmp_path / "params.yaml"
+    params.write_text(TINY.read_text().replace("  prompts:\n    source: synthetic\n",
+                                               "  prompts:\n    source: prompts.jsonl\n"))
+    assert "source: prompts.jsonl" in params.read_text()
+
+    def denied(path, *args, **kwargs):
+        if Path(path).name == "prompts.jsonl":
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    access = os.access
+    monkeypatch.setattr(prepare, "open", denied, raising=False)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "prompts.jsonl" and access(path, mode))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["prepare", "--params", "params.yaml"])
+    assert result.exit_code == 2 and result.stderr == (
+        "error: prepare: prompts.jsonl: permission denied; cannot read it (make it readable by this user)\n")
+
+
 @pytest.mark.slow
 def test_missing_input_is_exit_2_and_debug_shows_the_traceback(tmp_path):
     result = run_module("sft", "--params", str(TINY), cwd=tmp_path)

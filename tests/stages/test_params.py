@@ -132,6 +132,43 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_params(bad)
 
 
+def test_a_params_file_not_in_utf8_or_a_directory_is_one_line(tmp_path):
+    """A Latin-1 accent in a comment (an editor's encoding) names the line and the byte; `--params data` (a folder)
+    says what to pass; neither is a traceback."""
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes((ROOT / "tests/fixtures/params.tiny.yaml").read_bytes() + "# réglages\n".encode("latin-1"))
+    lines = len(latin1.read_bytes().splitlines())
+    with pytest.raises(ParamsError) as err:
+        load_params(latin1)
+    assert str(err.value) == f"{latin1}:{lines}: not UTF-8 text (byte 0xe9); save it as UTF-8"
+    with pytest.raises(ParamsError) as err:
+        load_params(tmp_path)
+    assert str(err.value) == f"{tmp_path}: is a directory; pass --params the params file (YAML), e.g. params.yaml"
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (lambda p: p["ppo"].update(accelerator_kwargs={"mixed_precison": "bf16"}),
+     "unknown key 'ppo.accelerator_kwargs.mixed_precison'; did you mean 'ppo.accelerator_kwargs.mixed_precision'?"),
+    (lambda p: p["ppo"].update(accelerator_kwargs={"log_with": "wandb"}),
+     "ppo.accelerator_kwargs.log_with: the trainer passes it from ppo.log_with; set that instead"),
+    (lambda p: p["ppo"].update(project_kwargs={"logdir": "logs"}),
+     "unknown key 'ppo.project_kwargs.logdir'; did you mean 'ppo.project_kwargs.logging_dir'?"),
+    (lambda p: p["scorer"].update(source="callable", name="rewards.example"),
+     "scorer.name must be a 'module:function' with scorer.source callable, got 'rewards.example'"),
+    (lambda p: p["sft"].update(weight_decay=-1.0), "sft.weight_decay must be >= 0, got -1.0"),
+    (lambda p: p["watch"]["alerts"].update(entropy_ratio=5.0),
+     "watch.alerts.entropy_ratio must be < 1 (a share of the first step's entropy), got 5.0"),
+])
+def test_values_that_would_fail_later_fail_at_load(tmp_path, edit, expected):
+    """Mistakes that passed every check at load and failed only in their stage, after DVC deleted its outputs (a
+    misspelt accelerate key: a TypeError in the ppo stage once the models loaded; a callable scorer without its
+    function), or never (a negative weight decay, an entropy alert that fires at every step)."""
+    path = write_params(tmp_path, edit)
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value) == f"{path}: {expected}"
+
+
 @pytest.mark.parametrize(("judges", "expected"), [
     ({"mine": "my_judges"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges'"),
     ({"mine": "my_judges:"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges:'"),

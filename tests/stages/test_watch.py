@@ -21,6 +21,7 @@ from stages.shared.artifacts import (
     PPO_MODEL,
     PPO_ROLLOUTS,
     PPO_STATS,
+    TOKENIZED_EVAL,
 )
 from stages.shared.cli import app
 from stages.shared.params import AlertParams
@@ -103,6 +104,18 @@ HEALTHY = {"step": 5, "entropy": 20.0, "kl": 3.0, "response_len": 15.0, "approxk
            "clipfrac": 0.1, "loss_value": 0.5, "truncated_share": 0.2, "reward_mean": 1.0}
 LIMITS = AlertParams(entropy_ratio=0.3, kl_per_token=1.0, approxkl=0.5, ratio_mean=2.0, clipfrac=0.4,
                      value_loss_growth=10.0, length_ratio=0.25, truncated_share=0.9)
+
+
+def test_more_heldout_prompts_asked_than_there_are_is_said_once(tiny_run, tiny_params, capsys):
+    """watch.eval_prompts above the held-out prompts the tokenize stage kept: the evaluation uses them all, and says
+    so (without the note a user reads 32 in params.yaml and believes 32 prompts were scored)."""
+    kept = len(pd.read_parquet(tiny_run / TOKENIZED_EVAL))
+    params = dataclasses.replace(tiny_params, watch=dataclasses.replace(tiny_params.watch, eval_prompts=kept + 5))
+    assert len(ppo.heldout_prompts(params, tiny_run)) == kept
+    assert capsys.readouterr().err == (f"note: ppo: watch.eval_prompts is {kept + 5}, but {TOKENIZED_EVAL} holds "
+                                       f"{kept} held-out prompts: each held-out evaluation uses all {kept}\n")
+    params = dataclasses.replace(tiny_params, watch=dataclasses.replace(tiny_params.watch, eval_prompts=kept))
+    assert len(ppo.heldout_prompts(params, tiny_run)) == kept and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("change, check", [
