@@ -213,7 +213,7 @@ class PPOConfig:
     """(ppo_core) with rollout_dtype: weight each token's policy loss by pi_old / pi_copy, the policy's probability of
     the sampled token over the rollout copy's that sampled it, per token or per sequence, truncated at or zeroed above
     rollout_correction_cap (TRL's vLLM importance-sampling correction; TIS); costs one no-grad pass of the copy a
-    step, and adds the rollout/* stats. None: no correction (the samples count as the policy's own)"""
+    step, and adds the sampling/* stats. None: no correction (the samples count as the policy's own)"""
     rollout_correction_cap: float = 2.0
     """(ppo_core) the largest importance weight of rollout_correction"""
 

@@ -233,8 +233,8 @@ class PPOTrainer(LegacyMethods):
                 length_sampler: Callable[[], int] | None = None, batch_size: int = 4, return_prompt: bool = True,
                 **generation_kwargs):
         """``generate`` for ``lm`` in the context ``precision`` (``_sampling``'s): ``batch_size`` queries at a time,
-        each response cut after its first EOS."""
-        lm.eval()
+        each response cut after its first EOS. ``lm`` is in eval mode already (``_sampling`` sets it; the rollout
+        copy is made in it)."""
         with precision:
             return generate_batched(lm, self.tokenizer, query_tensors, self.current_device, length_sampler,
                                     batch_size, return_prompt, generation_kwargs, self.config.is_encoder_decoder)
@@ -329,7 +329,7 @@ class PPOTrainer(LegacyMethods):
         if cfg.rollout_correction is None:
             return None, {}
         with timed(timing, "time/ppo/sampling_pass"), torch.no_grad():
-            self._rollout_lm()
+            self._rollout_lm()  # the copy synced first: its scorer is a view of it
             sampling = chunked_outputs(self._rollout.scorer(), inputs, cfg.mini_batch_size).logprobs.float()
         weights = sampling_weights(old_logprobs, sampling, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
         if not self._warned_unweighted_loss and (overrides(self, "loss") or overrides(self, "train_minibatch")):

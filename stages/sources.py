@@ -25,7 +25,6 @@ from stages.shared.resume import digest
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    check_sources(params)
     records = records_now(params)
     with publishing():  # all three or none
         for path, record in records.items():
@@ -36,23 +35,14 @@ def run(params: Params, root: Path = Path(".")) -> str:
     return f"hashed {len(local)} local source{'s' * (len(local) > 1)} ({', '.join(local)}) -> {SOURCES_DATA.parent}"
 
 
-def check_sources(params: Params) -> None:
-    """Each local data file, model and scorer model the params name exists: a missing one fails here, first in every
-    `dvc repro`, where DVC deleted nothing, not at its reader after DVC deleted that stage's last outputs."""
-    for name in ("sft", "pairs", "prompts"):
-        local_data_file(getattr(params.data, name), name)
-    if params.model.name_or_path is not None:
-        check_model_source(params.model.name_or_path)
-    if params.scorer.source == "pipeline":
-        check_model_source(params.scorer.name, "scorer.name")
-
-
 # What reads each record (and so reruns, with what follows it, when the record changes), and the params it records.
 READERS = {SOURCES_DATA: "prepare", SOURCES_MODEL: "sft", SOURCES_SCORER: "ppo and evaluate"}
 
 
 def records_now(params: Params) -> dict[Path, dict[str, Any]]:
-    """What each of data/sources/*.json would hold if the sources stage ran now."""
+    """What each of data/sources/*.json would hold if the sources stage ran now. A local data file, model or scorer
+    model the params name that is not there fails here (a StageError): first in every `dvc repro`, where DVC deleted
+    nothing, not at its reader after DVC deleted that stage's last outputs."""
     return {SOURCES_DATA: data_sources(params), SOURCES_MODEL: model_source(params),
             SOURCES_SCORER: scorer_source(params)}
 
@@ -109,7 +99,7 @@ def data_sources(params: Params) -> dict[str, Any]:
         spec = getattr(params.data, name)
         if spec.source == SYNTHETIC:
             out[name] = {"source": SYNTHETIC}
-        elif Path(spec.source).expanduser().exists():
+        elif local_data_file(spec, name) is not None:  # checked to be a data file, as prepare reads it
             out[name] = local_source(spec.source)
         else:
             out[name] = {"source": spec.source, "split": spec.split}
@@ -118,6 +108,8 @@ def data_sources(params: Params) -> dict[str, Any]:
 
 def model_source(params: Params) -> dict[str, Any]:
     """The pretrained model SFT starts from: none (trained from scratch), a local directory (hashed) or a hub id."""
+    if params.model.name_or_path is not None:
+        check_model_source(params.model.name_or_path)
     return local_source(params.model.name_or_path)
 
 

@@ -9,7 +9,7 @@ take the weights' dtype; under autocast over float32 weights they do not match t
 What changes, and what does not: the step's old log-probabilities are the policy's own no-grad pass in ``step()``, as
 without the copy, so the PPO ratio of the first mini-batch is still exactly 1; the responses are drawn from the copy's
 distribution, the policy's up to the rounding of its weights (the "rollout-training mismatch" of systems that sample
-with vLLM), which the step does not correct for.
+with vLLM), which ``rollout_correction`` corrects for where it is set (``algo.rollout_correction``).
 """
 
 from __future__ import annotations

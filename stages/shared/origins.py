@@ -80,6 +80,7 @@ def scorer_origin(params: Params) -> dict[str, dict[str, Any]]:
     input of the stage already)."""
     spec = params.scorer
     if spec.source == "pipeline":
+        check_model_source(spec.name, "scorer.name")  # a saved model's directory, or a hub id
         local = Path(spec.name)
         return {"inputs": {spec.name: digest(local)}} if local.is_dir() else {}
     return callable_origin(spec.name, "scorer.name", params) if spec.source == "callable" else {}
