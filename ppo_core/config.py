@@ -244,8 +244,18 @@ class PPOConfig:
     @property
     def resolved(self) -> ResolvedConfig:
         """What this config trains with: its fields as given, each None filled from the estimator (:func:`resolve`),
-        worked out from the fields as they are now."""
-        return resolve(self)
+        worked out from the fields as they are now; a trainer's ``config`` holds the one its run resolved once."""
+        run_resolved = self.__dict__.get("_run_resolved")
+        return run_resolved if run_resolved is not None else resolve(self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A trainer's ``config`` (:func:`run_config`) refuses an edit of a field the run read once, at construction
+        (``FIXED_IN_A_RUN``): the edit would reach some of what the run computes and not the rest."""
+        if name in self.__dict__.get("_fixed_fields", ()):
+            raise dataclasses.FrozenInstanceError(
+                f"trainer.config.{name} is fixed when the trainer was built (its run resolved its settings, sizes and "
+                f"optimizer from it then); build a new PPOTrainer with PPOConfig(..., {name}={value!r}) to change it.")
+        object.__setattr__(self, name, value)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PPOConfig:
@@ -291,20 +301,27 @@ class RunSizes:
         return self.global_batch_size // self.num_generations
 
 
-def run_config(config: PPOConfig, sizes: RunSizes, is_encoder_decoder: bool, is_peft_model: bool) -> PPOConfig:
+def run_config(config: PPOConfig, sizes: RunSizes, is_encoder_decoder: bool, is_peft_model: bool,
+               resolved: ResolvedConfig | None = None) -> PPOConfig:
     """A copy of ``config`` with the legacy fields of the run filled (``world_size``, ``global_batch_size``,
     ``global_backward_batch_size``, ``is_encoder_decoder``, ``is_peft_model``) and the estimator's settings resolved
     into the fields left None (``RESOLVED_FIELDS``): what ``trainer.config`` holds, as legacy user code reads them
     there (``trainer.config.init_kl_coef`` is 0.2 for PPO, as legacy TRL's). The caller's ``config`` is left as it was
-    built, so ``dataclasses.replace`` on it still means what it says."""
+    built, so ``dataclasses.replace`` on it still means what it says.
+
+    The copy holds ``resolved`` (what every part of the run reads as ``run.resolved``) and refuses an edit of the fields
+    in ``FIXED_IN_A_RUN``; the others (``ratio_threshold``, ``early_stopping``, ``ppo_epochs``, ...) are read as each
+    step goes, and follow an edit, as legacy's did."""
     run = copy.copy(config)
     run.world_size = sizes.num_processes
     run.global_batch_size = sizes.global_batch_size
     run.global_backward_batch_size = sizes.global_backward_batch_size
     run.is_encoder_decoder, run.is_peft_model = is_encoder_decoder, is_peft_model
-    resolved = resolve(config)
+    resolved = resolve(config) if resolved is None else resolved
     for name in RESOLVED_FIELDS:
         setattr(run, name, getattr(resolved, name))
+    object.__setattr__(run, "_run_resolved", resolved)
+    object.__setattr__(run, "_fixed_fields", FIXED_IN_A_RUN)
     return run
 
 
@@ -353,6 +370,14 @@ class ResolvedConfig:
 # The PPOConfig fields a resolution fills when left None (the legacy copy of the trainer holds them filled).
 RESOLVED_FIELDS = ("kl_in", "init_kl_coef", "kl_loss_coef", "loss_aggregation", "policy_loss", "policy_loss_kwargs",
                    "cliprange", "epsilon_high", "importance_sampling_level", "dynamic_sampling", "overlong_buffer_len")
+# What a trainer reads of its config once: what resolution reads, the run's sizes, and what its optimizer, KL
+# controller, accelerator and models were built with. An edit of one of them on ``trainer.config`` is refused.
+FIXED_IN_A_RUN = frozenset(RESOLVED_FIELDS + (
+    "advantage_estimator", "loss_type", "kl_penalty", "kl_estimator", "max_completion_length", "scale_rewards",
+    "num_generations", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "backward_batch_size",
+    "world_size", "global_batch_size", "global_backward_batch_size", "seed", "learning_rate", "adap_kl_ctrl", "target",
+    "horizon", "max_grad_norm", "max_consecutive_overflows", "accelerator_kwargs", "project_kwargs",
+    "gradient_checkpointing", "disable_dropout", "rollout_dtype", "is_encoder_decoder", "is_peft_model"))
 
 
 def resolve(config: PPOConfig) -> ResolvedConfig:
@@ -369,8 +394,9 @@ def resolve(config: PPOConfig) -> ResolvedConfig:
                 kl_in == "loss" or not config.kl_loss_coef, "set kl_in: 'loss' for a KL loss term")
     kl_loss_coef = config.kl_loss_coef if config.kl_loss_coef is not None else \
         entry.kl_coef if kl_in == "loss" else 0.0
-    init_kl_coef = config.init_kl_coef if config.init_kl_coef is not None else \
-        entry.kl_coef if kl_in == "reward" else 0.0
+    # the rewards' coefficient: none where the KL goes to the loss, whatever init_kl_coef says (the trainer warns)
+    init_kl_coef = 0.0 if kl_in == "loss" else config.init_kl_coef if config.init_kl_coef is not None else \
+        entry.kl_coef
     loss_aggregation, policy_loss = _resolve_loss(config, entry)
     try:
         loss = get_policy_loss(policy_loss)
@@ -413,6 +439,18 @@ def resolve(config: PPOConfig) -> ResolvedConfig:
         dynamic_sampling=bool(dynamic_sampling), overlong_buffer_len=int(overlong_buffer_len),
         max_completion_length=config.max_completion_length, scale_rewards=config.scale_rewards,
         num_generations=group)
+
+
+def warn_unused_kl_coef(config: PPOConfig, resolved: ResolvedConfig) -> None:
+    """Warn where the user's ``init_kl_coef`` applies nowhere: the KL goes to the loss, whose coefficient is
+    ``kl_loss_coef`` (the opposite case, ``kl_loss_coef`` with the KL in the reward, is refused by :func:`resolve`; this
+    one only warns, so that a params file written for PPO runs ``-S ppo.advantage_estimator=grpo`` as it is)."""
+    if resolved.kl_in == "loss" and config.init_kl_coef:
+        warnings.warn(f"PPOTrainer: init_kl_coef={config.init_kl_coef} is the KL's coefficient in the rewards, but "
+                      f"with advantage_estimator {resolved.advantage_estimator!r} the KL goes to the loss (kl_in "
+                      f"'loss', kl_loss_coef {resolved.kl_loss_coef:g}): init_kl_coef is not used (0 in "
+                      "trainer.config and objective/kl_coef). Set kl_loss_coef for the loss term, or kl_in: 'reward'.",
+                      UserWarning, stacklevel=3)
 
 
 class _Fallback:
@@ -476,6 +514,7 @@ _UNIT_INTERVAL = ["gamma", "lam"]
 
 # The Accelerator arguments the trainer passes from PPOConfig's own fields (``runtime.distributed.accelerator_for``)
 _ACCELERATOR_FIELDS = {"log_with": "log_with", "gradient_accumulation_steps": "gradient_accumulation_steps",
+                       "gradient_accumulation_plugin": "gradient_accumulation_steps",
                        "project_config": "project_kwargs"}
 
 

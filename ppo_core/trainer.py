@@ -33,7 +33,7 @@ from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacemen
 from .algo.ppo_math import Advantages, Divisors, ShapedRewards
 from .algo.registry import get_estimator
 from .algo.rollout_correction import sampling_stats, sampling_weights
-from .config import PPOConfig, RunSizes, resolve, run_config
+from .config import PPOConfig, RunSizes, resolve, run_config, warn_unused_kl_coef
 from .legacy import (
     LegacyMethods,
     check_arguments,
@@ -72,7 +72,7 @@ from .step.inputs import (
 )
 from .step.rollout import PolicyOutputs, Rollout, chunked_outputs, kl_per_token, policy_outputs, rollout_passes
 from .step.stats import lengths, step_stats, step_summary, warn_if_negative_kl
-from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss, window_divisors
+from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss, window_divisors, window_mean
 
 
 class PPOTrainer(LegacyMethods):
@@ -106,8 +106,10 @@ class PPOTrainer(LegacyMethods):
         # 1. accelerator, the run's sizes, the other processes
         self.accelerator = accelerator_for(config)
         self.sizes = RunSizes.of(config, self.accelerator.num_processes)
-        self.resolved = resolve(config)  # what the run trains with, from the user's fields as given
-        self.config = config = run_config(config, self.sizes, model.is_encoder_decoder, model.is_peft_model)
+        self.resolved = resolve(config)  # what the run trains with, from the user's fields as given: once, read by all
+        warn_unused_kl_coef(config, self.resolved)
+        self.config = config = run_config(config, self.sizes, model.is_encoder_decoder, model.is_peft_model,
+                                          self.resolved)
         self.is_distributed = self.accelerator.num_processes > 1
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None  # steps inside accelerator.backward
         self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``runtime.zero``)
@@ -293,7 +295,8 @@ class PPOTrainer(LegacyMethods):
             old, ref = rollout_passes(self.model, self.reference_policy, inputs, cfg.mini_batch_size,
                                       self._forward_precision, self._kl.estimator == "full", with_reference)
         # 4-5. per-token KL, KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator)
-        penalties = overlong_penalties(cfg, mask)  # DAPO's overlong shaping of the scores, where set
+        # DAPO's overlong shaping of the scores, where set: by the responses' lengths, whatever the masks leave out
+        penalties = overlong_penalties(cfg, lengths(responses).to(mask.device))
         scores_in = scores if penalties is None else scores + penalties.to(scores.dtype)
         shaped, adv = self._advantages(inputs, mask, old, ref, scores_in, with_reference, timing)
         cut = truncated(responses, self.tokenizer.eos_token_id) if cfg.mask_truncated_completions else None
@@ -380,7 +383,8 @@ class PPOTrainer(LegacyMethods):
         cfg = self.config
         stats = step_stats(self._reward_kl_coef(), scores, rollout.old_logprobs, rollout.ref_logprobs,
                            shaped.non_score_rewards, shaped.kls, mask, lengths(queries), lengths(responses),
-                           rollout.advantages, train_stats, cfg.mini_batch_size, self._group)
+                           rollout.advantages, train_stats, cfg.mini_batch_size, self._group,
+                           cfg.gradient_accumulation_steps)
         self._warned_negative_kl = warn_if_negative_kl(stats, self._warned_negative_kl)
         stats = step_summary(stats, cfg, self._group, with_reference, self.estimator.needs_groups, mask, rollout.mask,
                              scores_in, penalties)
@@ -414,6 +418,8 @@ class PPOTrainer(LegacyMethods):
         batch gives as a single mini-batch on one process, however it is split."""
         cfg, all_stats = self.config, []
         batch_size, window = len(rollout.mask), self.sizes.backward_batch_size
+        # accelerate counts mini-batches to find a window's end: from 0 at each step, whatever an interrupted step left
+        self.accelerator.step = 0
         for _ in range(cfg.ppo_epochs):
             host_order = torch.randperm(batch_size, generator=self._shuffle)  # on the host, as its sizes are
             order = host_order.to(rollout.inputs.input_ids.device, non_blocking=True)
@@ -431,7 +437,8 @@ class PPOTrainer(LegacyMethods):
                     else:
                         stats = self._update_minibatch(mb, out, len(all_stats), divisors)
                 all_stats.append(stats)
-            if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
+            if cfg.early_stopping and self._early_stop(window_mean(all_stats, "policy/policykl",
+                                                                   cfg.gradient_accumulation_steps)):
                 break
         return all_stats
 
@@ -449,7 +456,9 @@ class PPOTrainer(LegacyMethods):
         return self._updates.apply(loss_p + loss_v, stats, self.config.ratio_threshold, self._group, failed)
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
-        """Stop the epochs when the mean policy KL (across processes) exceeds 1.5 * target_kl."""
+        """Stop the epochs when the mean policy KL of the epoch's last window (this process's share of it, see
+        ``window_mean``; averaged across processes here) exceeds 1.5 * target_kl (legacy read its last mini-batch's:
+        the same where a window is one mini-batch)."""
         policykl = mean_across(policykl, self._group)
         if policykl > 1.5 * self.config.target_kl:
             self.optimizer.zero_grad()  # bare, as legacy's (see Updates.step)

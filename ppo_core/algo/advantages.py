@@ -34,12 +34,14 @@ def step_advantages(config, scores: torch.Tensor, kls: torch.Tensor, values: tor
     return advantages(StepBatch(scores, kls, values, mask, kl_coef), config, group)
 
 
-def overlong_penalties(config, mask: torch.Tensor) -> torch.Tensor | None:
-    """``(B,)`` DAPO's overlong penalties of the responses (``mask`` ``(B, R)``), or None where shaping is off."""
+def overlong_penalties(config, response_lengths: torch.Tensor) -> torch.Tensor | None:
+    """``(B,)`` DAPO's overlong penalties of responses of ``response_lengths`` ``(B,)`` tokens (each whole, whatever its
+    ``response_masks`` leave out of the loss: a response is as long as what was generated), or None where shaping is
+    off."""
     buffer_len = settings(config).overlong_buffer_len
     if not buffer_len:
         return None
-    return soft_overlong_penalty(mask.sum(dim=1), config.max_completion_length, buffer_len,
+    return soft_overlong_penalty(response_lengths, config.max_completion_length, buffer_len,
                                  config.overlong_penalty_factor)
 
 

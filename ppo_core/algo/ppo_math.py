@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from .choices import IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_AGGREGATIONS
-from .functional import SumAcross, clip_by_value, masked_mean, masked_whiten
+from .functional import SumAcross, clip_by_value, masked_whiten
 from .registry import get_policy_loss  # torch-free: it names the surrogates below by path
 
 K3_MAX = 10.0  # the cap on the k3 estimate of one token's KL
@@ -137,13 +137,16 @@ def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tens
 def token_mean(values: torch.Tensor, mask: torch.Tensor, n_tokens: torch.Tensor | float | None = None) -> torch.Tensor:
     """``E_mask[x]`` of a loss or a statistic: the sum over the valid tokens divided by ``n_tokens``.
 
-    ``n_tokens=None`` divides by the mask's own count (:func:`masked_mean`). Under N data-parallel processes
-    the trainer passes ``n / N`` (:func:`ppo_core.runtime.distributed.tokens_per_process`): the mean over processes
-    of the results, which is what DDP takes of the gradients, is then the token mean over the global
-    mini-batch, even when the processes hold different numbers of tokens.
+    ``n_tokens=None`` divides by the mask's own count, in the values' dtype (:func:`masked_mean`'s number, bit for
+    bit), or by 1 where the mask has none: an empty mini-batch's mean is 0, its sum over no token, not NaN. Under N
+    data-parallel processes the trainer passes ``n / N`` (:func:`ppo_core.runtime.distributed.tokens_per_process`): the
+    mean over processes of the results, which is what DDP takes of the gradients, is then the token mean over the
+    global mini-batch, even when the processes hold different numbers of tokens.
     """
     if n_tokens is None:
-        return masked_mean(values, mask)
+        mask = mask.to(values.dtype)
+        count = mask.sum()
+        return (values * mask).sum() / torch.where(count > 0, count, torch.ones_like(count))
     return (values * mask.to(values.dtype)).sum() / n_tokens
 
 
@@ -156,20 +159,24 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
     # seq-mean-token-mean:     mean_i ( sum_t l m / sum_t m )              every sequence weighs the same (GRPO's)
     # seq-mean-token-sum-norm: sum_{i,t} l m / (B * norm_length)           a constant normaliser (Dr. GRPO's)
 
-    The sequence means count the rows with a valid token (a row masked whole, e.g. by dynamic sampling, is not a
-    sequence). ``n_tokens`` and ``n_sequences``: the divisors of the token and the sequence means (None: this
-    ``mask``'s own counts); the trainer passes its accumulation window's global counts over the window's share of
-    backward passes (:class:`Divisors`), so that the update does not depend on how the window is split.
+    The sequence mean counts the rows with a valid token (a row masked whole, e.g. by dynamic sampling, is not a
+    sequence). Dr. GRPO's ``B`` counts every row, masked whole or not (TRL's ``per_token_loss.size(0)``): with
+    ``norm_length`` fixed, its normaliser is the same constant in every step, so a token's weight never depends on what
+    else its step masked (the paper's intent; a count of the rows with a token would weigh the kept ones more in a
+    step that masks more). ``n_tokens`` and ``n_sequences``: the divisors of the token and the sequence means (None:
+    this ``mask``'s own counts); the trainer passes its accumulation window's global counts over the window's share of
+    backward passes (:class:`Divisors`), so that the update does not depend on how the window is split. ``B`` needs
+    none: every mini-batch of a step has the same rows, which are its window's over that share.
     """
     if mode == "token-mean":
         return token_mean(loss, mask, n_tokens)
     mask = mask.to(loss.dtype)
-    lengths = mask.sum(dim=1)  # (B,)
-    sequences = (lengths > 0).sum().clamp(min=1) if n_sequences is None else n_sequences
     if mode == "seq-mean-token-mean":
+        lengths = mask.sum(dim=1)  # (B,)
+        sequences = (lengths > 0).sum().clamp(min=1) if n_sequences is None else n_sequences
         return ((loss * mask).sum(dim=1) / lengths.clamp(min=1)).sum() / sequences
     if mode == "seq-mean-token-sum-norm":
-        return (loss * mask).sum() / (sequences * (mask.shape[1] if norm_length is None else norm_length))
+        return (loss * mask).sum() / (mask.shape[0] * (mask.shape[1] if norm_length is None else norm_length))
     raise ValueError(f"aggregate: mode must be one of {LOSS_AGGREGATIONS} (got {mode!r}).")
 
 
@@ -186,7 +193,8 @@ class Divisors(NamedTuple):
 
     # token-mean:              sum_{mb,t} l m / (n_window / (N GA))
     # seq-mean-token-mean:     sum_{mb,i} (row mean) / (s_window / (N GA))     s: the sequences with a token
-    # seq-mean-token-sum-norm: sum_{mb,t} l m / (s_window / (N GA) * L)        L: a constant (Dr. GRPO)
+    # seq-mean-token-sum-norm: sum_{mb,t} l m / (b * L)                         b: the mini-batch's rows (all of them,
+    #                                                                           = the window's over N GA), L a constant
     """
 
     tokens: torch.Tensor | None

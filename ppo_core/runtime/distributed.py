@@ -224,10 +224,13 @@ def accelerator_for(config):
     :func:`reset_single_process_accelerate_state`, with the backend accelerate does not pick under DeepSpeed on CPUs
     (:func:`process_group_kwargs`), and checked to count every process (:func:`check_process_count`)."""
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
     reset_single_process_accelerate_state()
-    accelerator = Accelerator(log_with=config.log_with, gradient_accumulation_steps=config.gradient_accumulation_steps,
+    # accelerate's default syncs every mini-batch while a prepared dataloader is on its last batch: step() would then
+    # update at every mini-batch of the loader's last batch, however many accumulate (the trainer counts its windows)
+    accumulation = GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False)
+    accelerator = Accelerator(log_with=config.log_with, gradient_accumulation_plugin=accumulation,
                               project_config=ProjectConfiguration(**config.project_kwargs),
                               **process_group_kwargs(config.accelerator_kwargs))
     if accelerator.state.deepspeed_plugin is not None:

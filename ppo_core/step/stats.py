@@ -117,7 +117,7 @@ REFERENCE_STATS = ("objective/kl", "objective/kl_dist", "objective/ref_logprobs"
 def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                non_score_reward: torch.Tensor, kls: torch.Tensor, masks: torch.Tensor, query_lens: torch.Tensor,
                response_lens: torch.Tensor, advantages: torch.Tensor, train_stats: list[dict[str, torch.Tensor]],
-               mini_batch_size: int, group) -> dict[str, torch.Tensor]:
+               mini_batch_size: int, group, accumulation_steps: int = 1) -> dict[str, torch.Tensor]:
     """The legacy stats dict of one step; every token statistic is masked.
 
     Args:
@@ -131,6 +131,7 @@ def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref
             ``policy/overflowed`` (1.0 where the loss scaler skipped the optimizer update).
         mini_batch_size: samples per mini-batch, for the number of epochs run.
         group: the run's processes (``ppo_core.runtime.distributed``).
+        accumulation_steps: mini-batches per accumulation window (the windows whose means the stats average).
     """
     batch_size, valid = len(scores), masks.bool().nonzero(as_tuple=True)  # the tokens that count: one device read
     kl_per_sample, entropy, scores, query_lens, response_lens = gather_samples(
@@ -149,16 +150,27 @@ def step_stats(kl_coef: float, scores: torch.Tensor, logprobs: torch.Tensor, ref
         "tokens/responses_dist": response_lens,
         "ppo/policy/advantages": token_advantages,
     }
-    return stats | training_stats(train_stats, batch_size, mini_batch_size, group)
+    return stats | training_stats(train_stats, batch_size, mini_batch_size, group, accumulation_steps)
+
+
+# the mini-batch stats that are the global mini-batch's own (not shares of its window's means): NaN over no token
+GLOBAL_PER_MINIBATCH = ("returns/var", "val/var")
 
 
 def training_stats(train_stats: list[dict[str, torch.Tensor]], batch_size: int, mini_batch_size: int,
-                   group) -> dict[str, torch.Tensor]:
+                   group, accumulation_steps: int = 1) -> dict[str, torch.Tensor]:
     """The mini-batches' stats averaged over the step (``ppo/`` names), the per-mini-batch ratios over the processes,
-    the skipped mini-batches (and overflowed updates), and the epochs run; ``batch_size`` samples per process."""
+    the skipped and empty mini-batches (and overflowed updates), and the epochs run; ``batch_size`` samples per
+    process, ``accumulation_steps`` mini-batches per window.
+
+    A mean is over what trained: a window with no token anywhere (``policy/empty`` in each of its mini-batches) is
+    left out (its shares are sums over no token, 0), and so is an empty mini-batch's variance (over no token, NaN).
+    Where every window is empty, the shares' mean is 0 (nothing trained) and the variances' NaN (not measured)."""
     counted = {"policy/skipped": "ppo/policy/skipped_minibatches", "policy/empty": "ppo/policy/empty_minibatches",
                "policy/overflowed": "ppo/policy/overflowed_updates"}
-    stats = {f"ppo/{key}": torch.stack([s[key] for s in train_stats]).float().mean()
+    trained = trained_minibatches(train_stats, accumulation_steps)
+    stats = {f"ppo/{key}": mean_over(torch.stack([s[key] for s in train_stats]).float(), trained,
+                                      all_empty_is_zero=key not in GLOBAL_PER_MINIBATCH)
              for key in train_stats[0] if key not in counted}
     ratios = torch.stack([s["policy/ratio_mean"] for s in train_stats]).float()
     stats["ppo/policy/ratio"] = mean_across(ratios, group)
@@ -170,6 +182,33 @@ def training_stats(train_stats: list[dict[str, torch.Tensor]], batch_size: int, 
     if "ppo/val/error" in stats:  # with a critic (GAE)
         stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
     return stats
+
+
+def trained_minibatches(train_stats: list[dict[str, torch.Tensor]],
+                        accumulation_steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(in a window that trained, trained itself)``, two ``(M,)`` bool masks over a step's ``M`` mini-batch stats
+    (from their global ``policy/empty`` flags); None where no mini-batch is empty (or the stats, a user's own
+    ``train_minibatch``'s, have no flags): every mean is the plain one, bit for bit."""
+    if "policy/empty" not in train_stats[0]:
+        return None
+    empty = torch.stack([s["policy/empty"] for s in train_stats]).bool()  # (M,)
+    if not bool(empty.any()):  # one host read a step
+        return None
+    windows = ~empty.view(-1, accumulation_steps).all(dim=1)  # (M / GA,) the windows with a token somewhere
+    return windows.repeat_interleave(accumulation_steps), ~empty
+
+
+def mean_over(values: torch.Tensor, trained: tuple[torch.Tensor, torch.Tensor] | None,
+              all_empty_is_zero: bool) -> torch.Tensor:
+    """The step's mean of one stat's ``(M,)`` per-mini-batch values: over every mini-batch where none is empty, else
+    over the windows that trained (a share: ``all_empty_is_zero``) or the mini-batches that did (a variance)."""
+    if trained is None:
+        return values.mean()
+    keep = trained[0] if all_empty_is_zero else trained[1]
+    if not bool(keep.any()):
+        return torch.zeros((), dtype=values.dtype, device=values.device) if all_empty_is_zero else \
+            torch.full((), math.nan, device=values.device)
+    return torch.where(keep, values, torch.zeros_like(values)).sum() / keep.sum()
 
 
 def mean_over_processes(stats: dict[str, Any], group) -> dict[str, Any]:

@@ -55,6 +55,16 @@ def window_divisors(mask: torch.Tensor, group, accumulation_steps: int) -> Divis
     return Divisors(*torch.where(counts > 0, counts, torch.ones_like(counts)).unbind())
 
 
+def window_mean(minibatch_stats: list[dict[str, torch.Tensor]], key: str, accumulation_steps: int) -> torch.Tensor:
+    """The mean of ``key`` over the last accumulation window of ``minibatch_stats`` (this process's share of the
+    global window's: average it across processes), from its mini-batches' shares: a token mean's share divides the
+    mini-batch's sum by the window's count over ``N * accumulation_steps`` (:func:`window_divisors`), so the window's
+    mean is the sum of its shares over ``accumulation_steps``. With one mini-batch per window, its own value."""
+    window = minibatch_stats[-accumulation_steps:]
+    return torch.stack([s[key] for s in window]).sum() / accumulation_steps if accumulation_steps > 1 \
+        else window[0][key]
+
+
 def ppo_loss(config, group, mb: Rollout, out: PolicyOutputs,
              divisors: Divisors | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(policy loss, value loss, stats)`` of the mini-batch ``mb`` (its ``(b, R)`` tensors, from
@@ -70,19 +80,15 @@ def ppo_loss(config, group, mb: Rollout, out: PolicyOutputs,
     """
     cfg, resolved, mask = config, settings(config), mb.mask
     divisors = window_divisors(mask, group, 1) if divisors is None else divisors
-    n_tokens = divisors.tokens
-    if n_tokens is None and (cfg.mask_truncated_completions or resolved.dynamic_sampling):  # a mini-batch may be empty
-        n_tokens = mask.sum()
-        n_tokens = torch.where(n_tokens > 0, n_tokens, torch.ones_like(n_tokens))
-        divisors = divisors._replace(tokens=n_tokens)
+    n_tokens = divisors.tokens  # None alone: each mean its own count's (``token_mean``: 1 where the mask has none)
     norm_length = mask.shape[1] if mb.norm_length is None else mb.norm_length  # Dr. GRPO's constant
     pg = policy_loss(out.logprobs, mb.old_logprobs, mb.advantages, mask, resolved.cliprange, n_tokens,
-                     loss_reduction(cfg, mask, divisors, norm_length), cliprange_high=resolved.epsilon_high,
+                     loss_reduction(resolved, mask, divisors, norm_length), cliprange_high=resolved.epsilon_high,
                      level=resolved.importance_sampling_level, kind=resolved.policy_loss,
                      weights=mb.sampling_weights, **resolved.policy_loss_kwargs)
     critic = resolved.uses_critic
     vf = value_loss(out.values, mb.old_values, mb.returns, mask, cfg.cliprange_value, n_tokens) if critic else None
-    kl = kl_loss(cfg, out.logprobs, mb.ref_logprobs, mask, divisors, norm_length)
+    kl = kl_loss(resolved, out.logprobs, mb.ref_logprobs, mask, divisors, norm_length)
     with torch.no_grad():
         stats = minibatch_stats(pg, vf, cfg.vf_coef, mask, mb.advantages, mb.returns, out.values, mb.old_values,
                                 out.entropy, n_tokens, group, kl)
@@ -160,7 +166,9 @@ class Updates:
         # one host read: the mean ratio and whether any stat is non-finite, over the global mini-batch (every process
         # skips, backpropagates or raises together)
         decision = minibatch_decision(stats, ratio_threshold, group)
-        if decision.non_finite:  # every process raises the failing process's error
+        # every process raises the failing process's error; a mini-batch without a token has nothing to fail (its
+        # variances, over no token, are NaN: "not measured", left out of the step's means by ``training_stats``)
+        if decision.non_finite and not decision.empty:
             bad = non_finite_stat(stats)  # e.g. "ppo/loss/value (inf)", or None on a process whose stats are finite
             raise_if_any(None if bad is None else failed(f"non-finite {bad}"), group)
         stats.pop("policy/ratio_sum", None), stats.pop("policy/tokens", None)  # the decision's, not the step's
@@ -168,8 +176,8 @@ class Updates:
         if decision.skipped:  # the ratio exploded: no update from this mini-batch (counted in the stats)
             warnings.warn(f"PPOTrainer: mean ratio of a mini-batch ({decision.ratio_mean:.2f}) exceeds "
                           f"ratio_threshold ({ratio_threshold}); skipping its update.")
-        # no token (dynamic sampling or truncation masked all): no gradient, and a window of only such mini-batches
-        # makes no optimizer step (Adam would still move the weights on its momentum)
+        # no token (response_masks, truncation or dynamic sampling masked all): no gradient, and a window of only such
+        # mini-batches makes no optimizer step (Adam would still move the weights on its momentum)
         self.backward(loss, decision.skipped or decision.empty)
         overflowed = self.accelerator.sync_gradients and self.step(failed)
         if self.loss_scaled:  # fp16: the loss scaler skipped this update (counted in the stats)

@@ -137,16 +137,15 @@ def test_grpo_with_batch_scaling_divides_by_the_std_of_the_gathered_global_batch
 
 
 def test_overlong_penalties_by_hand():
-    """DAPO's soft overlong shaping from the response mask: L_max 8, L_cache 4, factor 0.5: nothing up to 4 tokens,
-    then linearly down to -0.5 at 8 tokens, and -0.5 beyond."""
+    """DAPO's soft overlong shaping from the responses' lengths: L_max 8, L_cache 4, factor 0.5: nothing up to 4
+    tokens, then linearly down to -0.5 at 8 tokens, and -0.5 beyond."""
     config = PPOConfig(batch_size=4, mini_batch_size=4, max_completion_length=8, overlong_buffer_len=4,
                        overlong_penalty_factor=0.5)
-    lengths = [4, 6, 8, 10]
-    mask = torch.tensor([[1.0] * n + [0.0] * (10 - n) for n in lengths])
-    got = overlong_penalties(config, mask)
+    lengths = torch.tensor([4.0, 6.0, 8.0, 10.0])
+    got = overlong_penalties(config, lengths)
     # 6 tokens: (4 - 6) / 4 * 0.5 = -0.25; 8 tokens: (4 - 8) / 4 * 0.5 = -0.5; 10 tokens: capped at -0.5
     assert got.tolist() == pytest.approx([0.0, -0.25, -0.5, -0.5])
-    assert overlong_penalties(PPOConfig(batch_size=4, mini_batch_size=4), mask) is None  # shaping off by default
+    assert overlong_penalties(PPOConfig(batch_size=4, mini_batch_size=4), lengths) is None  # shaping off by default
 
 
 def test_loss_reduction_follows_the_config_s_aggregation_by_hand():
@@ -164,7 +163,9 @@ def test_loss_reduction_follows_the_config_s_aggregation_by_hand():
     constant = PPOConfig(batch_size=2, mini_batch_size=2, loss_aggregation="seq-mean-token-sum-norm")
     # every valid token summed, over 2 sequences times the given norm_length 5 (not the width, 3): 10 / 10
     assert loss_reduction(constant, mask, own, norm_length=5)(loss).item() == pytest.approx(1.0)
-    assert loss_reduction(constant, mask, window, norm_length=5)(loss).item() == pytest.approx(0.5)  # 10 / (4 * 5)
+    # Dr. GRPO's B is the mini-batch's rows, whatever the window's counts (a window's rows over N * GA are its
+    # mini-batches' rows): the same constant in every step
+    assert loss_reduction(constant, mask, window, norm_length=5)(loss).item() == pytest.approx(1.0)  # 10 / (2 * 5)
 
 
 def test_kl_loss_is_k3_reduced_as_the_policy_loss_and_only_where_the_kl_is_in_the_loss():

@@ -177,11 +177,12 @@ def test_check_groups_names_the_first_group_that_is_not_one_prompt():
 
 
 def test_a_row_masked_whole_is_not_a_sequence_of_the_sequence_means():
-    """Dynamic sampling and mask_truncated_completions mask whole rows: they are left out, not averaged in as 0."""
+    """Dynamic sampling and mask_truncated_completions mask whole rows: the sequence mean leaves them out, not
+    averaged in as 0; Dr. GRPO's constant normaliser counts every row (TRL's B * L), so that it stays constant."""
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 7.0, 7.0], [5.0, 5.0, 5.0]], dtype=F64)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
     assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((6 / 3 + 4 / 1) / 2)
-    assert aggregate(loss, mask, "seq-mean-token-sum-norm", norm_length=5).item() == pytest.approx(10 / (2 * 5))
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", norm_length=5).item() == pytest.approx(10 / (3 * 5))
 
 
 def test_soft_overlong_penalty_by_hand():
