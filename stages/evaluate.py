@@ -9,9 +9,11 @@ half). Both policies are loaded with plain transformers and sampled with the `ge
 
 data/eval/metrics.json puts what a sweep compares at the top, short enough that `dvc exp show --only-changed`
 fits a 100-column terminal, and the SFT baseline (the same in every PPO experiment) in a group:
-``{"win_rate", "gold", "reward", "kl", "length", "sft": {"gold", "reward", "length"}}`` (top level: the PPO
-policy; `gold` only with the synthetic data; the SFT policy's KL to itself, 0, is left out). Which scorer gave
-`reward` is the `scorer` params section (metrics hold numbers only), which dvc.yaml tracks for this stage.
+``{"win_rate", "gold", "reward", "kl", "length", "sft": {"gold", "reward", "length"}, "heldout": {"prompts",
+"in_train"}}`` (top level: the PPO policy; `gold` only with the synthetic data; the SFT policy's KL to itself, 0,
+is left out; `heldout`: how many prompts were evaluated and how many of them are training prompts, 0 as prepare
+splits by distinct prompt). Which scorer gave `reward` is the `scorer` params section (metrics hold numbers only),
+which dvc.yaml tracks for this stage.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ from stages.shared.artifacts import (
     PPO_MODEL,
     SFT_MODEL,
     TOKENIZED_EVAL,
+    TOKENIZED_TRAIN,
     check_tokenized_with,
     evaluation_metrics,
+    heldout_words,
     publishing,
     read_prompts,
     require_dir,
+    training_prompts_among,
     write_json,
     write_parquet,
 )
@@ -91,12 +96,13 @@ def compare_policies(params: Params, root: Path) -> str:
         by_policy[name] = policy_metrics(rows, list(judges))
     n = len(queries)
     wins = win_rate(columns["score"][n:], columns["score"][:n])
-    metrics = evaluation_metrics(by_policy["ppo"], by_policy["sft"], wins)
+    in_train = training_prompts_among(queries, read_prompts(root / TOKENIZED_TRAIN)["query"])
+    metrics = evaluation_metrics(by_policy["ppo"], by_policy["sft"], wins, {"prompts": n, "in_train": in_train})
     with publishing():  # both or neither
         write_parquet(columns, root / EVAL_SAMPLES)
         write_json(metrics, root / EVAL_METRICS, sort_keys=False)
     judged = "".join(f", {judge} {metrics['sft'][judge]:.2f} -> {metrics[judge]:.2f}" for judge in judges)
-    return (f"{n} prompts: reward ({params.scorer.title}) {metrics['sft']['reward']:.2f} (sft) -> "
+    return (f"{heldout_words(n, in_train)}: reward ({params.scorer.title}) {metrics['sft']['reward']:.2f} (sft) -> "
             f"{metrics['reward']:.2f} (ppo){judged}, win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> "
             f"{EVAL_METRICS}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 from ppo_core import set_seed
 from stages.shared import synthetic
@@ -16,24 +17,59 @@ from stages.shared.origins import LOCAL_READERS, local_data_file
 from stages.shared.params import COLUMNS, SYNTHETIC, DatasetSpec, Params
 from stages.shared.runtime import StageError, note, reason
 
+# At most this share of the distinct prompts is held out, whatever data.n_eval_prompts asks (scikit-learn's default
+# test share): a small prompts file still trains on most of its prompts (the count that fits the embedded 1,400
+# would hold out all of a user's 200).
+MAX_HELD_OUT_SHARE = 0.25
+
 
 def run(params: Params, root: Path = Path(".")) -> str:
     set_seed(params.seed)
     data = params.data
     tables = {name: load(getattr(data, name), name, params) for name in COLUMNS}
     prompts = tables["prompts"]["query"]
-    if len(prompts) <= data.n_eval_prompts:
-        raise StageError(
-            f"{data.prompts.source}: {len(prompts)} prompts, but data.n_eval_prompts holds out {data.n_eval_prompts}; "
-            f"lower data.n_eval_prompts in {params.path} or give more prompts"
-        )
+    split = held_out_split(prompts, held_out_count(prompts, data.n_eval_prompts, data.prompts.source, params.path))
     with publishing():  # all four or none
         write_parquet(tables["sft"], root / RAW_SFT)
         write_parquet(tables["pairs"], root / RAW_PAIRS)
-        write_parquet({"query": prompts[data.n_eval_prompts:]}, root / RAW_PROMPTS_TRAIN)
-        write_parquet({"query": prompts[:data.n_eval_prompts]}, root / RAW_PROMPTS_EVAL)
-    return (f"{len(tables['sft']['text'])} SFT texts, {len(tables['pairs']['prompt'])} pairs, "
-            f"{len(prompts) - data.n_eval_prompts} train + {data.n_eval_prompts} eval prompts -> {RAW_SFT.parent}")
+        write_parquet({"query": split.train}, root / RAW_PROMPTS_TRAIN)
+        write_parquet({"query": split.held_out}, root / RAW_PROMPTS_EVAL)
+    repeats = f" ({len(set(prompts))} distinct, {len(prompts) - len(set(prompts))} repeats)" \
+        if len(set(prompts)) < len(prompts) else ""
+    return (f"{len(tables['sft']['text'])} SFT texts, {len(tables['pairs']['prompt'])} pairs, {len(prompts)} prompts"
+            f"{repeats}: {len(split.train)} train + {len(split.held_out)} held out, none of them a training prompt "
+            f"-> {RAW_SFT.parent}")
+
+
+class Split(NamedTuple):
+    """The prompts split by distinct prompt: every copy of a prompt on one side."""
+
+    train: list[str]  # the rows whose prompt is not held out, in their order (a repeated prompt stays repeated)
+    held_out: list[str]  # the held-out prompts, each once, in their first rows' order
+
+
+def held_out_split(prompts: list[str], n_held_out: int) -> Split:
+    """Hold out the first ``n_held_out`` distinct prompts of ``prompts`` (shuffled already), each once, and train on
+    every row of the others: no held-out prompt is a training prompt, however often the file repeats it. Without
+    repeats, the first ``n_held_out`` rows and the rest, as a split by row gives."""
+    held_out = list(dict.fromkeys(prompts))[:n_held_out]
+    out = set(held_out)
+    return Split([p for p in prompts if p not in out], held_out)
+
+
+def held_out_count(prompts: list[str], asked: int, source: str, params_path: Path) -> int:
+    """How many distinct prompts to hold out: ``data.n_eval_prompts``, capped at ``MAX_HELD_OUT_SHARE`` of the distinct
+    prompts (at least 1) with a note; fewer than 2 distinct prompts is an error (nothing to hold out that training
+    does not see)."""
+    distinct = len(set(prompts))
+    if distinct < 2:
+        raise StageError(f"{source}: {len(prompts)} prompts but {distinct} distinct: a held-out prompt would also be "
+                         f"a training prompt; give at least 2 distinct prompts (data.prompts.source in {params_path})")
+    cap = max(1, int(MAX_HELD_OUT_SHARE * distinct))
+    if asked > cap:
+        note(f"prepare: data.n_eval_prompts is {asked}, but {source} has {distinct} distinct prompts: holding out "
+             f"{cap} ({MAX_HELD_OUT_SHARE:.0%}) and training on the other {distinct - cap}")
+    return min(asked, cap)
 
 
 def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:

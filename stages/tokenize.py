@@ -28,7 +28,7 @@ from stages.shared.artifacts import (
     write_parquet,
 )
 from stages.shared.models import model_context
-from stages.shared.params import Params, TokenizeParams
+from stages.shared.params import Params, TokenizeParams, query_token_limit
 from stages.shared.runtime import StageError, warning
 
 
@@ -39,25 +39,29 @@ class Cut(NamedTuple):
     most: int
     mid_word: int
 
-    def describe(self, tokenize: TokenizeParams) -> str:
+    def describe(self, tokenize: TokenizeParams, limit: int) -> str:
         kept = {"keep_start": "first", "keep_end": "last"}[tokenize.truncation]
-        return (f"{self.count} cut to their {kept} {tokenize.max_query_tokens} tokens (tokenize.truncation: "
+        return (f"{self.count} cut to their {kept} {limit} tokens (tokenize.truncation: "
                 f"{tokenize.truncation}; by up to {self.most} tokens, {self.mid_word} mid-word)")
 
 
-def fitted(ids: list[list[int]], tokenize: TokenizeParams, tokenizer, source: str,
-           params_path: Path) -> tuple[list[list[int]], Cut]:
-    """The queries' token ids within ``tokenize.max_query_tokens`` as ``tokenize.truncation`` says: ``refuse`` raises
-    a StageError naming how many are longer, ``keep_start`` / ``keep_end`` keep their first / last tokens (a leading
-    special token, such as a BOS, stays first), ``drop`` leaves them out. Returns the ids and what was cut."""
-    limit, how = tokenize.max_query_tokens, tokenize.truncation
+def fitted(ids: list[list[int]], tokenize: TokenizeParams, tokenizer, source: str, params_path: Path,
+           limit: int | None = None) -> tuple[list[list[int]], Cut]:
+    """The queries' token ids within ``limit`` tokens (by default ``tokenize.max_query_tokens``) as
+    ``tokenize.truncation`` says: ``refuse`` raises a StageError naming how many are longer, ``keep_start`` /
+    ``keep_end`` keep their first / last tokens (a leading special token, such as a BOS, stays first), ``drop`` leaves
+    them out. Returns the ids and what was cut."""
+    limit, how = tokenize.max_query_tokens if limit is None else limit, tokenize.truncation
     over = [x for x in ids if len(x) > limit]
     if not over:
         return ids, Cut(0, 0, 0)
     if how == "refuse":
-        raise StageError(f"{source}: {len(over)} of {len(ids)} queries have more than tokenize.max_query_tokens="
-                         f"{limit} tokens (the longest {max(map(len, over))}); raise it in {params_path}, or set "
-                         "tokenize.truncation to keep_start, keep_end or drop")
+        setting, fix = (("tokenize.max_query_tokens=", "raise it") if tokenize.max_query_tokens is not None else
+                        ("the tokens the model's context leaves beside generation.max_new_tokens, ",
+                         "lower generation.max_new_tokens"))
+        raise StageError(f"{source}: {len(over)} of {len(ids)} queries have more than {setting}{limit} tokens (the "
+                         f"longest {max(map(len, over))}); {fix} in {params_path}, or set tokenize.truncation to "
+                         "keep_start, keep_end or drop")
     if how == "drop":
         return [x for x in ids if len(x) <= limit], Cut(0, 0, 0)
     special = set(tokenizer.all_special_ids)
@@ -71,6 +75,13 @@ def fitted(ids: list[list[int]], tokenize: TokenizeParams, tokenizer, source: st
         mid_word += splits_a_word(tokenizer, x, kept, how)
         out.append(kept)
     return out, Cut(len(over), max(len(x) for x in over) - limit, mid_word)
+
+
+def without_training_prompts(table: dict[str, list], training: set[str]) -> dict[str, list]:
+    """The held-out ``table`` (``query``, ``input_ids``) without the rows whose decoded query is a training prompt:
+    prepare splits by distinct prompt, but two prompts cut to the same first (or last) tokens become one."""
+    keep = [i for i, query in enumerate(table["query"]) if query not in training]
+    return {key: [values[i] for i in keep] for key, values in table.items()}
 
 
 def splits_a_word(tokenizer, ids: list[int], kept: list[int], how: str) -> bool:
@@ -89,12 +100,18 @@ def run(params: Params, root: Path = Path(".")) -> str:
     set_seed(params.seed)
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     context = model_context(root / SFT_MODEL)
+    limit = query_token_limit(params.tokenize, context, params.generation.max_new_tokens)
+    if limit < params.tokenize.min_query_tokens:
+        raise StageError(f"{SFT_MODEL}: its {context}-token context leaves {limit} tokens beside "
+                         f"generation.max_new_tokens={params.generation.max_new_tokens} for a query, fewer than "
+                         f"tokenize.min_query_tokens={params.tokenize.min_query_tokens}; lower max_new_tokens in "
+                         f"{params.path}")
     made_with = tokenizer_digest(root / SFT_MODEL)  # recorded with the ids: ppo and evaluate check they match
     kept, tables = {}, {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
         queries = read_table(root / source, ["query"])["query"].tolist()
         where = f"{source} (data.prompts.source's {target.stem} prompts)"
-        ids, cut = fitted(tokenizer(queries)["input_ids"], params.tokenize, tokenizer, where, params.path)
+        ids, cut = fitted(tokenizer(queries)["input_ids"], params.tokenize, tokenizer, where, params.path, limit)
         long = len(queries) - len(ids)
         ids = [x for x in ids if len(x) >= params.tokenize.min_query_tokens]
         short = len(queries) - long - len(ids)
@@ -108,15 +125,26 @@ def run(params: Params, root: Path = Path(".")) -> str:
         too_long = len(ids) - len(fitting)
         ids = fitting
         tables[target] = {"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}
-        dropped = {f"over tokenize.max_query_tokens={params.tokenize.max_query_tokens} (truncation: drop)": long,
+        dropped = {f"over {limit} tokens (tokenize.truncation: drop)": long,
                    f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,
                    "filling the whole context": too_long}
         why = ", ".join(f"{n} {reason}" for reason, n in dropped.items() if n)
         kept[target.stem] = f"{len(ids)} of {len(queries)} queries kept" + (f" ({why})" if why else "")
         if cut.count:
-            kept[target.stem] += f", {cut.describe(params.tokenize)}"
-            warning(f"{where}: {cut.describe(params.tokenize)}; the policy sees them cut (tokenize.truncation: "
+            kept[target.stem] += f", {cut.describe(params.tokenize, limit)}"
+            warning(f"{where}: {cut.describe(params.tokenize, limit)}; the policy sees them cut (tokenize.truncation: "
                     f"refuse stops instead, a larger tokenize.max_query_tokens keeps them whole)")
+    held_out = without_training_prompts(tables[TOKENIZED_EVAL], set(tables[TOKENIZED_TRAIN]["query"]))
+    if len(held_out["query"]) < len(tables[TOKENIZED_EVAL]["query"]):
+        gone = len(tables[TOKENIZED_EVAL]["query"]) - len(held_out["query"])
+        if not held_out["query"]:
+            raise StageError(f"{RAW_PROMPTS_EVAL}: every held-out prompt is a training prompt once tokenized and cut "
+                             f"to {limit} tokens; keep prompts whole (tokenize.truncation: refuse, or a larger "
+                             f"tokenize.max_query_tokens in {params.path})")
+        warning(f"tokenize: {gone} held-out prompts are training prompts once tokenized and cut to {limit} tokens: "
+                "left out of the held-out set, which holds no training prompt")
+        kept[TOKENIZED_EVAL.stem] += f", {gone} left out (training prompts once cut)"
+        tables[TOKENIZED_EVAL] = held_out
     with publishing():  # both or neither
         for target, columns in tables.items():
             write_parquet(columns, root / target, metadata={TOKENIZER_KEY: made_with})

@@ -26,13 +26,15 @@ from stages.shared.artifacts import (
     TOKENIZED_EVAL,
     TOKENIZED_TRAIN,
     check_tokenized_with,
+    heldout_words,
     read_prompts,
     require_dir,
+    training_prompts_among,
 )
 from stages.shared.checks import defaulted_ppo_keys
 from stages.shared.models import check_mixed_precision, is_encoder_decoder, model_context
 from stages.shared.params import Params
-from stages.shared.runtime import Progress, StageError, note, process_state
+from stages.shared.runtime import Progress, StageError, note, process_state, warning
 from stages.shared.scoring import judge_functions
 
 
@@ -57,9 +59,12 @@ def run(params: Params, root: Path = Path(".")) -> str:
     trainer = loop.trainer
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
     batches = query_batches(len(prompts), sizes.global_batch_size, params.seed, sizes.num_generations)
-    heldout = heldout_prompts(params, root)  # watch.eval_every: the held-out prompts evaluated during the run
+    heldout = heldout_prompts(params, root, prompts["query"], main)  # watch.eval_every: evaluated during the run
     judges = judge_functions(params) if heldout is not None else {}
     start, tables = resume_run(trainer, params, root)
+    if heldout is not None:  # what the watch's figures are over, in data/ppo/metrics.json
+        tables.heldout = {"prompts": len(heldout), "in_train": training_prompts_among(heldout["query"],
+                                                                                       prompts["query"])}
     for _ in range(start):  # the data position: the batches the checkpointed steps consumed
         next(batches)
     total = config.total_ppo_epochs
@@ -85,9 +90,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
     return summary(tables, start)
 
 
-def heldout_prompts(params: Params, root: Path):
+def heldout_prompts(params: Params, root: Path, training, main: bool = True):
     """The first `watch.eval_prompts` held-out prompts, tokenized by the SFT model's tokenizer, or None without
-    held-out evaluation (watch.eval_every 0)."""
+    held-out evaluation (watch.eval_every 0); a `warning:` where some are among the ``training`` queries (none are:
+    prepare splits by distinct prompt)."""
     if params.watch.eval_every == 0:
         return None
     check_tokenized_with(root / TOKENIZED_EVAL, root / SFT_MODEL)
@@ -95,7 +101,11 @@ def heldout_prompts(params: Params, root: Path):
     if params.watch.eval_prompts > len(prompts):
         note(f"ppo: watch.eval_prompts is {params.watch.eval_prompts}, but {TOKENIZED_EVAL} holds {len(prompts)} "
              f"held-out prompts: each held-out evaluation uses all {len(prompts)}")
-    return prompts.head(params.watch.eval_prompts)
+    prompts = prompts.head(params.watch.eval_prompts)
+    in_train = training_prompts_among(prompts["query"], training)
+    if main and in_train:  # none by construction (data/ppo/metrics.json's `heldout` says so): said only otherwise
+        warning(f"ppo: watching {heldout_words(len(prompts), in_train)}: their figures are not held-out ones")
+    return prompts
 
 
 def note_defaulted_keys(params: Params) -> None:

@@ -163,7 +163,8 @@ def publish(trainer: PPOTrainer, root: Path, tables: StepTables, tokenizer, watc
 
 def watch_metrics(tables: StepTables, watch) -> dict:
     """data/ppo/metrics.json's account of watching the run: the policy kept (its step, and by what), the doctor's
-    alerts (per check: how many steps, the first one and its message) and where an alert stopped the run."""
+    alerts (per check: how many steps, the first one and its message), where an alert stopped the run, and what the
+    held-out evaluations were over (``heldout``: how many prompts, how many of them training prompts: none)."""
     last = int(tables.curves[-1]["step"])
     kept = {"policy": "last", "step": last}
     if watch.keep == "best" and tables.best is not None:
@@ -173,7 +174,8 @@ def watch_metrics(tables: StepTables, watch) -> dict:
     for alert in tables.alerts:
         entry = alerts.setdefault(alert["check"], {"steps": 0, "first_step": alert["step"], "first": alert["message"]})
         entry["steps"] += 1
-    return {"kept": kept, "alerts": alerts} | ({"stopped": tables.stopped} if tables.stopped else {})
+    return ({"kept": kept, "alerts": alerts} | ({"stopped": tables.stopped} if tables.stopped else {})
+            | ({"heldout": tables.heldout} if getattr(tables, "heldout", None) else {}))
 
 
 def save_policy(path: Path, policy, tokenizer) -> None:

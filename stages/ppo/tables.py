@@ -57,6 +57,7 @@ class StepTables:
         self.first_health: dict | None = None
         self.best: dict | None = None  # {"step", "value"}: the policy keep: best holds so far
         self.stopped: dict | None = None  # {"step", "reason"}: an alert stopped the run (watch.on_alert: stop)
+        self.heldout: dict | None = None  # {"prompts", "in_train"}: what the held-out evaluations are over
 
     def append(self, step: int, stats: dict, scores: list[float], gold: list[float] | None) -> None:
         keys = sorted(stats)
@@ -76,7 +77,8 @@ class StepTables:
     def state(self) -> dict:
         """The rows so far and what watching found, for a checkpoint (plain Python values)."""
         return {"stats": self.stats, "timings": self.timings, "curves": self.curves, "evals": self.evals,
-                "alerts": self.alerts, "first_health": self.first_health, "best": self.best, "stopped": self.stopped}
+                "alerts": self.alerts, "first_health": self.first_health, "best": self.best, "stopped": self.stopped,
+                "heldout": self.heldout}
 
     @classmethod
     def from_state(cls, state: dict) -> StepTables:

@@ -27,6 +27,7 @@ from stages.report.sections import (
     charts,
     evaluation_table,
     heldout_charts,
+    heldout_line,
     models,
     params_diff,
     time_chart,
@@ -58,7 +59,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     judges = params.evaluate.judges  # the named ones (the synthetic gold is in the tables already)
     samples = read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS + list(judges))
     sections = [
-        ("Evaluation on the held-out prompts", evaluation_table(evaluation, scorer, judges)),
+        ("Evaluation on the held-out prompts", heldout_line(evaluation) + evaluation_table(evaluation, scorer, judges)),
         ("PPO, step by step", charts(curves, scorer) + heldout_charts(root / PPO_EVAL, scorer) + time_chart(root)),
         ("Watching the run: the policy kept and the doctor's alerts", watched(read_json(root / PPO_METRICS))),
         ("Held-out prompts: SFT and PPO side by side", side_by_side(samples, score_header(params.scorer),

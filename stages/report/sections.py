@@ -23,6 +23,7 @@ from stages.shared.artifacts import (
     SFT_CURVE,
     SFT_METRICS,
     atomic_path,
+    heldout_words,
     policy_means,
     read_json,
     sha256_file,
@@ -61,6 +62,15 @@ def evaluation_table(metrics: dict, scorer: str, judges: dict[str, str] | None =
     rows = [[label, sft[key], ppo[key], ppo[key] - sft[key]] for key, label in names.items() if key in ppo]
     win = f"<p>Win rate of PPO over SFT ({html.escape(scorer)}, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
     return table(rows, ["mean over the held-out prompts", "SFT", "PPO", "PPO - SFT"]) + win
+
+
+def heldout_line(metrics: dict) -> str:
+    """What the held-out figures are over: how many prompts, and how many of them are training prompts (evaluate's
+    ``heldout``; none by construction). Empty for metrics written before evaluate measured it."""
+    if "heldout" not in metrics:
+        return ""
+    held = metrics["heldout"]
+    return f"<p>Over {html.escape(heldout_words(held['prompts'], held['in_train']))}.</p>"
 
 
 def charts(curves: pd.DataFrame, scorer: str) -> str:

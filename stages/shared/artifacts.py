@@ -264,6 +264,19 @@ def read_table(path: Path, columns: Sequence[str]):
         raise StageError(f"{path}: not a readable Parquet file ({reason(err)}); {restore_hint(path)}") from None
 
 
+def training_prompts_among(queries, training) -> int:
+    """How many of the held-out ``queries`` are also training prompts (``training``): 0 where prepare and tokenize
+    held them out, as they do; measured where a held-out figure is made, so that it says what it is."""
+    training = set(training)
+    return sum(query in training for query in queries)
+
+
+def heldout_words(n: int, in_train: int) -> str:
+    """``"200 held-out prompts, none of them a training prompt"`` (or how many are)."""
+    return f"{n} held-out prompts, " + ("none of them a training prompt" if not in_train else
+                                         f"{in_train} of them training prompts")
+
+
 def read_prompts(path: Path):
     """The tokenize stage's prompts (``query``, ``input_ids``), every row holding at least one token id."""
     prompts = read_table(path, ["query", "input_ids"])
@@ -300,17 +313,19 @@ def check_tokenized_with(path: Path, model_dir: Path) -> None:
                          f"{writer_of(path)} ran); rerun {writer_of(path)} (`rlhf {writer_of(path)}`, or `dvc repro`)")
 
 
-def evaluation_metrics(ppo: dict[str, float], sft: dict[str, float], win: float) -> dict:
+def evaluation_metrics(ppo: dict[str, float], sft: dict[str, float], win: float, heldout: dict[str, int]) -> dict:
     """data/eval/metrics.json: the win rate and the PPO policy's means at the top level, in the order a sweep
-    compares them, and the SFT baseline's in ``sft`` (its KL to itself, always 0, left out)."""
-    return {"win_rate": win, **ppo, "sft": {k: v for k, v in sft.items() if k != "kl"}}
+    compares them, the SFT baseline's in ``sft`` (its KL to itself, always 0, left out), and in ``heldout`` how many
+    prompts were evaluated and how many of them are training prompts (``{"prompts", "in_train"}``: 0 by construction,
+    measured here)."""
+    return {"win_rate": win, **ppo, "sft": {k: v for k, v in sft.items() if k != "kl"}, "heldout": heldout}
 
 
 def policy_means(metrics: dict, policy: str) -> dict[str, float]:
     """A policy's means from data/eval/metrics.json, keyed alike for both (``kl``: 0 for SFT)."""
     if policy == "sft":
         return {**metrics["sft"], "kl": 0.0}
-    return {k: v for k, v in metrics.items() if k not in ("win_rate", "sft")}
+    return {k: v for k, v in metrics.items() if k not in ("win_rate", "sft", "heldout")}
 
 
 def check_writable(root: Path, paths: Sequence[Path | str]) -> None:

@@ -14,7 +14,7 @@ from stages.shared.runtime import ParamsError
 if TYPE_CHECKING:
     from ppo_core.config import PPOConfig
 
-RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft")  # data/eval/metrics.json's own keys
+RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft", "heldout")  # data/eval/metrics.json's own keys
 MIN_VOCAB = 256 + 2  # a tokenizer trained from scratch: every byte, plus EOS and PAD (stages/sft.py)
 # Legacy PPOConfig fields that only label a run: the pipeline decides what they name, so a value of a user's own
 # would read as if it acted. Each: the artifact the ppo stage reads, the param that picks what it holds (a label
@@ -92,7 +92,7 @@ def positive_values(p: Params) -> dict[str, Any]:
         "sft.batch_size": p.sft.batch_size, "sft.max_length": p.sft.max_length,
         "reward.learning_rate": p.reward.learning_rate, "reward.num_train_epochs": p.reward.num_train_epochs,
         "reward.batch_size": p.reward.batch_size, "reward.max_length": p.reward.max_length,
-        "tokenize.max_query_tokens": p.tokenize.max_query_tokens, "scorer.batch_size": p.scorer.batch_size,
+        "scorer.batch_size": p.scorer.batch_size,
         "generation.max_new_tokens": p.generation.max_new_tokens, "evaluate.batch_size": p.evaluate.batch_size,
     }
 
@@ -111,8 +111,10 @@ def range_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
         ("sft.warmup_ratio", p.sft.warmup_ratio, "in [0, 1)", 0 <= p.sft.warmup_ratio < 1),
         ("reward.warmup_ratio", p.reward.warmup_ratio, "in [0, 1)", 0 <= p.reward.warmup_ratio < 1),
         ("tokenize.min_query_tokens", p.tokenize.min_query_tokens, ">= 1", p.tokenize.min_query_tokens >= 1),
+        ("tokenize.max_query_tokens", p.tokenize.max_query_tokens, "null (what the model's context leaves) or > 0",
+         p.tokenize.max_query_tokens is None or p.tokenize.max_query_tokens > 0),
         ("tokenize.min_query_tokens", p.tokenize.min_query_tokens, "<= tokenize.max_query_tokens",
-         p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens),
+         p.tokenize.max_query_tokens is None or p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens),
         ("scorer.name", p.scorer.name, f"set for scorer.source {p.scorer.source}",
          p.scorer.source == "reward_model" or bool(p.scorer.name)),
         ("scorer.name", p.scorer.name, "a 'module:function' with scorer.source callable",
@@ -167,6 +169,9 @@ def watch_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
 def scratch_model_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
     """A model trained from scratch (model.name_or_path null): its shape against the byte-level BPE and the lengths."""
     n_positions = p.model.n_positions
+    # the response's room beside the longest query (null max_query_tokens: the shortest one kept)
+    query = "max_query_tokens" if p.tokenize.max_query_tokens is not None else "min_query_tokens"
+    query_tokens = getattr(p.tokenize, query)
     return [
         ("model.vocab_size", p.model.vocab_size, f">= {MIN_VOCAB} (the 256 bytes of the byte-level BPE and its "
          "2 special tokens)", p.model.vocab_size >= MIN_VOCAB),
@@ -176,8 +181,8 @@ def scratch_model_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
         ("reward.max_length", p.reward.max_length, f"<= model.n_positions ({n_positions})",
          p.reward.max_length <= n_positions),
         ("generation.max_new_tokens", p.generation.max_new_tokens,
-         f"<= model.n_positions - tokenize.max_query_tokens ({n_positions - p.tokenize.max_query_tokens})",
-         p.tokenize.max_query_tokens + p.generation.max_new_tokens <= n_positions),
+         f"<= model.n_positions - tokenize.{query} ({n_positions - query_tokens})",
+         query_tokens + p.generation.max_new_tokens <= n_positions),
     ]
 
 

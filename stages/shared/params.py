@@ -56,7 +56,9 @@ class DataParams:
     prompts: DatasetSpec
     """PPO prompts, one column: query; split into train and held-out eval."""
     n_eval_prompts: int
-    """Prompts held out from PPO for the evaluate stage."""
+    """Distinct prompts held out from PPO for the held-out evaluations (evaluate, the watch), each once; the split is by
+    distinct prompt (every copy of a prompt on one side, so none is a training prompt), and at most 25% of the
+    distinct prompts are held out (a note says so where this asks for more)."""
 
     @property
     def is_synthetic(self) -> bool:
@@ -139,13 +141,20 @@ class RewardParams:
 
 @dataclass(frozen=True)
 class TokenizeParams:
-    max_query_tokens: int
-    """The most tokens a query may have (query plus response must fit the model's context)."""
+    max_query_tokens: int | None
+    """The most tokens a query may have (query plus response must fit the model's context); null: what the SFT
+    model's context leaves beside generation.max_new_tokens (`query_token_limit`), which fits any prompts file."""
     truncation: Literal["refuse", "keep_start", "keep_end", "drop"]
     """A query over max_query_tokens: "refuse" (stop, saying how many), "keep_start" / "keep_end" (its first / last
     tokens, maybe cutting a word: the stage says how many), "drop" (left out, counted)."""
     min_query_tokens: int
     """Queries shorter than this (after truncation) are dropped."""
+
+
+def query_token_limit(tokenize: TokenizeParams, context: int, max_new_tokens: int) -> int:
+    """The most tokens a query may have: tokenize.max_query_tokens, or where it is null the ``context`` (the SFT
+    model's, in tokens) less ``max_new_tokens`` (the response's room)."""
+    return tokenize.max_query_tokens if tokenize.max_query_tokens is not None else context - max_new_tokens
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,42 @@ def test_a_fresh_run_reproduces_the_committed_lock_on_cpu(clone):
                       f"({numerics.LOCK_KERNELS}); stages whose outputs differ: {different}")
 
 
+def ordinary_prompts(n: int = 200) -> list[str]:
+    """``n`` distinct ordinary English prompts, 4 to 8 words, none of the synthetic grammar's."""
+    asks = ("tell me about", "write a line on", "describe", "what do you think of", "give me a word for")
+    things = ("the weather in spring", "an old wooden boat", "my neighbour's garden", "a quiet morning at the lake",
+              "the last train home", "a birthday cake", "the city at night", "a letter from a friend")
+    people = ("", " for a child", " for my aunt", " in one sentence", " as a poem")
+    return [f"{a} {t}{p}".strip() for a in asks for t in things for p in people][:n]
+
+
+@pytest.mark.slow
+def test_own_prompts_run_to_the_end_on_the_first_try_and_stay_held_out(clone, tmp_path):
+    """A user's 200-line JSONL of ordinary prompts in the shipped params.yaml: `dvc repro` runs to the end on the
+    first try (the held-out count is capped at 25% of the prompts, the prompt-length limit follows the model's
+    context), and no held-out prompt is a training prompt, as evaluate measures and the report says."""
+    import pandas as pd
+
+    own = tmp_path / "own"
+    shutil.copytree(clone, own, symlinks=True)
+    prompts = ordinary_prompts()
+    (own / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    yaml = YAML()
+    params = yaml.load((own / "params.yaml").read_text())
+    params["data"]["prompts"].update(source="prompts.jsonl", columns={"query": "prompt"}, n=None)
+    with open(own / "params.yaml", "w") as fh:
+        yaml.dump(params, fh)
+    with cpu_only():
+        dvc("repro", cwd=own)
+    metrics = json.loads((own / "data" / "eval" / "metrics.json").read_text())
+    assert metrics["heldout"] == {"prompts": 50, "in_train": 0}  # 25% of 200, none trained on
+    train = pd.read_parquet(own / "data" / "tokenized" / "train.parquet")["query"]
+    held_out = pd.read_parquet(own / "data" / "tokenized" / "eval.parquet")["query"]
+    assert len(train) == 150 and not set(train) & set(held_out)
+    assert "Over 50 held-out prompts, none of them a training prompt." in \
+        (own / "data" / "report" / "index.html").read_text()
+
+
 @pytest.mark.slow
 def test_a_ppo_experiment_compares_in_100_columns(clone):
     """`dvc exp show --only-changed` (docs/sweeps.md's command) after a PPO experiment on the default pipeline, where

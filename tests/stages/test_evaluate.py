@@ -26,7 +26,8 @@ def test_evaluate_metrics_are_those_of_its_samples(tiny_run, tiny_params):
     by = {name: samples[samples["policy"] == name].reset_index(drop=True) for name in ("sft", "ppo")}
     assert (by["sft"]["query"] == by["ppo"]["query"]).all()
     ppo, sft = by["ppo"], by["sft"]
-    assert list(metrics) == ["win_rate", "gold", "reward", "kl", "length", "sft"]  # the top level: the PPO policy's
+    assert list(metrics) == ["win_rate", "gold", "reward", "kl", "length", "sft", "heldout"]  # top: the PPO policy's
+    assert metrics["heldout"] == {"prompts": n, "in_train": 0}  # held out: none of them a training prompt
     means = {"gold": "gold", "reward": "score", "kl": "kl_to_sft", "length": "response_tokens"}
     assert {k: metrics[k] for k in means} == pytest.approx({k: ppo[c].mean() for k, c in means.items()}, abs=1e-12)
     assert metrics["sft"] == pytest.approx({k: sft[c].mean() for k, c in means.items() if k != "kl"}, abs=1e-12)
@@ -46,8 +47,9 @@ def test_evaluate_metrics_by_hand():
     assert ppo == {"gold": 0.5, "reward": 0.625, "kl": 0.25, "length": 5.0}
     assert "gold" not in policy_metrics(rows)  # only the judges named
     sft = {"gold": 0.0, "reward": -1.0, "kl": 0.0, "length": 4.0}
-    metrics = evaluation_metrics(ppo, sft, 0.75)
-    assert metrics == {"win_rate": 0.75, **ppo, "sft": {"gold": 0.0, "reward": -1.0, "length": 4.0}}
+    metrics = evaluation_metrics(ppo, sft, 0.75, {"prompts": 4, "in_train": 0})
+    assert metrics == {"win_rate": 0.75, **ppo, "sft": {"gold": 0.0, "reward": -1.0, "length": 4.0},
+                       "heldout": {"prompts": 4, "in_train": 0}}
     assert policy_means(metrics, "ppo") == ppo and policy_means(metrics, "sft") == sft
     # ppo vs sft per prompt: 2 > 1 win, 1 = 1 tie, 1 < 2 loss, 0 = 0 tie: (1 + 0.5 + 0 + 0.5) / 4
     assert win_rate([2.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0]) == 0.5
@@ -85,7 +87,7 @@ def test_evaluate_reports_each_judge_as_a_metric_and_a_samples_column(tiny_run, 
     samples = pd.read_parquet(root / EVAL_SAMPLES)
     assert list(samples.columns) == ["policy", "query", "response", "score", "kl_to_sft", "response_tokens", "gold",
                                      "words"]
-    assert list(metrics) == ["win_rate", "gold", "words", "reward", "kl", "length", "sft"]
+    assert list(metrics) == ["win_rate", "gold", "words", "reward", "kl", "length", "sft", "heldout"]
     assert list(metrics["sft"]) == ["gold", "words", "reward", "length"]
     for policy, means in (("ppo", metrics), ("sft", metrics["sft"])):
         texts = (samples["query"] + samples["response"])[samples["policy"] == policy]

@@ -173,9 +173,9 @@ def test_values_that_would_fail_later_fail_at_load(tmp_path, edit, expected):
     ({"mine": "my_judges"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges'"),
     ({"mine": "my_judges:"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges:'"),
     ({"reward": "my_judges:vowels"}, "evaluate.judges.reward must be a name other than ['win_rate', 'reward', 'kl', "
-                                     "'length', 'sft'] (metric names of their own), got 'reward'"),
+                                     "'length', 'sft', 'heldout'] (metric names of their own), got 'reward'"),
     ({"sft": "my_judges:vowels"}, "evaluate.judges.sft must be a name other than ['win_rate', 'reward', 'kl', "
-                                  "'length', 'sft'] (metric names of their own), got 'sft'"),
+                                  "'length', 'sft', 'heldout'] (metric names of their own), got 'sft'"),
 ])
 def test_a_bad_judge_is_one_line_at_load(tmp_path, judges, expected):
     """evaluate.judges names a function per metric: a value that is no 'module:function', or a name that is one of

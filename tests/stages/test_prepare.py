@@ -26,8 +26,9 @@ def test_synthetic_sizes_and_labels(tiny_params, tmp_path):
     pairs = pd.read_parquet(tmp_path / RAW_PAIRS)
     assert list(pairs.columns) == ["prompt", "chosen", "rejected"] and len(pairs) == data.pairs.n
     assert all(gold_score(p + c) > gold_score(p + r) for p, c, r in pairs.itertuples(index=False))
-    assert len(pd.read_parquet(tmp_path / RAW_PROMPTS_EVAL)) == data.n_eval_prompts
-    assert len(pd.read_parquet(tmp_path / RAW_PROMPTS_TRAIN)) == data.prompts.n - data.n_eval_prompts
+    held_out, train = (pd.read_parquet(tmp_path / path)["query"] for path in (RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN))
+    assert len(held_out) == data.n_eval_prompts and not set(held_out) & set(train)
+    assert len(train) + sum((train == q).sum() for q in held_out) <= data.prompts.n
 
 
 def test_same_seed_same_bytes(tiny_params, tmp_path):
@@ -59,7 +60,7 @@ def real_specs(files):
 
 
 def test_real_data_jsonl_and_csv_with_column_mapping(tiny_params, real_files):
-    params = with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files))
+    params = with_data(tiny_params, n_eval_prompts=2, **real_specs(real_files))
     assert not params.data.is_synthetic
     out = real_files / "project"
     prepare.run(params, out)
@@ -69,7 +70,7 @@ def test_real_data_jsonl_and_csv_with_column_mapping(tiny_params, real_files):
     pairs = pd.read_parquet(out / RAW_PAIRS)
     assert sorted(pairs["chosen"]) == [" was great", " worked"]
     train, held_out = pd.read_parquet(out / RAW_PROMPTS_TRAIN), pd.read_parquet(out / RAW_PROMPTS_EVAL)
-    assert len(train) == 7 and len(held_out) == 3
+    assert len(train) == 8 and len(held_out) == 2
     assert sorted(train["query"].tolist() + held_out["query"].tolist()) == sorted(f"prompt {i}" for i in range(10))
 
 
@@ -101,9 +102,55 @@ def test_empty_jsonl_names_file(tiny_params, real_files):
         prepare.run(with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files)), real_files / "project")
 
 
-def test_too_few_prompts_for_the_held_out_split(tiny_params, real_files):
-    with pytest.raises(StageError, match=r"prompts.jsonl: 10 prompts, but data.n_eval_prompts holds out 10"):
-        prepare.run(with_data(tiny_params, n_eval_prompts=10, **real_specs(real_files)), real_files / "project")
+def test_a_held_out_count_beyond_a_quarter_of_the_prompts_is_capped_and_said(tiny_params, real_files, capsys):
+    """data.n_eval_prompts 200 (the shipped params) on a user's 10 prompts: 2 held out (25%), 8 trained on, a note."""
+    prepare.run(with_data(tiny_params, n_eval_prompts=200, **real_specs(real_files)), real_files / "project")
+    assert len(pd.read_parquet(real_files / "project" / RAW_PROMPTS_EVAL)) == 2
+    assert len(pd.read_parquet(real_files / "project" / RAW_PROMPTS_TRAIN)) == 8
+    assert "data.n_eval_prompts is 200, but" in capsys.readouterr().err
+
+
+def test_one_distinct_prompt_cannot_be_held_out(tiny_params, real_files):
+    """300 copies of one prompt: whatever is held out is a training prompt too, so prepare refuses, saying why."""
+    (real_files / "prompts.jsonl").write_text("".join(json.dumps({"prompt": "the same"}) + "\n" for _ in range(300)))
+    with pytest.raises(StageError, match=r"prompts.jsonl: 300 prompts but 1 distinct: a held-out prompt would also be "
+                                         r"a training prompt; give at least 2 distinct prompts"):
+        prepare.run(with_data(tiny_params, n_eval_prompts=3, **real_specs(real_files)), real_files / "project")
+
+
+def test_repeated_prompts_are_held_out_whole_none_of_them_a_training_prompt(tiny_params, real_files, capsys):
+    """A prompts file whose rows repeat prompts (each of 40 prompts 1 to 5 times): the split is by distinct prompt,
+    every copy on one side; the held-out prompts are each there once, none of them among the training prompts; the
+    summary counts the repeats."""
+    rows = [f"prompt {i}" for i in range(40) for _ in range(1 + i % 5)]
+    (real_files / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
+    summary = prepare.run(with_data(tiny_params, n_eval_prompts=8, **real_specs(real_files)), real_files / "project")
+    train = pd.read_parquet(real_files / "project" / RAW_PROMPTS_TRAIN)["query"].tolist()
+    held_out = pd.read_parquet(real_files / "project" / RAW_PROMPTS_EVAL)["query"].tolist()
+    assert len(held_out) == len(set(held_out)) == 8 and not set(held_out) & set(train)
+    assert sorted(set(train) | set(held_out)) == sorted(set(rows))
+    assert len(train) == len(rows) - sum(rows.count(p) for p in held_out)  # every copy of a trained prompt kept
+    assert f"{len(rows)} prompts (40 distinct, {len(rows) - 40} repeats)" in summary
+    assert "none of them a training prompt" in summary
+
+
+def test_the_split_by_prompt_is_the_split_by_row_without_repeats():
+    prompts = [f"p{i}" for i in range(10)]
+    assert prepare.held_out_split(prompts, 3) == (prompts[3:], prompts[:3])
+    repeated = ["a", "b", "a", "c", "b", "d"]
+    assert prepare.held_out_split(repeated, 2) == (["c", "d"], ["a", "b"])
+
+
+def test_the_synthetic_default_holds_out_prompts_it_never_trains_on(tiny_params, tmp_path):
+    """The embedded default: 1,400 synthetic prompts, 200 held out, none of them a training prompt (independent
+    draws made 633 distinct prompts of 1,400; most held-out ones were training prompts too)."""
+    params = with_data(tiny_params, n_eval_prompts=200,
+                       prompts=dataclasses.replace(tiny_params.data.prompts, n=1400))
+    prepare.run(params, tmp_path)
+    train = pd.read_parquet(tmp_path / RAW_PROMPTS_TRAIN)["query"]
+    held_out = pd.read_parquet(tmp_path / RAW_PROMPTS_EVAL)["query"]
+    assert len(held_out) == held_out.nunique() == 200 and not set(held_out) & set(train)
+    assert train.nunique() == 640  # the other distinct openers, each trained on
 
 
 def test_unsupported_local_file(tiny_params, real_files):

@@ -36,6 +36,8 @@ def test_the_report_shows_the_run_and_needs_nothing_from_outside(page, tiny_run)
         assert section in text, section
     metrics = json.loads((tiny_run / "data" / "eval" / "metrics.json").read_text())
     assert f"<b>{metrics['win_rate']:.3f}</b>" in text
+    # what the held-out figures are over: evaluate measured it (prepare splits by distinct prompt)
+    assert f"Over {metrics['heldout']['prompts']} held-out prompts, none of them a training prompt." in text
     assert text.count("<svg") >= 7  # six curve charts and SFT's loss, inline
     assert not EXTERNAL.search(text), EXTERNAL.search(text)  # no script, stylesheet, image or font to fetch
     chart = timings_chart(page)  # the wall-clock seconds per step: beside the page, drawn from this run's timings

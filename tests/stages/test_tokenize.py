@@ -55,7 +55,7 @@ def test_truncation_keeps_the_start_or_the_end_or_drops_and_counts_the_cuts(tiny
     fitted, cut = tokenize.fitted(ids, tokenize_params("drop", n), tokenizer, "p", "params.yaml")
     assert fitted == [ids[0]] and cut.count == 0
     assert "1 cut to their first 4 tokens (tokenize.truncation: keep_start; by up to" in \
-        tokenize.Cut(1, 3, 0).describe(tokenize_params("keep_start"))
+        tokenize.Cut(1, 3, 0).describe(tokenize_params("keep_start"), 4)
 
 
 def test_a_cut_through_a_word_is_counted():
@@ -87,3 +87,48 @@ def test_the_stage_says_how_many_queries_it_cut_and_by_how_much(tiny_run, tiny_p
     err = capfd.readouterr().err
     assert "warning: data/raw/prompts_train.parquet (data.prompts.source's train prompts): " in err
     assert "tokenize.truncation: refuse stops instead, a larger tokenize.max_query_tokens keeps them whole" in err
+
+
+def test_held_out_prompts_that_a_cut_makes_training_prompts_are_left_out(tiny_run, tiny_params, tmp_path, capfd):
+    """prepare holds out distinct prompts; keep_start can cut two of them to the same first tokens. A held-out prompt
+    that becomes a training prompt so is left out of the held-out set, with a warning: none of it is trained on."""
+    import dataclasses
+    import shutil
+
+    from stages.shared.artifacts import RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, write_parquet
+
+    shutil.copytree(tiny_run / SFT_MODEL, tmp_path / SFT_MODEL)
+    write_parquet({"query": ["the film was good", "the plot was slow"]}, tmp_path / RAW_PROMPTS_TRAIN)
+    write_parquet({"query": ["the film was dull", "my sister liked the music"]}, tmp_path / RAW_PROMPTS_EVAL)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run / SFT_MODEL)
+    limit = len(tokenizer("the film was")["input_ids"])  # "the film was ..." cut to these: one prompt
+    cut = dataclasses.replace(tiny_params.tokenize, truncation="keep_start", max_query_tokens=limit, min_query_tokens=1)
+    params = dataclasses.replace(tiny_params, tokenize=cut)
+    summary = tokenize.run(params, tmp_path)
+    train, held_out = (pd.read_parquet(tmp_path / path)["query"].tolist() for path in (TOKENIZED_TRAIN, TOKENIZED_EVAL))
+    assert not set(held_out) & set(train) and len(held_out) == 1
+    assert "1 left out (training prompts once cut)" in summary
+    err = capfd.readouterr().err
+    assert "warning: tokenize: 1 held-out prompts are training prompts once tokenized and cut to" in err
+
+
+def test_a_null_limit_is_what_the_context_leaves_beside_the_response(tiny_run, tiny_params, tmp_path):
+    """tokenize.max_query_tokens null (the shipped default): a prompt may take the SFT model's context less
+    generation.max_new_tokens, so a user's longer prompts fit without a first failed run."""
+    import dataclasses
+    import shutil
+
+    from stages.shared.artifacts import RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, write_parquet
+    from stages.shared.models import model_context
+
+    shutil.copytree(tiny_run / SFT_MODEL, tmp_path / SFT_MODEL)
+    long = "i saw it last week and the acting was good but the plot was slow"
+    write_parquet({"query": [long, "the film was"]}, tmp_path / RAW_PROMPTS_TRAIN)
+    write_parquet({"query": ["the plot was"]}, tmp_path / RAW_PROMPTS_EVAL)
+    params = dataclasses.replace(tiny_params, tokenize=dataclasses.replace(tiny_params.tokenize, truncation="refuse",
+                                                                           max_query_tokens=None))
+    tokenize.run(params, tmp_path)
+    kept = pd.read_parquet(tmp_path / TOKENIZED_TRAIN)
+    assert long in kept["query"].tolist()  # over the tiny params' 8 tokens, within the context's room
+    room = model_context(tmp_path / SFT_MODEL) - params.generation.max_new_tokens
+    assert kept["input_ids"].map(len).max() <= room

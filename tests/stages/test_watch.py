@@ -22,6 +22,7 @@ from stages.shared.artifacts import (
     PPO_ROLLOUTS,
     PPO_STATS,
     TOKENIZED_EVAL,
+    TOKENIZED_TRAIN,
 )
 from stages.shared.cli import app
 from stages.shared.params import AlertParams
@@ -113,11 +114,21 @@ def test_more_heldout_prompts_asked_than_there_are_is_said_once(tiny_run, tiny_p
     so (without the note a user reads 32 in params.yaml and believes 32 prompts were scored)."""
     kept = len(pd.read_parquet(tiny_run / TOKENIZED_EVAL))
     params = dataclasses.replace(tiny_params, watch=dataclasses.replace(tiny_params.watch, eval_prompts=kept + 5))
-    assert len(ppo.heldout_prompts(params, tiny_run)) == kept
+    training = pd.read_parquet(tiny_run / TOKENIZED_TRAIN)["query"]
+    assert len(ppo.heldout_prompts(params, tiny_run, training)) == kept
     assert capsys.readouterr().err == (f"note: ppo: watch.eval_prompts is {kept + 5}, but {TOKENIZED_EVAL} holds "
                                        f"{kept} held-out prompts: each held-out evaluation uses all {kept}\n")
     params = dataclasses.replace(tiny_params, watch=dataclasses.replace(tiny_params.watch, eval_prompts=kept))
-    assert len(ppo.heldout_prompts(params, tiny_run)) == kept and capsys.readouterr().err == ""
+    assert len(ppo.heldout_prompts(params, tiny_run, training)) == kept and capsys.readouterr().err == ""
+
+
+def test_the_watch_says_when_held_out_prompts_are_training_prompts(tiny_run, tiny_params, capsys):
+    """None are (prepare splits by distinct prompt, and data/ppo/metrics.json records 0); should a user's own
+    tokenized files mix them, the watch says its figures are not held-out ones."""
+    heldout = pd.read_parquet(tiny_run / TOKENIZED_EVAL)["query"]
+    ppo.heldout_prompts(tiny_params, tiny_run, list(heldout[:2]))
+    assert capsys.readouterr().err.endswith("held-out prompts, 2 of them training prompts: their figures are not "
+                                            "held-out ones\n")
 
 
 @pytest.mark.parametrize("change, check", [
