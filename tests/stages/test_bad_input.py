@@ -405,6 +405,9 @@ CASES += [
     ("reward-takes-two-arguments", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:two_args"},
      None, "params.yaml: scorer.name 'scorers:two_args': two_args(texts, labels) (scorers.py:32) cannot be called with "
            "one argument, the list of texts; give its other parameters defaults, or wrap it in a def score(texts)"),
+    ("judge-named-gold-with-synthetic-data", "prepare", None, {"evaluate.judges": {"gold": "scorers:words"}},
+     None, "params.yaml: evaluate.judges.gold must be a name other than 'gold' with the synthetic data (its gold "
+           "score, the lexicon's, is 'gold' already; a judge takes that name with data of your own), got 'gold'"),
 ]
 
 
