@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from ppo_core import set_seed
 from ppo_core.config import PPOConfig, RunSizes
 from stages.ppo.checkpoints import publish, record, resume_run, save_run_checkpoint
-from stages.ppo.loop import build_loop, one_step, query_batches, warn_if_flat_groups
+from stages.ppo.loop import build_loop, one_step, query_batches, warn_if_flat_groups, warn_if_large_scores
 from stages.ppo.tables import StepTables
 from stages.ppo.watch import watch_step
 from stages.shared.artifacts import (
@@ -64,13 +64,14 @@ def run(params: Params, root: Path = Path(".")) -> str:
         next(batches)
     total = config.total_ppo_epochs
     progress = Progress("ppo", total, start=start, main=main)  # step i/N, ETA, the last step's reward and KL
-    warned_flat = False
+    warned_flat = warned_scale = False
     for step in range(start, total):
         idx = next(batches)[rank * sizes.batch_size:(rank + 1) * sizes.batch_size]  # this process's share
         stats, rollouts = one_step(loop, step, idx, root)
         tables.append(step, stats, rollouts["score"], rollouts.get("gold"))  # time/*: timings.csv
         progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
         warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.resolved.dynamic_sampling)
+        warned_scale = warned_scale or warn_if_large_scores(rollouts["score"], step, main, config)
         stop = watch_step(loop, step, total, stats, rollouts, tables, heldout, judges, params.watch, root, main)
         if main:  # only the main process writes
             record(root, step, rollouts, tables)
