@@ -140,7 +140,8 @@ def check_prompts_fit_the_context(prompts, params: Params, seq2seq: bool, root: 
 
 
 def summary(tables: StepTables, start: int) -> str:
-    """The stage's line: steps, where it resumed, the reward's first and last step, the last KL."""
+    """The stage's line: steps, where it resumed, the reward of the first and the last training batch and the last
+    one's KL, said to be those (not the held-out figures evaluate reports, which they would otherwise be read as)."""
     first, last = tables.curves[0], tables.curves[-1]
     resumed = f", resumed at step {start}" if start else ""
     kl = "kl not measured (coefficient 0: no reference pass)" if math.isnan(last["kl"]) else f"kl {last['kl']:.2f}"
@@ -150,4 +151,5 @@ def summary(tables: StepTables, start: int) -> str:
         stopped = f", stopped at step {tables.stopped['step'] + 1} by an alert ({tables.stopped['reason']})"
     kept = f" (step {tables.best['step'] + 1}'s, the best held-out)" if tables.best else ""
     return f"{n} step{'s' * (n > 1)}{resumed}{stopped}, reward {first['reward_mean']:.2f} -> " \
-           f"{last['reward_mean']:.2f}, {kl} -> {PPO_MODEL}{kept}"
+           f"{last['reward_mean']:.2f}, {kl} (training batches: step {first['step'] + 1}'s -> step " \
+           f"{last['step'] + 1}'s; held-out: evaluate) -> {PPO_MODEL}{kept}"

@@ -194,6 +194,18 @@ def test_dapo_trains_on_nothing_rather_than_on_groups_without_a_spread(tiny_run,
         "(ppo/frac_responses_left_out)" in warnings[0]
 
 
+def test_the_summary_says_its_numbers_are_the_training_batches():
+    """The summary's reward and KL are the first and last training batches' (evaluate reports the held-out ones): it
+    says so, with the steps counted from 1 as the progress line counts them."""
+    from stages.ppo.tables import StepTables
+
+    tables = StepTables()
+    for step, (reward, kl) in enumerate([(-1.18, 0.0), (0.52, 1.31), (1.42, 6.95)]):
+        tables.curves.append({"step": step, "reward_mean": reward, "kl": kl})
+    assert ppo.summary(tables, 0) == ("3 steps, reward -1.18 -> 1.42, kl 6.95 (training batches: step 1's -> step "
+                                      "3's; held-out: evaluate) -> data/models/ppo")
+
+
 def test_steps_that_are_not_a_whole_number_of_batches_are_said(tiny_run, tiny_params, tmp_path, capfd):
     """Legacy rounds ppo.steps up to whole step() calls (total_ppo_epochs): kept, and said."""
     root = copy_for_ppo(tiny_run, tmp_path)
