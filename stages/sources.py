@@ -50,7 +50,8 @@ def records_now(params: Params) -> dict[Path, dict[str, Any]]:
 def changes(params: Params, root: Path = Path(".")) -> list[str]:
     """What differs between the material params.yaml names now and what the last run of the sources stage recorded
     (what `dvc status` cannot see: DVC hashes these at `dvc repro`, in this stage), one line each, saying which stages
-    the next `dvc repro` reruns for it. Nothing: all as recorded."""
+    the next `dvc repro` reruns for it, each line once (a new scorer changes its source, name and code: one line).
+    Nothing: all as recorded."""
     out = []
     for path, record in records_now(params).items():
         recorded = read_recorded(root / path)
@@ -62,7 +63,7 @@ def changes(params: Params, root: Path = Path(".")) -> list[str]:
             if now.get(key) != recorded.get(key):
                 out.append(f"{described(path, key, now, recorded)} changed since the last run: the next `dvc repro` "
                            f"reruns {READERS[path]} and what follows")
-    return out
+    return list(dict.fromkeys(out))  # in order, without repeats
 
 
 def read_recorded(path: Path) -> dict[str, Any] | None:

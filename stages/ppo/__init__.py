@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from ppo_core import set_seed
 from ppo_core.config import PPOConfig, RunSizes
 from stages.ppo.checkpoints import publish, record, resume_run, save_run_checkpoint
-from stages.ppo.loop import build_loop, one_step, query_batches, warn_if_flat_groups
+from stages.ppo.loop import build_loop, one_step, query_batches, warn_if_flat_groups, warn_if_large_scores
 from stages.ppo.tables import StepTables
 from stages.ppo.watch import watch_step
 from stages.shared.artifacts import (
@@ -69,13 +69,14 @@ def run(params: Params, root: Path = Path(".")) -> str:
         next(batches)
     total = config.total_ppo_epochs
     progress = Progress("ppo", total, start=start, main=main)  # step i/N, ETA, the last step's reward and KL
-    warned_flat = False
+    warned_flat = warned_scale = False
     for step in range(start, total):
         idx = next(batches)[rank * sizes.batch_size:(rank + 1) * sizes.batch_size]  # this process's share
         stats, rollouts = one_step(loop, step, idx, root)
         tables.append(step, stats, rollouts["score"], rollouts.get("gold"))  # time/*: timings.csv
         progress.update(step + 1, reward=tables.curves[-1]["reward_mean"], kl=tables.curves[-1]["kl"])
         warned_flat = warned_flat or warn_if_flat_groups(stats, step, main, config.resolved.dynamic_sampling)
+        warned_scale = warned_scale or warn_if_large_scores(rollouts["score"], step, main, config)
         stop = watch_step(loop, step, total, stats, rollouts, tables, heldout, judges, params.watch, root, main)
         if main:  # only the main process writes
             record(root, step, rollouts, tables)
@@ -149,7 +150,8 @@ def check_prompts_fit_the_context(prompts, params: Params, seq2seq: bool, root: 
 
 
 def summary(tables: StepTables, start: int) -> str:
-    """The stage's line: steps, where it resumed, the reward's first and last step, the last KL."""
+    """The stage's line: steps, where it resumed, the reward of the first and the last training batch and the last
+    one's KL, said to be those (not the held-out figures evaluate reports, which they would otherwise be read as)."""
     first, last = tables.curves[0], tables.curves[-1]
     resumed = f", resumed at step {start}" if start else ""
     kl = "kl not measured (coefficient 0: no reference pass)" if math.isnan(last["kl"]) else f"kl {last['kl']:.2f}"
@@ -159,4 +161,5 @@ def summary(tables: StepTables, start: int) -> str:
         stopped = f", stopped at step {tables.stopped['step'] + 1} by an alert ({tables.stopped['reason']})"
     kept = f" (step {tables.best['step'] + 1}'s, the best held-out)" if tables.best else ""
     return f"{n} step{'s' * (n > 1)}{resumed}{stopped}, reward {first['reward_mean']:.2f} -> " \
-           f"{last['reward_mean']:.2f}, {kl} -> {PPO_MODEL}{kept}"
+           f"{last['reward_mean']:.2f}, {kl} (training batches: step {first['step'] + 1}'s -> step " \
+           f"{last['step'] + 1}'s; held-out: evaluate) -> {PPO_MODEL}{kept}"

@@ -110,6 +110,27 @@ def likely_cause(scores: list[float]) -> str:
     return f"{span}; lower ppo.learning_rate or set ppo.max_grad_norm"
 
 
+# A score magnitude past which a scorer's scale is worth a word: rewards of a few units train best (the KL penalty,
+# init_kl_coef * KL, and the value head's targets are of that size); a thousand is far outside it.
+LARGE_SCORE = 1e3
+
+
+def warn_if_large_scores(scores: list[float], step: int, main: bool, config: PPOConfig) -> bool:
+    """Warn (once: returns True when it did) when a step's scores reach past +-`LARGE_SCORE` and nothing brings them
+    back to scale (ppo.use_score_scaling off, ppo.score_clip unset or above it): the KL penalty then weighs nothing
+    beside them and the value loss grows with their square."""
+    largest = max(map(abs, scores))
+    rescaled = config.use_score_scaling or (config.score_clip is not None and config.score_clip <= LARGE_SCORE)
+    if largest <= LARGE_SCORE or rescaled:
+        return False
+    if main:
+        warning(f"ppo: step {step + 1}: scores reach {largest:.3g} in magnitude (over {LARGE_SCORE:g}), a scale at "
+                "which the KL penalty weighs nothing and the value loss grows with its square; set "
+                "ppo.use_score_scaling: true or ppo.score_clip, or scale the scorer's output down (scores of a few "
+                "units train best)")
+    return True
+
+
 FLAT = "ppo/frac_reward_zero_std"
 
 

@@ -1,6 +1,6 @@
 """The report's HTML, self-contained: the page and its style, tables with one number format down a column, and
-matplotlib figures inlined as SVG (no script, no network). The run's page (stages/report/) and a sweep's
-(stages/report/sweep.py) are both built from these."""
+matplotlib figures inlined as SVG (no script, no network), their PPO steps counted from 1 as the console counts them.
+The run's page (stages/report/) and a sweep's (stages/report/sweep.py) are both built from these."""
 
 from __future__ import annotations
 
@@ -31,17 +31,36 @@ def number(value: float) -> str:
     return f"{value:#.4g}".rstrip(".")
 
 
+def column_format(values: list) -> str:
+    """The one format of a column's floats: 2 decimals, as the stages' summary lines print their means (``-0.15``,
+    ``10.61``, ``0.83``), so that the page, the console and numbers copied from either agree; 3 significant digits in
+    scientific notation for a column that reaches 1e4 or stays under 0.1, where 2 decimals would be too long or 0.00."""
+    finite = [abs(v) for v in values if isinstance(v, float) and math.isfinite(v)]
+    largest = max(finite, default=1.0)
+    return ".2f" if 0.1 <= largest < 1e4 or largest == 0 else ".2e"
+
+
 def table(rows: list[list], header: list[str]) -> str:
-    """An HTML table; numbers right-aligned with 4 significant digits (:func:`number`), text escaped."""
-    def cell(value) -> str:
+    """An HTML table; numbers right-aligned, each column's floats in one format (:func:`column_format`), text
+    escaped."""
+    formats = [column_format(list(column)) for column in zip(*rows)]
+
+    def cell(value, fmt: str) -> str:
         if isinstance(value, float):
-            return f'<td class="n">{number(value)}</td>'
+            return f'<td class="n">{format(value, fmt) if math.isfinite(value) else value}</td>'
         if isinstance(value, int):
             return f'<td class="n">{value}</td>'
         return f"<td>{html.escape(str(value))}</td>"
 
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    return f"<table><tr>{head}</tr>" + "".join(f"<tr>{''.join(map(cell, r))}</tr>" for r in rows) + "</table>"
+    body = "".join(f"<tr>{''.join(map(cell, row, formats))}</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def shown_steps(steps):
+    """PPO steps as the page shows them: counted from 1, as the console counts them (``step 24/24``, the summary
+    line, the warnings); the ``step`` column of data/ppo/*.csv and the rollouts' file names count from 0."""
+    return steps + 1
 
 
 def svg(figure) -> str:
@@ -61,10 +80,12 @@ def figure(title: str, ylabel: str = "", xlabel: str = "PPO step"):
     matplotlib.use("Agg")
     matplotlib.rcParams.update({"svg.hashsalt": "rlhf-report", "svg.fonttype": "none", "font.size": 9})
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(4.6, 3.0))
     ax.set_title(title)
     ax.set_xlabel(xlabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at 2.5
     if ylabel:
         ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stages.report.html import table
+from stages.report.html import shown_steps, table
 from stages.shared.artifacts import read_table
 
 
@@ -34,5 +34,6 @@ def extremes(rollouts_dir: Path, curves: pd.DataFrame, n: int = 3) -> str:
         ranked = rollouts.sort_values("score", ascending=False, kind="stable")
         rows = [["best", r["query"], r["response"], float(r["score"])] for _, r in ranked.head(n).iterrows()]
         rows += [["worst", r["query"], r["response"], float(r["score"])] for _, r in ranked.tail(n).iterrows()]
-        out.append(f"<p>Step {step}</p>" + table(rows, ["rank", "prompt", "response", "score"]))
+        out.append(f"<p>Step {shown_steps(step)} (step-{step:05d}.parquet)</p>"
+                   + table(rows, ["rank", "prompt", "response", "score"]))
     return "".join(out)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stages.report.html import figure, flatten, number, svg, table
+from stages.report.html import figure, flatten, number, shown_steps, svg, table
 from stages.shared.artifacts import (
     PPO_CURVES,
     PPO_TIMINGS,
@@ -45,6 +45,10 @@ PARTIAL_TITLES = {"Reward (proxy) and gold score": "Reward (proxy)"}  # a chart'
 
 
 TIMINGS_ID = "step-seconds"  # the element that links to the chart of wall-clock seconds per step
+
+
+STEPS_NOTE = ('<p class="note">Steps are counted from 1 on this page, as the console counts them (step 24/24); the '
+              "step column of data/ppo/*.csv and the rollouts' file names (step-00000.parquet) count from 0.</p>")
 
 
 TIME_PARTS = {"generate": "time/generate", "score": "time/score", "step()": "time/ppo/total"}
@@ -83,10 +87,10 @@ def charts(curves: pd.DataFrame, scorer: str) -> str:
             title = PARTIAL_TITLES.get(title, title)
         fig, ax = figure(title, ylabel)
         for column, label in present:
-            ax.plot(curves["step"], curves[column], marker=".", label=label.format(scorer=scorer))
+            ax.plot(shown_steps(curves["step"]), curves[column], marker=".", label=label.format(scorer=scorer))
         ax.legend()
         out.append(svg(fig))
-    return f'<div class="charts">{"".join(out)}</div>'
+    return STEPS_NOTE + f'<div class="charts">{"".join(out)}</div>'
 
 
 def heldout_charts(path: Path, scorer: str) -> str:
@@ -99,32 +103,34 @@ def heldout_charts(path: Path, scorer: str) -> str:
     fig, ax = figure("Held-out prompts during the run", "mean per sample")
     for column in [c for c in evals.columns if c not in ("step", "kl", "length")]:
         label = f"{scorer} (held-out)" if column == "reward" else f"{column} (held-out)"
-        ax.plot(evals["step"], evals[column], marker="o", label=label)
+        ax.plot(shown_steps(evals["step"]), evals[column], marker="o", label=label)
     ax.legend()
     kl_fig, kl_ax = figure("Held-out KL to SFT during the run", "KL (sum over tokens)")
-    kl_ax.plot(evals["step"], evals["kl"], marker="o", color="tab:red", label="KL to SFT (held-out)")
+    kl_ax.plot(shown_steps(evals["step"]), evals["kl"], marker="o", color="tab:red", label="KL to SFT (held-out)")
     kl_ax.legend()
     return f'<div class="charts">{svg(fig)}{svg(kl_fig)}</div>'
 
 
 def watched(metrics: dict) -> str:
     """Which policy data/models/ppo holds and why, where an alert stopped the run, and the doctor's alerts (per
-    check: the steps it fired at, the first). Steps are counted from 0, as the charts and data/ppo/*.csv count them."""
+    check: how many steps it fired at, the first). Steps are counted from 1, as the charts and the console count them
+    (data/ppo/metrics.json counts from 0)."""
     kept = metrics.get("kept", {"policy": "last", "step": metrics.get("steps", 0) - 1})
     if kept["policy"] == "best":
         price = f" - {kept['kl_price']:g} x KL to SFT" if kept.get("kl_price") else ""
-        text = (f"<p>data/models/ppo holds the policy of step {kept['step']} (steps counted from 0, as in the "
-                f"charts), the best by the held-out {html.escape(kept['by'])}{price} ({number(kept['value'])}).</p>")
+        text = (f"<p>data/models/ppo holds the policy of step {shown_steps(kept['step'])}, the best by the held-out "
+                f"{html.escape(kept['by'])}{price} ({number(kept['value'])}).</p>")
     else:
-        text = f"<p>data/models/ppo holds the last step's policy (step {kept['step']}, counted from 0).</p>"
+        text = f"<p>data/models/ppo holds the last step's policy (step {shown_steps(kept['step'])}).</p>"
     if "stopped" in metrics:
-        text += f"<p><b>The run stopped at step {metrics['stopped']['step']}</b>: " \
+        text += f"<p><b>The run stopped at step {shown_steps(metrics['stopped']['step'])}</b>: " \
                 f"{html.escape(metrics['stopped']['reason'])}.</p>"
     alerts = metrics.get("alerts", {})
     if not alerts:
         return text + "<p>The doctor found nothing (watch.alerts).</p>"
-    rows = [[check, entry["steps"], entry["first_step"], entry["first"]] for check, entry in sorted(alerts.items())]
-    return text + table(rows, ["check (watch.alerts)", "steps", "first step", "what it found there"])
+    rows = [[check, entry["steps"], shown_steps(entry["first_step"]), entry["first"]]
+            for check, entry in sorted(alerts.items())]
+    return text + table(rows, ["check (watch.alerts)", "how many steps", "first step", "what it found there"])
 
 
 def time_chart(root: Path) -> str:
@@ -143,7 +149,7 @@ def time_chart(root: Path) -> str:
         fig, ax = figure("Seconds per step", "seconds")
         bottom = 0
         for name, seconds in parts.items():
-            ax.bar(timings["step"], seconds, bottom=bottom, label=name)
+            ax.bar(shown_steps(timings["step"]), seconds, bottom=bottom, label=name)
             bottom = bottom + seconds
         ax.legend()
         with atomic_path(root / image) as tmp:

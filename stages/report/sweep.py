@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stages.report.html import figure, flatten, page, svg, table
+from stages.report.html import figure, flatten, page, shown_steps, svg, table
 from stages.shared.artifacts import PPO_CURVES, REPORT_SWEEP, atomic_path
 from stages.shared.params import ScorerParams
 from stages.shared.runtime import StageError
@@ -122,7 +122,7 @@ def overlay(curves: dict[str, pd.DataFrame]) -> str:
         fig, ax = figure(title)
         for name, frame in curves.items():
             if column in frame:
-                ax.plot(frame["step"], frame[column], label=name)
+                ax.plot(shown_steps(frame["step"]), frame[column], label=name)
         ax.legend(fontsize=7)
         charts.append(svg(fig))
     return f'<div class="charts">{"".join(charts)}</div>'

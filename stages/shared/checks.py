@@ -145,6 +145,10 @@ def judge_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
           for name, value in p.evaluate.judges.items()),
         *((f"evaluate.judges.{name}", name, f"a name other than {list(RESERVED_METRICS)} (metric names of their own)",
            name not in RESERVED_METRICS) for name in p.evaluate.judges),
+        # the synthetic data's gold score is its lexicon's: a judge named gold would replace it without a word
+        *((f"evaluate.judges.{name}", name, "a name other than 'gold' with the synthetic data (its gold score, the "
+           "lexicon's, is 'gold' already; a judge takes that name with data of your own)",
+           name != "gold" or not p.data.is_synthetic) for name in p.evaluate.judges),
     ]
 
 

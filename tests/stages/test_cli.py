@@ -31,6 +31,16 @@ def test_app_help_lists_every_stage():
         assert stage in result.output
 
 
+def test_app_help_gives_each_command_a_whole_summary_in_80_columns():
+    """`rlhf --help` on an 80-column terminal: each command's line is a whole sentence (click cut longer ones with
+    "..."), and no line runs past the terminal's width."""
+    result = CliRunner().invoke(app, ["--help"], terminal_width=80)
+    commands = result.output.split("Commands:\n")[1].splitlines()
+    assert len(commands) >= len(STAGES), commands
+    assert all(line.endswith(".") and not line.endswith("...") for line in commands), commands
+    assert max(map(len, result.output.splitlines())) <= 80
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_stage_help_says_what_it_reads_and_writes(stage):
     result = CliRunner().invoke(app, [stage, "--help"], terminal_width=200)

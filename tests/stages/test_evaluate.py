@@ -70,7 +70,8 @@ def words(texts):
 def test_evaluate_reports_each_judge_as_a_metric_and_a_samples_column(tiny_run, tiny_params, tmp_path, monkeypatch):
     """evaluate.judges, scorers the policy never trained on: each is a column of data/eval/samples.parquet (its score of
     each sample's query + response) and a metric of each policy (their mean), beside the scorer's; one named `gold`
-    takes the place of the synthetic data's lexicon (as the example's VADER does)."""
+    takes the place of the gold score (as the example's VADER does with its own data; beside the synthetic data's
+    lexicon the params check refuses the name, tests/stages/test_bad_input.py: these params are built in code)."""
     from stages import evaluate
     from stages.shared.synthetic import gold_score
     from tests.conftest import params_per_stage

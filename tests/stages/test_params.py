@@ -188,8 +188,11 @@ def test_a_bad_judge_is_one_line_at_load(tmp_path, judges, expected):
 
 
 def test_judges_load_by_name_gold_included(tmp_path):
+    """The example's judges, gold included, with data of its own (beside the synthetic data's gold score a judge may
+    not take the name: tests/stages/test_bad_input.py)."""
     judges = {"gold": "rewards.sentiment:vader", "minilm": "rewards.sentiment:minilm"}  # the example's
-    path = write_params(tmp_path, lambda p: p["evaluate"].update(judges=judges))
+    path = write_params(tmp_path, lambda p: (p["evaluate"].update(judges=judges),
+                                             p["data"]["prompts"].update(source="prompts.jsonl")))
     assert load_params(path).evaluate.judges == judges
 
 

@@ -151,6 +151,29 @@ def test_groups_without_a_reward_spread_are_warned_about_once(tiny_run, tiny_par
                         "gives them a signal"]
 
 
+def test_scores_far_outside_a_sane_scale_are_warned_about_once(tiny_run, tiny_params, tmp_path, monkeypatch, capfd):
+    """A scorer returning values of 1e6 trains, but the log says once (not at every step) that the scale is far
+    outside a reward's (past stages.ppo.loop.LARGE_SCORE) and what rescales it; with ppo.use_score_scaling on, or a
+    ppo.score_clip within that scale, nothing is said."""
+    from stages.ppo.loop import LARGE_SCORE, warn_if_large_scores
+
+    (tmp_path / "huge_scores.py").write_text("def score(texts):\n    return [1e6 * (len(t) % 2) for t in texts]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = copy_for_ppo(tiny_run, tmp_path)
+    scorer = ScorerParams(source="callable", name="huge_scores:score", label="POSITIVE", batch_size=8)
+    ppo.run(dataclasses.replace(tiny_params, scorer=scorer), root)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: ppo: step 1: scores reach 1e+06 in magnitude (over 1000), a scale at which the KL "
+                        "penalty weighs nothing and the value loss grows with its square; set ppo.use_score_scaling: "
+                        "true or ppo.score_clip, or scale the scorer's output down (scores of a few units train best)"]
+    config = tiny_params.ppo_config
+    assert not warn_if_large_scores([LARGE_SCORE, -LARGE_SCORE], 0, True, config)  # at the threshold: sane
+    assert not warn_if_large_scores([1e6], 0, True, dataclasses.replace(config, use_score_scaling=True))
+    assert not warn_if_large_scores([1e6], 0, True, dataclasses.replace(config, score_clip=10.0))
+    assert warn_if_large_scores([1e6], 0, True, dataclasses.replace(config, score_clip=1e5))
+    assert capfd.readouterr().err.count("warning:") == 1
+
+
 def test_dapo_trains_on_nothing_rather_than_on_groups_without_a_spread(tiny_run, tiny_params, tmp_path, monkeypatch,
                                                                        capfd):
     """DAPO's dynamic sampling leaves every group of one score out of the loss: with a scorer that gives every sample
@@ -169,6 +192,18 @@ def test_dapo_trains_on_nothing_rather_than_on_groups_without_a_spread(tiny_run,
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "so ppo.dynamic_sampling left them out of the loss, which trained on the others " \
         "(ppo/frac_responses_left_out)" in warnings[0]
+
+
+def test_the_summary_says_its_numbers_are_the_training_batches():
+    """The summary's reward and KL are the first and last training batches' (evaluate reports the held-out ones): it
+    says so, with the steps counted from 1 as the progress line counts them."""
+    from stages.ppo.tables import StepTables
+
+    tables = StepTables()
+    for step, (reward, kl) in enumerate([(-1.18, 0.0), (0.52, 1.31), (1.42, 6.95)]):
+        tables.curves.append({"step": step, "reward_mean": reward, "kl": kl})
+    assert ppo.summary(tables, 0) == ("3 steps, reward -1.18 -> 1.42, kl 6.95 (training batches: step 1's -> step "
+                                      "3's; held-out: evaluate) -> data/models/ppo")
 
 
 def test_steps_that_are_not_a_whole_number_of_batches_are_said(tiny_run, tiny_params, tmp_path, capfd):

@@ -124,7 +124,7 @@ def test_the_report_draws_the_heldout_evaluations_and_says_which_policy_was_kept
     text = page.read_text()
     assert "Held-out prompts during the run" in text and "Held-out KL to SFT during the run" in text
     assert "Watching the run: the policy kept and the doctor" in text
-    assert "data/models/ppo holds the last step's policy (step 1, counted from 0)." in text
+    assert "data/models/ppo holds the last step's policy (step 2)." in text  # of 2, counted from 1 as the console does
 
 
 def test_the_watch_section_names_the_best_policy_a_stop_and_the_alerts():
@@ -134,8 +134,51 @@ def test_the_watch_section_names_the_best_policy_a_stop_and_the_alerts():
                "alerts": {"approxkl": {"steps": 1, "first_step": 2, "first": "an update's approximate KL is 47"}},
                "stopped": {"step": 2, "reason": "an update's approximate KL is 47 (watch.alerts.approxkl: 0.5)"}}
     text = watched(metrics)
-    assert ("holds the policy of step 1 (steps counted from 0, as in the charts), the best by the held-out gold - 0.5 "
-            "x KL to SFT (2.250)") in text
-    assert "The run stopped at step 2</b>: an update&#x27;s approximate KL is 47" in text
-    assert "<td>approxkl</td>" in text
+    # steps counted from 1, as the console and the charts count them (data/ppo/metrics.json counts from 0)
+    assert "holds the policy of step 2, the best by the held-out gold - 0.5 x KL to SFT (2.250)" in text
+    assert "The run stopped at step 3</b>: an update&#x27;s approximate KL is 47" in text
+    assert "<td>approxkl</td><td class=\"n\">1</td><td class=\"n\">3</td>" in text
     assert "The doctor found nothing" in watched({"steps": 2, "kept": {"policy": "last", "step": 1}, "alerts": {}})
+
+
+def x_ticks(svg: str) -> list[str]:
+    """The x-axis tick labels of each chart in ``svg`` (the texts before each chart's "PPO step" label)."""
+    texts = re.findall(r"<text[^>]*>([^<]*)</text>", svg)
+    ticks, chart = [], []
+    for text in texts:
+        if text == "PPO step":
+            ticks.append(chart)
+        chart = [] if text == "PPO step" or not re.fullmatch(r"[-\u2212]?[\d.]+", text) else chart + [text]
+    return ticks
+
+
+def test_charts_count_steps_from_1_with_whole_ticks(tmp_path):
+    """The page counts PPO steps from 1, as the console does (`step 4/4`), on whole-number ticks: the held-out
+    evaluations after steps 2 and 4 (0-based 1 and 3 in data/ppo/eval.csv) stand at 2 and 4, with no tick at 2.5."""
+    import pandas as pd
+
+    from stages.report.sections import charts, heldout_charts
+
+    curves = pd.DataFrame({"step": [0, 1, 2, 3], "reward_mean": [0.1, 0.4, 0.2, 0.3], "kl": [0.0, 0.5, 1.0, 1.5]})
+    evals = tmp_path / "eval.csv"
+    pd.DataFrame({"step": [1, 3], "reward": [0.2, 0.3], "kl": [0.5, 1.5], "length": [4.0, 5.0]}).to_csv(evals)
+    for svg, first, last in ((charts(curves, "RM"), "1", "4"), (heldout_charts(evals, "RM"), "2", "4")):
+        for ticks in x_ticks(svg):
+            assert all(re.fullmatch(r"\d+", tick) for tick in ticks), ticks
+            assert first in ticks and last in ticks and "0" not in ticks, ticks
+    assert "Steps are counted from 1 on this page, as the console counts them" in charts(curves, "RM")
+
+
+def test_a_table_has_one_number_format_per_column():
+    """One format down a column (a mean's gold score, KL, share and length side by side read -0.1550, 10.61, 0.8300,
+    1.667 with 4 significant digits): 2 decimals, as the stages' summary lines print means; scientific where a column
+    reaches 1e4."""
+    from stages.report.html import table
+
+    rows = [["gold", -0.1550, 4.1649, 4.3199], ["kl", 0.0, 10.61, 10.61], ["share", 0.83, 1 / 3, -0.4967],
+            ["length", 1.6667, 15.355, 13.688]]
+    cells = re.findall(r'<td class="n">([^<]*)</td>', table(rows, ["metric", "SFT", "PPO", "PPO - SFT"]))
+    assert cells == ["-0.15", "4.16", "4.32", "0.00", "10.61", "10.61", "0.83", "0.33", "-0.50", "1.67", "15.36",
+                     "13.69"]
+    huge = re.findall(r'<td class="n">([^<]*)</td>', table([["a", 12.0, 0.5], ["b", 2.5e6, 0.01]], ["", "x", "y"]))
+    assert huge == ["1.20e+01", "0.50", "2.50e+06", "0.01"]  # x reaches 1e4: all of it in scientific notation

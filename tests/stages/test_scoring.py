@@ -102,3 +102,39 @@ def test_bad_callable_scorer_is_a_clear_error(tiny_params, tmp_path):
     scorer = ScorerParams(source="callable", name="no_such_module:score", label="POSITIVE", batch_size=8)
     with pytest.raises(StageError, match="scorer.name 'no_such_module:score' is not an importable"):
         scoring.build_scorer(dataclasses.replace(tiny_params, scorer=scorer), tmp_path)
+
+
+SIGNATURES = '''def two_args(texts, labels):
+    return [0.0] * len(texts)
+
+def keywords_only(*, completions):
+    return [0.0] * len(completions)
+
+def texts_and_options(texts, scale=1.0, **columns):
+    return [scale] * len(texts)
+
+class Scorer:
+    def __call__(self, texts, extra):
+        return [0.0] * len(texts)
+
+scorer = Scorer()
+'''
+
+
+def test_a_scorer_that_cannot_take_the_texts_is_refused_naming_its_file(tiny_params, tmp_path, monkeypatch):
+    """A function that cannot be called with one positional argument, the list of texts, is refused where it is loaded,
+    in one line naming the function and its file and line: called, its TypeError would point at
+    stages/shared/scoring.py. Extra parameters with defaults, or keyword ones (**columns), are accepted."""
+    (tmp_path / "signatures.py").write_text(SIGNATURES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "signatures", raising=False)
+    for name, shown in (("two_args", "two_args(texts, labels) (signatures.py:1)"),
+                        ("keywords_only", "keywords_only(*, completions) (signatures.py:4)"),
+                        ("scorer", "Scorer(texts, extra) (signatures.py:11)")):
+        with pytest.raises(StageError) as caught:
+            scoring.build_scorer(with_scorer(tiny_params, f"signatures:{name}"), tmp_path)
+        assert str(caught.value) == (
+            f"{tiny_params.path}: scorer.name 'signatures:{name}': {shown} cannot be called with one argument, the "
+            "list of texts; give its other parameters defaults, or wrap it in a def score(texts)")
+    assert scoring.build_scorer(with_scorer(tiny_params, "signatures:texts_and_options"), tmp_path)(["a"]) == [1.0]

@@ -68,3 +68,13 @@ def test_status_says_which_local_source_changed_since_the_last_run(tiny_params, 
         "status: data.prompts.source (prompts.jsonl) changed since the last run: the next `dvc repro` reruns prepare "
         "and what follows\n")
     assert {p: p.read_bytes() for p in (tmp_path / "data" / "sources").iterdir()} == before
+
+
+def test_status_says_a_changed_scorer_once(tiny_params, tmp_path):
+    """A scorer changed from the reward model to a function of the user's changes three entries of its record (its
+    source, its name, its code): `rlhf status` says so in one line, not three."""
+    sources.run(tiny_params, tmp_path)
+    assert sources.changes(tiny_params, tmp_path) == []
+    assert sources.changes(with_scorer(tiny_params, "rewards.example:keyword_sentiment"), tmp_path) == [
+        "scorer (callable rewards.example:keyword_sentiment) changed since the last run: the next `dvc repro` reruns "
+        "ppo and evaluate and what follows"]
