@@ -69,4 +69,5 @@ def test_real_data_runs_have_no_gold_score(tiny_run, tiny_params, tmp_path):
     assert "gold" not in pd.read_parquet(root / PPO_ROLLOUTS).columns
     assert "gold_mean" not in pd.read_csv(root / PPO_CURVES).columns
     metrics = json.loads((root / EVAL_METRICS).read_text())
-    assert set(metrics) == {"win_rate", "reward", "kl", "length", "sft"} and set(metrics["sft"]) == {"reward", "length"}
+    assert set(metrics) == {"win_rate", "reward", "kl", "length", "sft", "heldout"}
+    assert set(metrics["sft"]) == {"reward", "length"}
