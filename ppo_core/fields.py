@@ -66,9 +66,16 @@ def check_keys(values: Iterable[str], known: Iterable[str], key_prefix: str = ""
                 raise ConfigError(key_prefix + key, "missing key '{key}'")
 
 
+def _with_defaults(cls) -> set[str]:
+    """The fields of dataclass ``cls`` that have a default."""
+    return {f.name for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
 def checked(value: Any, hint: Any, key: str) -> Any:
     """``value`` checked against the annotation ``hint`` and converted (numeric strings to numbers, dataclass
-    mappings to instances, recursively: every key required, none unknown); a ConfigError naming ``key`` otherwise.
+    mappings to instances, recursively: every key required but those with a default, none unknown); a ConfigError
+    naming ``key`` otherwise.
 
     Annotations understood: ``X | None`` / ``Optional[X]``, ``Literal[...]``, ``bool``, ``int``, ``float``,
     ``str``, ``dict`` (any mapping), ``dict[str, str]``, ``list[str]`` and dataclasses.
@@ -87,8 +94,11 @@ def checked(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(key, f"{{key}} must be a mapping, {_got(value)}")
         hints = typing.get_type_hints(hint)
-        check_keys(value, hints, key_prefix=f"{key}.", required=True)
-        return hint(**{name: checked(value[name], hints[name], f"{key}.{name}") for name in hints})
+        check_keys(value, hints, key_prefix=f"{key}.")
+        for name in hints:  # a field with a default (a key added later, off by default) may be left out
+            if name not in value and name not in _with_defaults(hint):
+                raise ConfigError(f"{key}.{name}", "missing key '{key}'")
+        return hint(**{name: checked(value[name], hints[name], f"{key}.{name}") for name in hints if name in value})
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(key, f"{{key}} must be true or false, {_got(value)}")

@@ -36,6 +36,7 @@ from stages.shared.artifacts import (
     check_tokenized_with,
     evaluation_metrics,
     heldout_words,
+    kept_columns,
     publishing,
     read_prompts,
     require_dir,
@@ -46,7 +47,7 @@ from stages.shared.artifacts import (
 from stages.shared.models import is_encoder_decoder, load_float32, sample_responses
 from stages.shared.params import Params
 from stages.shared.runtime import device, note, tf32_on_gpu
-from stages.shared.scoring import build_scorer, judge_functions, scored, scorer_texts
+from stages.shared.scoring import Row, build_scorer, judge_functions, scored, scorer_texts
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -63,6 +64,8 @@ def compare_policies(params: Params, root: Path) -> str:
              f"held-out prompts: evaluating all {len(prompts)}")
     prompts = prompts.head(params.evaluate.n_prompts)
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
+    kept = {name: values[:len(queries)]  # data.prompts.keep: in every sample row, and for the rewards
+            for name, values in kept_columns(root / TOKENIZED_EVAL, params.data.prompts.keep).items()}
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     check_tokenized_with(root / TOKENIZED_EVAL, root / SFT_MODEL)
     model_class = AutoModelForSeq2SeqLM if is_encoder_decoder(require_dir(root / SFT_MODEL)) else AutoModelForCausalLM
@@ -74,7 +77,7 @@ def compare_policies(params: Params, root: Path) -> str:
     bs = params.evaluate.batch_size
     judges = judge_functions(params)
     columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
-    columns |= {name: [] for name in judges}
+    columns |= {name: [] for name in judges} | {name: [] for name in kept}
     by_policy = {}
     for name, policy in policies.items():
         response_ids = sample_responses(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
@@ -85,12 +88,14 @@ def compare_policies(params: Params, root: Path) -> str:
         else:
             kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
                              logprob_sums(policies["sft"], query_ids, response_ids, bs))
+        seen = Row(queries, responses, kept)
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
-                "score": scores_of(score, scorer_texts(params.scorer, queries, responses), params, name),
+                "score": scores_of(score, scorer_texts(params.scorer, queries, responses), params, name, row=seen),
                 "kl_to_sft": kl.tolist(),
                 "response_tokens": [len(r) for r in response_ids]}
         for judge, fn in judges.items():
-            rows[judge] = scores_of(fn, texts, params, name, who=f"judge {judge}")
+            rows[judge] = scores_of(fn, texts, params, name, who=f"judge {judge}", row=seen)
+        rows |= kept
         for key in columns:
             columns[key] += rows[key]
         by_policy[name] = policy_metrics(rows, list(judges))
@@ -107,15 +112,18 @@ def compare_policies(params: Params, root: Path) -> str:
             f"{EVAL_METRICS}")
 
 
-def scores_of(score, texts: list[str], params: Params, policy: str, who: str | None = None) -> list[float]:
+def scores_of(score, texts: list[str], params: Params, policy: str, who: str | None = None,
+              row: Row | None = None) -> list[float]:
     """The checked scores of a policy's texts by the scorer (or ``who``, a judge), `evaluate.batch_size` at a time
     (as the ppo stage calls the scorer on one step's rollouts; the reward model and a pipeline batch each call by
-    `scorer.batch_size`)."""
+    `scorer.batch_size`); a reward function that sees the row gets ``row``'s slice of the batch."""
     out, size = [], params.evaluate.batch_size
     for start in range(0, len(texts), size):
         batch = texts[start:start + size]
         at = f"the {policy} policy's samples {start + 1}-{start + len(batch)}"
-        out += scored(score, batch, params.scorer, at, who)
+        part = None if row is None else Row(row.prompts[start:start + size], row.completions[start:start + size],
+                                            {k: v[start:start + size] for k, v in row.columns.items()})
+        out += scored(score, batch, params.scorer, at, who, part)
     return out
 
 

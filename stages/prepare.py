@@ -32,29 +32,38 @@ def run(params: Params, root: Path = Path(".")) -> str:
     with publishing():  # all four or none
         write_parquet(tables["sft"], root / RAW_SFT)
         write_parquet(tables["pairs"], root / RAW_PAIRS)
-        write_parquet({"query": split.train}, root / RAW_PROMPTS_TRAIN)
-        write_parquet({"query": split.held_out}, root / RAW_PROMPTS_EVAL)
+        write_parquet(rows_of(tables["prompts"], split.train), root / RAW_PROMPTS_TRAIN)
+        write_parquet(rows_of(tables["prompts"], split.held_out), root / RAW_PROMPTS_EVAL)
     repeats = f" ({len(set(prompts))} distinct, {len(prompts) - len(set(prompts))} repeats)" \
         if len(set(prompts)) < len(prompts) else ""
+    kept = f", with {', '.join(data.prompts.keep)}" if data.prompts.keep else ""
     return (f"{len(tables['sft']['text'])} SFT texts, {len(tables['pairs']['prompt'])} pairs, {len(prompts)} prompts"
-            f"{repeats}: {len(split.train)} train + {len(split.held_out)} held out, none of them a training prompt "
-            f"-> {RAW_SFT.parent}")
+            f"{repeats}{kept}: {len(split.train)} train + {len(split.held_out)} held out, none of them a training "
+            f"prompt -> {RAW_SFT.parent}")
 
 
 class Split(NamedTuple):
-    """The prompts split by distinct prompt: every copy of a prompt on one side."""
+    """The prompts split by distinct prompt, as row indices: every copy of a prompt on one side."""
 
-    train: list[str]  # the rows whose prompt is not held out, in their order (a repeated prompt stays repeated)
-    held_out: list[str]  # the held-out prompts, each once, in their first rows' order
+    train: list[int]  # the rows whose prompt is not held out, in their order (a repeated prompt stays repeated)
+    held_out: list[int]  # the first row of each held-out prompt, in order
 
 
 def held_out_split(prompts: list[str], n_held_out: int) -> Split:
-    """Hold out the first ``n_held_out`` distinct prompts of ``prompts`` (shuffled already), each once, and train on
-    every row of the others: no held-out prompt is a training prompt, however often the file repeats it. Without
-    repeats, the first ``n_held_out`` rows and the rest, as a split by row gives."""
-    held_out = list(dict.fromkeys(prompts))[:n_held_out]
-    out = set(held_out)
-    return Split([p for p in prompts if p not in out], held_out)
+    """Hold out the first ``n_held_out`` distinct prompts of ``prompts`` (shuffled already), each once (its first
+    row), and train on every row of the others: no held-out prompt is a training prompt, however often the file
+    repeats it. Without repeats, the first ``n_held_out`` rows and the rest, as a split by row gives."""
+    first = {}
+    for row, prompt in enumerate(prompts):
+        first.setdefault(prompt, row)
+    held_out = list(first.values())[:n_held_out]
+    out = {prompts[row] for row in held_out}
+    return Split([row for row, prompt in enumerate(prompts) if prompt not in out], held_out)
+
+
+def rows_of(table: dict[str, list], rows: list[int]) -> dict[str, list]:
+    """The ``rows`` of a table of equal-length columns, every column kept."""
+    return {name: [values[i] for i in rows] for name, values in table.items()}
 
 
 def held_out_count(prompts: list[str], asked: int, source: str, params_path: Path) -> int:
@@ -97,13 +106,47 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
             values = "values that are" if count > 1 else "value that is"
             raise StageError(f"{spec.source}: column '{theirs}' has {count} {values} not text (missing or numbers), "
                              f"the first in row {first + 1} ({frame[theirs].iloc[first]!r}); clean the file")
+    for column in spec.keep:  # prompts only (checked at load): checked where rows are the file's, named as it has them
+        storable(frame, column, spec)
     frame = without_blank_texts(frame, spec, name)
     order = list(range(len(frame)))
     random.Random(f"{params.seed}-{name}").shuffle(order)
     if spec.n is not None and spec.n > len(frame):
         note(f"prepare: data.{name}.n is {spec.n}, but {spec.source} has {len(frame)} rows: using all {len(frame)}")
     frame = frame.iloc[order[:spec.n]]
-    return {ours: frame[spec.columns[ours]].tolist() for ours in COLUMNS[name]}
+    kept = {column: [None if _missing(v) else v for v in frame[column].tolist()] for column in spec.keep}
+    return {ours: frame[spec.columns[ours]].tolist() for ours in COLUMNS[name]} | kept
+
+
+def storable(frame, column: str, spec: DatasetSpec) -> list:
+    """The values of the source's ``column`` that ``data.prompts.keep`` names, as Parquet can store them (numbers,
+    text, lists, nested mappings: one type down the column, missing values allowed); a StageError naming the
+    column and the first row that cannot be stored beside the ones before it (rows counted from 1, as an editor
+    shows them after a CSV's header)."""
+    import pyarrow as pa
+
+    if column not in frame.columns:
+        raise StageError(f"{spec.source}: column '{column}' not found (data.prompts.keep names it); its columns are "
+                         f"{list(frame.columns)}")
+    values = [None if _missing(v) else v for v in frame[column].tolist()]
+    try:
+        pa.array(values)
+        return values
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        pass
+    for row in range(len(values)):  # the first row that breaks it (only where the column cannot be stored)
+        try:
+            pa.array(values[:row + 1])
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError) as err:
+            raise StageError(f"{spec.source}: column '{column}' (data.prompts.keep) cannot be stored: row {row + 1} "
+                             f"holds {values[row]!r} ({type(values[row]).__name__}), which does not go with the rows "
+                             f"before it ({reason(err, 120)}); give the column one type") from None
+    return values
+
+
+def _missing(value) -> bool:
+    """A missing value as pandas gives it (None, or NaN in a column of numbers)."""
+    return value is None or (isinstance(value, float) and value != value)
 
 
 # The columns that must hold text: a blank one (empty, or only whitespace) would be trained on as if it were some.

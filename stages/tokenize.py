@@ -21,6 +21,7 @@ from stages.shared.artifacts import (
     TOKENIZED_EVAL,
     TOKENIZED_TRAIN,
     TOKENIZER_KEY,
+    kept_columns,
     publishing,
     read_table,
     require_dir,
@@ -110,21 +111,26 @@ def run(params: Params, root: Path = Path(".")) -> str:
     kept, tables = {}, {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
         queries = read_table(root / source, ["query"])["query"].tolist()
+        travelling = kept_columns(root / source, params.data.prompts.keep)  # data.prompts.keep: row by row
         where = f"{source} (data.prompts.source's {target.stem} prompts)"
-        ids, cut = fitted(tokenizer(queries)["input_ids"], params.tokenize, tokenizer, where, params.path, limit)
+        every = tokenizer(queries)["input_ids"]
+        ids, cut = fitted(every, params.tokenize, tokenizer, where, params.path, limit)
+        rows = [i for i, x in enumerate(every) if len(x) <= limit] if len(ids) < len(every) else range(len(every))
         long = len(queries) - len(ids)
-        ids = [x for x in ids if len(x) >= params.tokenize.min_query_tokens]
-        short = len(queries) - long - len(ids)
-        if not ids:
+        kept_rows = [(row, x) for row, x in zip(rows, ids) if len(x) >= params.tokenize.min_query_tokens]
+        short = len(queries) - long - len(kept_rows)
+        if not kept_rows:
             raise StageError(f"{source}: no query has tokenize.min_query_tokens={params.tokenize.min_query_tokens} "
                              f"tokens; lower it in {params.path}")
-        fitting = [x for x in ids if len(x) < context]  # room for at least one response token
+        fitting = [(row, x) for row, x in kept_rows if len(x) < context]  # room for at least one response token
         if not fitting:
-            raise StageError(f"{source}: all {len(ids)} queries are {context} tokens or longer after truncation, the "
-                             f"whole context of {SFT_MODEL}; lower tokenize.max_query_tokens in {params.path}")
-        too_long = len(ids) - len(fitting)
-        ids = fitting
-        tables[target] = {"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}
+            raise StageError(f"{source}: all {len(kept_rows)} queries are {context} tokens or longer after "
+                             f"truncation, the whole context of {SFT_MODEL}; lower tokenize.max_query_tokens in "
+                             f"{params.path}")
+        too_long = len(kept_rows) - len(fitting)
+        ids = [x for _, x in fitting]
+        tables[target] = {"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids,
+                          **{name: [values[row] for row, _ in fitting] for name, values in travelling.items()}}
         dropped = {f"over {limit} tokens (tokenize.truncation: drop)": long,
                    f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,
                    "filling the whole context": too_long}

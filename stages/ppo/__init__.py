@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pandas as pd
 from transformers import AutoTokenizer
 
 from ppo_core import set_seed
@@ -27,6 +28,7 @@ from stages.shared.artifacts import (
     TOKENIZED_TRAIN,
     check_tokenized_with,
     heldout_words,
+    kept_columns,
     read_prompts,
     require_dir,
     training_prompts_among,
@@ -55,7 +57,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     check_tokenized_with(root / TOKENIZED_TRAIN, root / SFT_MODEL)
     seq2seq = is_encoder_decoder(root / SFT_MODEL)
     check_prompts_fit_the_context(prompts, params, seq2seq, root)
-    loop = build_loop(params, config, prompts, tokenizer, seq2seq, root)
+    loop = build_loop(params, config, prompts, tokenizer, seq2seq, root,
+                      kept_columns(root / TOKENIZED_TRAIN, params.data.prompts.keep))
     trainer = loop.trainer
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
     batches = query_batches(len(prompts), sizes.global_batch_size, params.seed, sizes.num_generations)
@@ -103,6 +106,8 @@ def heldout_prompts(params: Params, root: Path, training, main: bool = True):
         note(f"ppo: watch.eval_prompts is {params.watch.eval_prompts}, but {TOKENIZED_EVAL} holds {len(prompts)} "
              f"held-out prompts: each held-out evaluation uses all {len(prompts)}")
     prompts = prompts.head(params.watch.eval_prompts)
+    for name, values in kept_columns(root / TOKENIZED_EVAL, params.data.prompts.keep).items():
+        prompts[name] = pd.Series(values[:len(prompts)], dtype=object, index=prompts.index)  # for the rewards
     in_train = training_prompts_among(prompts["query"], training)
     if main and in_train:  # none by construction (data/ppo/metrics.json's `heldout` says so): said only otherwise
         warning(f"ppo: watching {heldout_words(len(prompts), in_train)}: their figures are not held-out ones")

@@ -20,7 +20,7 @@ from stages.shared.artifacts import PPO_CHECKPOINTS, SFT_MODEL, loading
 from stages.shared.models import lora_config
 from stages.shared.params import Params, ScorerParams
 from stages.shared.runtime import StageError, to_host, warning
-from stages.shared.scoring import build_scorer, reward_adapter, scored, scorer_texts
+from stages.shared.scoring import Row, build_scorer, reward_adapter, scored, scorer_texts
 from stages.shared.synthetic import gold_score
 
 
@@ -38,9 +38,11 @@ class Loop:
     prompts: Any  # the DataFrame of data/tokenized/train.parquet: query, input_ids
     gold: bool
     seed: int
+    columns: dict[str, list] = dataclasses.field(default_factory=dict)  # data.prompts.keep's, row by row
 
 
-def build_loop(params: Params, config: PPOConfig, prompts, tokenizer, seq2seq: bool, root: Path) -> Loop:
+def build_loop(params: Params, config: PPOConfig, prompts, tokenizer, seq2seq: bool, root: Path,
+               columns: dict[str, list] | None = None) -> Loop:
     """The policy (SFT plus a value head; with LoRA, fresh adapters), the scorer and the trainer. The reference is a
     frozen copy of SFT, or with LoRA the same weights with the adapters disabled."""
     lora = params.model.lora
@@ -58,7 +60,8 @@ def build_loop(params: Params, config: PPOConfig, prompts, tokenizer, seq2seq: b
         trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
-    return Loop(trainer, score, params.scorer, tokenizer, generation, prompts, params.data.is_synthetic, params.seed)
+    return Loop(trainer, score, params.scorer, tokenizer, generation, prompts, params.data.is_synthetic, params.seed,
+                columns or {})
 
 
 def one_step(loop: Loop, step: int, idx: list[int], root: Path) -> tuple[dict, dict[str, list]]:
@@ -73,9 +76,11 @@ def one_step(loop: Loop, step: int, idx: list[int], root: Path) -> tuple[dict, d
     response_ids = to_host(response_tensors)  # in one copy (one per response: a sync each)
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     generated = time.perf_counter()
-    # 2. score
+    # 2. score (a reward function that sees the row gets each sample's prompt columns: a prompt's G samples, its own)
     texts = [q + r for q, r in zip(queries, responses)]
-    scores = scored(loop.score, scorer_texts(loop.scorer, queries, responses), loop.scorer, f"PPO step {step + 1}")
+    columns = {name: [values[i] for i in idx] for name, values in loop.columns.items()}
+    scores = scored(loop.score, scorer_texts(loop.scorer, queries, responses), loop.scorer, f"PPO step {step + 1}",
+                    row=Row(queries, responses, columns))
     seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
     # 3. optimise
     try:
@@ -91,7 +96,7 @@ def one_step(loop: Loop, step: int, idx: list[int], root: Path) -> tuple[dict, d
         "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_ids],
         "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_ids],
         "response_ids": [r.tolist() for r in response_ids],
-    } | ({"gold": gold} if gold else {}), trainer.accelerator)
+    } | ({"gold": gold} if gold else {}) | columns, trainer.accelerator)  # the kept columns after the others
     return stats | seconds, rollout_table(gathered, stats["objective/kl_dist"])
 
 

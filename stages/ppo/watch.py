@@ -24,7 +24,7 @@ import torch
 from stages.ppo.checkpoints import save_best
 from stages.shared.params import AlertParams, WatchParams
 from stages.shared.runtime import warning
-from stages.shared.scoring import scored, scorer_texts
+from stages.shared.scoring import Row, scored, scorer_texts
 
 EVAL_SEED_OFFSET = 7919  # the held-out evaluation's stream: seed + this, apart from every stream the run draws from
 
@@ -54,11 +54,13 @@ def heldout_row(loop, prompts, judges: dict, step: int) -> dict[str, float]:
             ref_logprobs, _, _, _ = trainer.batched_forward_pass(ref_model, query_tensors, responses)
     texts = tokenizer.batch_decode([r.cpu() for r in responses], skip_special_tokens=True)
     at = f"the held-out evaluation at step {step + 1}"
+    seen = Row(queries, texts, {name: prompts[name].tolist() for name in loop.columns})  # data.prompts.keep's
     row = {"step": step}
     for name, judge in judges.items():
         row[name] = float(np.mean(scored(judge, [q + t for q, t in zip(queries, texts)], loop.scorer, at,
-                                         f"judge {name}")))
-    row["reward"] = float(np.mean(scored(loop.score, scorer_texts(loop.scorer, queries, texts), loop.scorer, at)))
+                                         f"judge {name}", seen)))
+    row["reward"] = float(np.mean(scored(loop.score, scorer_texts(loop.scorer, queries, texts), loop.scorer, at,
+                                         row=seen)))
     row["kl"] = float(((logprobs - ref_logprobs) * masks).sum(-1).mean())
     row["length"] = float(np.mean([len(r) for r in responses]))
     return row

@@ -264,6 +264,17 @@ def read_table(path: Path, columns: Sequence[str]):
         raise StageError(f"{path}: not a readable Parquet file ({reason(err)}); {restore_hint(path)}") from None
 
 
+def kept_columns(path: Path, names: Sequence[str]) -> dict[str, list]:
+    """The prompts columns that travel (`data.prompts.keep`) of a Parquet file an earlier stage wrote, as Python values
+    (lists and dicts as the source had them, not numpy arrays); a StageError where one is missing."""
+    if not names:
+        return {}
+    frame = read_table(path, names)  # checks the file and the columns
+    del frame
+    table = pq.read_table(path, columns=list(names))
+    return {name: table.column(name).to_pylist() for name in names}
+
+
 def training_prompts_among(queries, training) -> int:
     """How many of the held-out ``queries`` are also training prompts (``training``): 0 where prepare and tokenize
     held them out, as they do; measured where a held-out figure is made, so that it says what it is."""

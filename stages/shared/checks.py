@@ -14,6 +14,10 @@ from stages.shared.runtime import ParamsError
 if TYPE_CHECKING:
     from ppo_core.config import PPOConfig
 
+# Columns of the tokenized prompts, the rollouts and evaluate's samples, and the names a reward function is called with:
+# a kept prompts column must not take one (stages/ppo/tables.py's ROLLOUT_COLUMNS; stages/shared/scoring.py)
+RESERVED_COLUMNS = ("query", "input_ids", "step", "response", "score", "kl", "query_tokens", "response_tokens",
+                    "ends_with_eos", "response_ids", "gold", "policy", "kl_to_sft", "prompts", "completions")
 RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft", "heldout")  # data/eval/metrics.json's own keys
 MIN_VOCAB = 256 + 2  # a tokenizer trained from scratch: every byte, plus EOS and PAD (stages/sft.py)
 # Legacy PPOConfig fields that only label a run: the pipeline decides what they name, so a value of a user's own
@@ -122,6 +126,14 @@ def range_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
         ("scorer.name", p.scorer.name, "null with scorer.source reward_model (the reward stage's model scores; a "
          "function goes with scorer.source: callable, a classifier with pipeline)",
          p.scorer.source != "reward_model" or p.scorer.name is None),
+        *((f"data.{name}.keep", spec.keep, "[] (only the prompts keep columns of their source)", not spec.keep)
+          for name, spec in (("sft", p.data.sft), ("pairs", p.data.pairs))),
+        ("data.prompts.keep", p.data.prompts.keep, f"[] with data.prompts.source {SYNTHETIC} (its prompts have no "
+         "other column)", p.data.prompts.source != SYNTHETIC or not p.data.prompts.keep),
+        ("data.prompts.keep", p.data.prompts.keep, f"names other than the pipeline's own columns "
+         f"{list(RESERVED_COLUMNS)}", not set(p.data.prompts.keep) & set(RESERVED_COLUMNS)),
+        ("data.prompts.keep", p.data.prompts.keep, "names without repeats",
+         len(set(p.data.prompts.keep)) == len(p.data.prompts.keep)),
         *((f"data.{name}.columns", spec.columns, f"{{{', '.join(f'{c}: {c}' for c in COLUMNS[name])}}} with "
            f"data.{name}.source {SYNTHETIC} (it makes its own columns)",
            spec.source != SYNTHETIC or spec.columns == {c: c for c in COLUMNS[name]})

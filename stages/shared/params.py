@@ -13,6 +13,7 @@ out). Every stage loads the params, so a typo there stops `dvc repro` at its fir
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,10 @@ class DatasetSpec:
     """Our column -> the source's column, e.g. {query: prompt} renames `prompt` to `query` (as the seed does)."""
     n: int | None
     """Rows generated (synthetic) or kept after a seeded shuffle (real data; null keeps all)."""
+    keep: list[str] = dataclasses.field(default_factory=list)
+    """(prompts) The source's other columns that travel with each prompt, unchanged and under their own names: an
+    answer, an id, test cases, nested JSON. prepare, tokenize, every rollout row of the ppo stage and evaluate's samples
+    hold them, and a reward function takes them by name (`scorer`). [] (the default): the query alone."""
 
 
 @dataclass(frozen=True)

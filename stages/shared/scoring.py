@@ -16,6 +16,7 @@ import inspect
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -79,8 +80,66 @@ def load_callable(name: str, key: str, params: Params) -> Callable[[list[str]], 
     if not callable(fn):
         raise StageError(f"{where} is not an importable 'module:function' ({module_name} has no function "
                          f"'{attr}')")
-    check_takes_the_texts(fn, where)
+    if takes_the_row(fn):
+        check_takes_the_row(fn, where, params.data.prompts.keep)
+    else:
+        check_takes_the_texts(fn, where)
     return fn
+
+
+# The keyword arguments a reward function that sees the row is called with, beside each kept prompts column (TRL's
+# GRPOTrainer calls its reward functions so): the prompts and the completions, each a list over the batch.
+ROW_ARGUMENTS = ("prompts", "completions")
+
+
+class Row(NamedTuple):
+    """What a reward function that sees the row may take of a batch: each sample's prompt (its query) and completion
+    (its response) and each `data.prompts.keep` column's value for its prompt, all lists of one length (with
+    ppo.num_generations G, a prompt's G samples each hold its values)."""
+
+    prompts: list[str]
+    completions: list[str]
+    columns: dict[str, list]
+
+
+def takes_the_row(fn: Callable) -> bool:
+    """Whether ``fn`` is a reward function that sees the row, called by keyword as TRL's GRPOTrainer calls them
+    (``def accuracy(completions, answer, **kwargs)``): it names a parameter ``prompts`` or ``completions``. Any other
+    function is called with the list of texts alone, as every scorer was (``def score(texts)``)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in parameters for name in ROW_ARGUMENTS)
+
+
+def row_arguments(fn: Callable, row: Row) -> dict[str, list]:
+    """The keyword arguments ``fn`` is called with: ``prompts``, ``completions`` and each kept column, all of them
+    where it takes ``**kwargs``, else those it names."""
+    available = {"prompts": row.prompts, "completions": row.completions, **row.columns}
+    parameters = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return available
+    return {name: value for name, value in available.items() if name in parameters}
+
+
+def check_takes_the_row(fn: Callable, where: str, kept: list[str]) -> None:
+    """Refuse, where it is loaded, a reward function that sees the row but needs an argument the stages do not have:
+    a parameter without a default that is neither ``prompts``, ``completions`` nor a kept prompts column
+    (`data.prompts.keep`), or one it can only take by position."""
+    known = {*ROW_ARGUMENTS, *kept}
+    for name, parameter in inspect.signature(fn).parameters.items():
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if parameter.default is inspect.Parameter.empty and name not in known:
+            code = getattr(inspect.unwrap(fn), "__code__", None)
+            at = f" ({shown(code.co_filename)}:{code.co_firstlineno})" if code else ""
+            raise StageError(f"{where}: {getattr(fn, '__name__', 'the function')}{at} takes '{name}', which is not a "
+                             f"column of the prompts: add it to data.prompts.keep (kept now: {kept or 'none'}), or "
+                             "give it a default")
+        if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise StageError(f"{where}: its parameter '{name}' is positional-only; a reward function that sees the row "
+                             "is called by keyword (prompts=, completions=, and each kept column)")
 
 
 def check_takes_the_texts(fn: Callable, where: str) -> None:
@@ -155,14 +214,17 @@ def scorer_texts(spec: ScorerParams, queries: list[str], responses: list[str]) -
 
 
 def scored(score: Callable[[list[str]], list[float]], texts: list[str], spec: ScorerParams, at: str,
-           who: str | None = None) -> list[float]:
-    """``score(texts)`` checked (see `checked_scores`); an exception the scorer raises becomes one line naming where
+           who: str | None = None, row: Row | None = None) -> list[float]:
+    """``score(texts)`` checked (see `checked_scores`), or for a reward function that sees the row (`takes_the_row`)
+    ``score(prompts=..., completions=..., <kept column>=...)`` from ``row``, a None in its output (the reward does not
+    apply to that response, TRL's meaning) counted as 0; an exception the scorer raises becomes one line naming where
     (``at``: "PPO step 3", "the ppo policy's samples 1-100"), the scorer (``who``: by default `scorer`'s, e.g.
     "scorer (callable rewards.example:score)"), the exception and where it was raised (``--debug`` shows the
     traceback)."""
     who = who or scorer_name(spec)
+    by_row = row is not None and takes_the_row(score)
     try:
-        scores = score(texts)
+        scores = score(**row_arguments(score, row)) if by_row else score(texts)
     except StageError:
         raise
     except Exception as err:  # the user's function may raise anything
@@ -170,7 +232,8 @@ def scored(score: Callable[[list[str]], list[float]], texts: list[str], spec: Sc
     except SystemExit as err:  # sys.exit() in a scorer would end the stage without a word
         raise StageError(f"{at}: {who} called sys.exit({err.code!r}){raised_where(err)}; a scorer returns its scores, "
                          "it does not end the process") from err
-    return checked_scores(scores, len(texts), spec, at, who)
+    return [0.0 if value is None else value
+            for value in checked_scores(scores, len(texts), spec, at, who, allow_none=by_row)]
 
 
 def scorer_name(spec: ScorerParams) -> str:
@@ -179,9 +242,11 @@ def scorer_name(spec: ScorerParams) -> str:
     return f"scorer ({spec.source}{name})"
 
 
-def checked_scores(scores, n: int, spec: ScorerParams, at: str, who: str | None = None) -> list[float]:
-    """The scorer's output as n finite floats, or a StageError naming where (``at``: "PPO step 3", steps counted from
-    1 as `step()`'s errors count them), the scorer (``who``, see `scored`), the text and the value."""
+def checked_scores(scores, n: int, spec: ScorerParams, at: str, who: str | None = None,
+                   allow_none: bool = False) -> list[float | None]:
+    """The scorer's output as n finite floats (and, with ``allow_none``, Nones: a reward that does not apply), or a
+    StageError naming where (``at``: "PPO step 3", steps counted from 1 as `step()`'s errors count them), the scorer
+    (``who``, see `scored`), the text and the value."""
     where = f"{at}: {who or scorer_name(spec)}"
     try:
         scores = list(scores)
@@ -191,6 +256,9 @@ def checked_scores(scores, n: int, spec: ScorerParams, at: str, who: str | None 
         raise StageError(f"{where} returned {len(scores)} scores for {n} texts; return one number per text")
     out = []
     for i, value in enumerate(scores):
+        if value is None and allow_none:
+            out.append(None)
+            continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):

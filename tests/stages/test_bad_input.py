@@ -58,6 +58,9 @@ def exits(texts):
 
 def two_args(texts, labels):
     return [1.0] * len(texts)
+
+def needs_answer(completions, answer, **kwargs):
+    return [1.0] * len(completions)
 '''
 LONG_PROMPT = "the movie was long and the plot was slow and the cast was good but the music was loud " * 3
 
@@ -114,6 +117,17 @@ def setup_prompts_not_parquet(root):
 
 def setup_empty_model_dir(root):
     (root / "empty_model").mkdir()
+
+
+def setup_qa_prompts(root, bad_row: int | None = None):
+    """prompts.jsonl: 20 prompts with an integer answer each (one a mapping at ``bad_row``, counted from 1)."""
+    rows = [{"question": f"the film number {i} was", "answer": i} for i in range(20)]
+    if bad_row is not None:
+        rows[bad_row - 1]["answer"] = {"not": "a number"}
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+QA = {"data.prompts.source": "prompts.jsonl", "data.prompts.columns": {"query": "question"}}
 
 
 def setup_broken_scorer(root):
@@ -405,6 +419,22 @@ CASES += [
     ("reward-takes-two-arguments", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:two_args"},
      None, "params.yaml: scorer.name 'scorers:two_args': two_args(texts, labels) (scorers.py:32) cannot be called with "
            "one argument, the list of texts; give its other parameters defaults, or wrap it in a def score(texts)"),
+    ("kept-column-missing", "prepare", None, {**QA, "data.prompts.keep": ["answr"]},
+     setup_qa_prompts, "prompts.jsonl: column 'answr' not found (data.prompts.keep names it); its columns are "
+                       "['question', 'answer']"),
+    ("kept-column-not-storable", "prepare", None, {**QA, "data.prompts.keep": ["answer"]},
+     lambda root: setup_qa_prompts(root, bad_row=7),
+     "prompts.jsonl: column 'answer' (data.prompts.keep) cannot be stored: row 7 holds {'not': 'a number'} (dict), "
+     "which does not go with the rows before it ("),
+    ("kept-column-with-synthetic-prompts", "prepare", None, {"data.prompts.keep": ["answer"]},
+     None, "params.yaml: data.prompts.keep must be [] with data.prompts.source synthetic (its prompts have no other "
+           "column), got ['answer']"),
+    ("kept-column-reserved-name", "prepare", None, {**QA, "data.prompts.keep": ["score"]},
+     None, "params.yaml: data.prompts.keep must be names other than the pipeline's own columns"),
+    ("row-reward-needs-a-column-not-kept", "ppo", "ppo",
+     {"scorer.source": "callable", "scorer.name": "scorers:needs_answer"},
+     None, "params.yaml: scorer.name 'scorers:needs_answer': needs_answer (scorers.py:35) takes 'answer', which is not "
+           "a column of the prompts: add it to data.prompts.keep (kept now: none), or give it a default"),
     ("judge-named-gold-with-synthetic-data", "prepare", None, {"evaluate.judges": {"gold": "scorers:words"}},
      None, "params.yaml: evaluate.judges.gold must be a name other than 'gold' with the synthetic data (its gold "
            "score, the lexicon's, is 'gold' already; a judge takes that name with data of your own), got 'gold'"),

@@ -136,9 +136,9 @@ def test_repeated_prompts_are_held_out_whole_none_of_them_a_training_prompt(tiny
 
 def test_the_split_by_prompt_is_the_split_by_row_without_repeats():
     prompts = [f"p{i}" for i in range(10)]
-    assert prepare.held_out_split(prompts, 3) == (prompts[3:], prompts[:3])
+    assert prepare.held_out_split(prompts, 3) == (list(range(3, 10)), [0, 1, 2])  # rows
     repeated = ["a", "b", "a", "c", "b", "d"]
-    assert prepare.held_out_split(repeated, 2) == (["c", "d"], ["a", "b"])
+    assert prepare.held_out_split(repeated, 2) == ([3, 5], [0, 1])  # c and d trained on; a and b held out once
 
 
 def test_the_synthetic_default_holds_out_prompts_it_never_trains_on(tiny_params, tmp_path):
