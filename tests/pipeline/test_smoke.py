@@ -335,7 +335,7 @@ def test_the_sweep_page_shows_the_experiments_side_by_side(repo):
     out = run(sys.executable, "-m", "stages", "report", "--experiments", cwd=repo).stdout
     assert "params differ -> data/report/experiments.html" in out
     page = (repo / "data" / "report" / "experiments.html").read_text()
-    assert "ppo.learning_rate" in page and "0.0005" in page and "0.0001" in page
+    assert ">ppo.<wbr>learning_<wbr>rate<" in page and "0.0005" in page and "0.0001" in page
     assert '<th class="param">ppo.<wbr>ppo_<wbr>epochs</th>' in page
     assert '<td class="param">1</td>' in page and '<td class="param">2</td>' in page
     assert '<td class="param">1.0</td>' not in page and '<td class="param">2.0</td>' not in page  # exp_show's 1, 2
