@@ -1,19 +1,23 @@
-"""The page of a sweep (`rlhf report --experiments`): the experiments as `dvc exp show` lists them (the params that
-differ, the evaluation) and their PPO curves overlaid, read through DVC's own API (`dvc.api.exp_show`, and
+"""The page of a sweep (`rlhf report --experiments`): the experiments as `dvc exp show` lists them (the evaluation,
+then the params that differ) and their PPO curves overlaid, read through DVC's own API (`dvc.api.exp_show`, and
 `dvc.api.read` of each experiment's params file and curves), self-contained as the run's report is. Params are shown
-as each experiment's params file writes them (`dvc.api.exp_show` gives an int as a float, 1 as 1.0), and a curve's
-legend names its experiment's values of the params that differ.
+as each experiment's params file writes them (`dvc.api.exp_show` gives an int as a float, 1 as 1.0). Made to be read
+at a glance in a 1400 px window: each chart is the page's full width, its legend names the experiments only (their
+params are in the table), and the table keeps the page's width, its long names and values wrapping at their dots.
 """
 
 from __future__ import annotations
 
+import html
 import io
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
 
-from stages.report.html import figure, flatten, page, shown_steps, svg, table
+from stages.report.html import figure, flatten, page, shown_steps, svg
+from stages.report.html import number as formatted
 from stages.shared.artifacts import PPO_CURVES, REPORT_SWEEP, atomic_path
 from stages.shared.params import ScorerParams
 from stages.shared.runtime import StageError
@@ -43,19 +47,57 @@ def write_sweep_page(root: Path, params_path: Path) -> str:
         rows[0], revs[0] = {**workspace, "Experiment": WORKSPACE_BASELINE}, None  # None: dvc.api reads the workspace
     varying = sorted(k for k in set().union(*params) if len({shown(p.get(k, ABSENT)) for p in params}) > 1)
     names = [row["Experiment"] or row["rev"] for row in rows]
-    header = ["experiment", *varying, *(reward_label(params) if k == "reward" else v for k, v in METRICS.items())]
-    body = [[name, *(shown(p.get(k, ABSENT)) for k in varying), *(number(row.get(k)) for k in METRICS)]
-            for name, p, row in zip(names, params, rows)]
-    curves = {legend(name, p, varying): read_curves(root, rev) for name, p, rev in zip(names, params, revs)}
-    sections = [("Experiments (as dvc exp show: the params that differ, the evaluation)", table(body, header)),
-                ("PPO curves, overlaid", overlay({n: c for n, c in curves.items() if c is not None}))]
+    curves = {name: read_curves(root, rev) for name, rev in zip(names, revs)}
+    text = sweep_page(names, params, rows, varying, {n: c for n, c in curves.items() if c is not None})
     with atomic_path(Path(root) / REPORT_SWEEP) as tmp:
-        tmp.write_text(page("RLHF sweep report", sections))
+        tmp.write_text(text)
     return (f"{len(rows)} experiment{'s' * (len(rows) != 1)}, {len(varying)} param{'s' * (len(varying) != 1)} "
             f"differ{'s' * (len(varying) == 1)} -> {REPORT_SWEEP}")
 
 
 WORKSPACE_BASELINE = "workspace (this machine's run of main's params)"
+
+# The sweep's own rules, after the run page's (html.STYLE, left as it is: html.py is a dep of the report stage, whose
+# page is a DVC output): charts one per row at the page's width; a table no wider than the page, whose params wrap at
+# the break points `breakable` marks or, past them, anywhere, and whose names and numbers never break inside a word.
+SWEEP_STYLE = """.wide svg{display:block;width:100%;height:auto;margin:8px 0}table.sweep{max-width:100%}
+.sweep .param{overflow-wrap:anywhere;border-left:2px solid #bbb}.sweep td.n,.sweep td.name{white-space:nowrap}"""
+CHART_INCHES = (11.0, 3.0)  # (width, height) of an overlaid chart: about the page's 1180 px, so text keeps its size
+
+
+def sweep_page(names: list[str], params: list[dict], rows: list[dict], varying: list[str],
+               curves: dict[str, pd.DataFrame]) -> str:
+    """The sweep's page: the experiments' table, then their curves overlaid (``curves``: experiment name -> its
+    curves.csv; ``names``, ``params``, ``rows``: one per experiment, in the table's order)."""
+    sections = [("Experiments (as dvc exp show: the evaluation, then the params that differ)",
+                 experiments_table(names, params, rows, varying)),
+                ("PPO curves, overlaid (each experiment's params: the table above)", overlay(curves))]
+    return page("RLHF sweep report", sections).replace("</style>", f"\n{SWEEP_STYLE}</style>", 1)
+
+
+def experiments_table(names: list[str], params: list[dict], rows: list[dict], varying: list[str]) -> str:
+    """One row per experiment: its name, its evaluation (``METRICS``, from its `dvc exp show` row), then its values of
+    the params that differ (``varying``). The results come first, where a reader looks, whatever the params' count."""
+    metrics = [reward_label(params) if key == "reward" else label for key, label in METRICS.items()]
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ["experiment", *metrics])
+    head += "".join(f'<th class="param">{breakable(key)}</th>' for key in varying)
+    body = ""
+    for name, values, row in zip(names, params, rows):
+        results = (number(row.get(key)) for key in METRICS)
+        cells = "".join(f'<td class="n">{formatted(x)}</td>' if isinstance(x, float) else f"<td>{x}</td>"
+                        for x in results)
+        cells += "".join(f'<td class="param">{breakable(shown(values.get(key, ABSENT)))}</td>' for key in varying)
+        body += f'<tr><td class="name">{html.escape(name)}</td>{cells}</tr>'  # gauge-thaw, not gauge- / thaw
+    return f'<table class="sweep"><tr>{head}</tr>{body}</table>'
+
+
+BREAK = re.compile(r"(?<=[./:_])(?=[A-Za-z])")  # after a separator, before a letter: never inside a number
+
+
+def breakable(text: str) -> str:
+    """``text`` escaped, with a line-break opportunity (``<wbr>``) after each ``.``, ``/``, ``:`` or ``_`` that a letter
+    follows: ``data.prompts.columns.query`` wraps at its dots, ``0.0001`` and ``1e-05`` stay whole."""
+    return "<wbr>".join(html.escape(part) for part in BREAK.split(text))
 
 
 def stands_in(workspace: dict | None, baseline: dict) -> bool:
@@ -89,12 +131,6 @@ def shown(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def legend(name: str, params: dict, varying: list[str]) -> str:
-    """An experiment's name and its values of the params that differ: ``exp-abc12 (ppo.learning_rate=0.0001)``."""
-    values = ", ".join(f"{key}={shown(params.get(key, ABSENT))}" for key in varying)
-    return f"{name} ({values})" if values else name
-
-
 def reward_label(params: list[dict]) -> str:
     """The reward column's header: it names the experiments' scorer (or says the scorer.* columns do, if they
     differ)."""
@@ -117,12 +153,20 @@ def read_curves(root: Path, rev: str | None) -> pd.DataFrame | None:
 
 
 def overlay(curves: dict[str, pd.DataFrame]) -> str:
+    """One chart per curve in ``CURVES`` that some experiment has (no gold score on a user's own data), the page's width
+    each, every experiment a line labelled with its name."""
+    from matplotlib.ticker import MaxNLocator
+
     charts = []
     for column, title in CURVES:
+        if not any(column in frame for frame in curves.values()):
+            continue
         fig, ax = figure(title)
+        fig.set_size_inches(*CHART_INCHES)
         for name, frame in curves.items():
             if column in frame:
-                ax.plot(shown_steps(frame["step"]), frame[column], label=name)
-        ax.legend(fontsize=7)
+                ax.plot(shown_steps(frame["step"]), frame[column], label=name)  # counted from 1, as the console
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+        ax.legend(fontsize=8)
         charts.append(svg(fig))
-    return f'<div class="charts">{"".join(charts)}</div>'
+    return f'<div class="wide">{"".join(charts)}</div>'

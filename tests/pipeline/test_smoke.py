@@ -2,7 +2,8 @@
 then, each test leaving the workspace as it found it: a no-op repro, a forced rerun that trains again, a killed
 `dvc repro` that resumes, a failing stage that says how to get its outputs back, reward code under rewards/ that
 makes ppo and evaluate stale, `dvc exp run -S`, a queued sweep that reruns nothing upstream of ppo, the docs'
-sweep and comparison, and the sweep's page."""
+sweep and comparison, the sweep's page, and a sweep on a user's own prompts and scorer (in 120 columns, its page at
+1400 px)."""
 
 from __future__ import annotations
 
@@ -52,9 +53,10 @@ def readme_line(start: str) -> str:
     return next(line for doc in docs for line in doc.read_text().splitlines() if line.startswith(start))
 
 
-def exp_show_header(repo: Path) -> tuple[list[str], str]:
-    """The docs' `dvc exp show` (docs/sweeps.md) in a 100-column terminal: (its header's columns, the whole table)."""
-    table = run("bash", "-c", readme_line("dvc exp show "), cwd=repo, env={**ENV, "COLUMNS": "100"}).stdout
+def exp_show_header(repo: Path, columns: int = 100) -> tuple[list[str], str]:
+    """The docs' `dvc exp show` (docs/sweeps.md) in a terminal of ``columns``: (its header's columns, the whole
+    table)."""
+    table = run("bash", "-c", readme_line("dvc exp show "), cwd=repo, env={**ENV, "COLUMNS": str(columns)}).stdout
     return next(line for line in table.splitlines() if "Experiment" in line).split(), table
 
 
@@ -328,15 +330,16 @@ def test_the_readme_s_queued_sweep_compares_in_100_columns(repo):
 def test_the_sweep_page_shows_the_experiments_side_by_side(repo):
     """`rlhf report --experiments` after the sweep: the experiments as dvc exp show lists them, the params that differ
     as params.yaml writes them (an int as an int), their evaluation and their curves overlaid, each legend naming its
-    experiment's values of those params, read through DVC's API."""
+    experiment only (its params are in the table), read through DVC's API."""
     dvc("exp", "run", "--temp", "-n", "epochs", "-S", "ppo.ppo_epochs=1", cwd=repo)  # an int param differs too
     out = run(sys.executable, "-m", "stages", "report", "--experiments", cwd=repo).stdout
     assert "params differ -> data/report/experiments.html" in out
     page = (repo / "data" / "report" / "experiments.html").read_text()
-    assert "ppo.learning_rate" in page and "0.0005" in page and "0.0001" in page
-    assert "<th>ppo.ppo_epochs</th>" in page and "<td>1</td>" in page and "<td>2</td>" in page
-    assert "<td>1.0</td>" not in page and "<td>2.0</td>" not in page  # dvc.api.exp_show's rendering of 1 and 2
-    assert ">epochs (" in page and "ppo.ppo_epochs=1)<" in page  # a legend: the name, then the params that differ
+    assert ">ppo.<wbr>learning_<wbr>rate<" in page and "0.0005" in page and "0.0001" in page
+    assert '<th class="param">ppo.<wbr>ppo_<wbr>epochs</th>' in page
+    assert '<td class="param">1</td>' in page and '<td class="param">2</td>' in page
+    assert '<td class="param">1.0</td>' not in page and '<td class="param">2.0</td>' not in page  # exp_show's 1, 2
+    assert ">epochs</text>" in page and "ppo_epochs=" not in page  # a legend: the experiment's name only
     assert "PPO reward (reward model)" in page
     assert page.count("<svg") == 3 and "<script" not in page
     assert_clean(repo)
@@ -375,6 +378,68 @@ def test_where_main_s_results_are_not_in_the_cache_the_workspace_is_the_baseline
     run(sys.executable, "-m", "stages", "report", "--experiments", cwd=copy)
     page = html.unescape((copy / "data" / "report" / "experiments.html").read_text())
     assert page.count(WORKSPACE_BASELINE) >= 2  # its row, and the legend of its curves
+
+
+def run_queue(repo: Path, *overrides: str) -> None:
+    """`dvc exp run --queue -S ...` then `dvc queue start`, as the docs' sweep, waiting until none is queued or
+    running; none failed."""
+    dvc("exp", "run", "--queue", *(arg for value in overrides for arg in ("-S", value)), cwd=repo)
+    dvc("queue", "start", cwd=repo)
+    deadline = time.monotonic() + 600
+    while any(state in dvc("queue", "status", cwd=repo).stdout for state in ("Queued", "Running")):
+        assert time.monotonic() < deadline, "the queued sweep did not finish in 10 minutes"
+        time.sleep(2)
+    assert "Failed" not in dvc("queue", "status", cwd=repo).stdout
+
+
+@pytest.mark.slow
+def test_a_sweep_on_own_prompts_and_scorer_compares_in_120_columns_and_its_page_reads_at_1400_px(repo, tmp_path):
+    """A user's own prompts (JSONL) and scorer (rewards/my_scorer.py), committed with params.yaml and the lock of
+    their run as docs/sweeps.md says, then the scorer edited (staged, so the experiments get it) and a three-value
+    learning-rate sweep queued: the docs' `dvc exp show` fits 120 columns, none cut off (the `rewards` dep's column,
+    a hash that differs from main's, dropped); the sweep page, in a 1400 px Chromium window, has every chart at the
+    page's width and its table within the page, results first."""
+    from tests.stages.test_report import BROWSER, layout
+
+    copy = tmp_path / "own"
+    shutil.copytree(repo, copy, symlinks=True)
+    dvc("exp", "remove", "-A", cwd=copy)
+    run("git", "checkout", "-q", "--", ".", cwd=copy)
+    (copy / "my_prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{who} {verb} {how}"}) + "\n"
+                                                   for who in ("the film", "this movie", "the plot", "the cast")
+                                                   for verb in ("was", "felt", "seemed") for how in ("so", "quite")))
+    scorer = "def positivity(texts):\n    return [float(t.count('good')) / (1 + len(t.split())) for t in texts]\n"
+    (copy / "rewards" / "my_scorer.py").write_text(scorer)
+    params = (copy / "params.yaml").read_text()
+    own = params.replace("    source: synthetic\n    split: train\n    columns: {query: query}",
+                         "    source: my_prompts.jsonl\n    split: train\n    columns: {query: prompt}")
+    own = own.replace("scorer:\n  source: reward_model\n  name: null",
+                      "scorer:\n  source: callable\n  name: rewards.my_scorer:positivity")
+    assert own.count("my_") == 2
+    (copy / "params.yaml").write_text(own)
+    run("git", "add", "-A", cwd=copy)
+    run("git", "commit", "-qm", "own prompts and scorer", cwd=copy)
+    dvc("repro", cwd=copy)
+    run("git", "commit", "-qam", "the lock of our own run", cwd=copy)
+    (copy / "rewards" / "my_scorer.py").write_text(scorer.replace("'good'", "'great'"))
+    run("git", "add", "rewards/my_scorer.py", cwd=copy)
+    run_queue(copy, "ppo.learning_rate=0.0001,0.0003,0.001")
+    rows = json.loads(dvc("exp", "show", "--json", cwd=copy).stdout)
+    revs = rows + [rev for row in rows for exp in (row.get("experiments") or []) for rev in exp["revs"]]
+    assert len(revs) == 5  # the workspace, main and the three experiments
+    evaluations = [rev["data"]["metrics"]["data/eval/metrics.json"]["data"] for rev in revs]
+    moved = [key for key in evaluations[0] if len({json.dumps(e[key]) for e in evaluations}) > 1]
+    header, table = exp_show_header(copy, columns=120)
+    assert header == ["Experiment", *moved, "ppo.learning_rate"], table
+    assert "…" not in table and max(map(len, table.splitlines())) <= 120, table
+    run(sys.executable, "-m", "stages", "report", "--experiments", cwd=copy)
+    if BROWSER is None:
+        pytest.skip("no chromium: the sweep page's layout is unchecked")
+    sizes = layout(copy / "data" / "report" / "experiments.html", tmp_path / "profile")
+    assert len(sizes["charts"]) >= 2 and all(width >= sizes["page"] - 1 for width, _ in sizes["charts"]), sizes
+    assert sizes["table"] <= sizes["page"], sizes
+    lefts = dict(sizes["headers"])
+    assert lefts["win rate"] < lefts["ppo.learning_rate"], lefts
 
 
 @pytest.mark.slow

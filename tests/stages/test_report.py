@@ -182,3 +182,103 @@ def test_a_table_has_one_number_format_per_column():
                      "13.69"]
     huge = re.findall(r'<td class="n">([^<]*)</td>', table([["a", 12.0, 0.5], ["b", 2.5e6, 0.01]], ["", "x", "y"]))
     assert huge == ["1.20e+01", "0.50", "2.50e+06", "0.01"]  # x reaches 1e4: all of it in scientific notation
+
+
+def a_sweep(n_steps: int = 4) -> dict:
+    """sweep_page's inputs for three experiments on a user's own data and scorer, where the params that differ from
+    main's are many and long (as with params.yaml's own-material edits left uncommitted): names, params, rows (as
+    `dvc.api.exp_show` gives them), the params that differ, curves."""
+    import pandas as pd
+
+    names = ["main", "gauge-thaw", "vocal-pons", "dutch-stob"]
+    own = {"data.prompts.source": "data/my_own_prompts_collected_in_2026.jsonl", "data.prompts.columns.query": "prompt",
+           "scorer.source": "callable", "scorer.name": "rewards.my_sentiment_scorer:positivity_per_word",
+           "tokenize.max_query_tokens": 24, "data.n_eval_prompts": 40, "model.lora.target_modules": '["c_attn"]'}
+    main = {key: "synthetic" if key.endswith("source") else None for key in own}
+    params = [{**main, "ppo.learning_rate": 0.0003}] + [{**own, "ppo.learning_rate": lr} for lr in (1e-4, 3e-4, 1e-3)]
+    rows = [{"win_rate": 0.5 + i / 10, "gold": None, "reward": 0.1 * i, "kl": 0.01 * i, "accuracy": 0.75}
+            for i in range(4)]
+    varying = sorted(own) + ["ppo.learning_rate"]
+    curves = {name: pd.DataFrame({"step": range(n_steps), "reward_mean": [i * s / 10 for s in range(n_steps)],
+                                  "kl": [i * s / 100 for s in range(n_steps)]}) for i, name in enumerate(names)}
+    curves["main"]["gold_mean"] = 0.5  # the synthetic data's gold score; the user's own data has none
+    return {"names": names, "params": params, "rows": rows, "varying": varying, "curves": curves}
+
+
+def test_a_sweep_s_table_shows_the_results_first_and_its_params_wrap_at_their_dots():
+    """The evaluation's columns come before the params' (a reader looks there first, however many params differ), and
+    a long param name or value has a line-break opportunity at each dot, slash, colon or underscore before a letter,
+    never inside a number."""
+    from stages.report.sweep import METRICS, breakable, experiments_table
+
+    sweep = a_sweep()
+    text = experiments_table(sweep["names"], sweep["params"], sweep["rows"], sweep["varying"])
+    headers = re.findall(r"<th[^>]*>(.*?)</th>", text)
+    assert len(headers) == 1 + len(METRICS) + len(sweep["varying"])
+    assert headers[1:3] == ["win rate", "PPO gold"] and headers[4:6] == ["PPO KL to SFT", "RM accuracy"]
+    assert [h.replace("<wbr>", "") for h in headers[1 + len(METRICS):]] == sweep["varying"]
+    assert "data.<wbr>prompts.<wbr>columns.<wbr>query" in headers
+    assert breakable("rewards.my_scorer:positivity") == "rewards.<wbr>my_<wbr>scorer:<wbr>positivity"
+    assert [breakable(v) for v in ("0.0001", "1e-05", "3.5e+02", "<b>&")] == ["0.0001", "1e-05", "3.5e+02",
+                                                                               "&lt;b&gt;&amp;"]
+    cells = re.findall(r'<td class="param">(.*?)</td>', text)
+    runs = sorted((part for cell in cells for part in cell.split("<wbr>")), key=len)
+    assert runs[-1] == "positivity_", runs[-3:]  # the longest unbreakable run: 11 characters, not 43
+
+
+def test_a_sweep_s_charts_are_wide_and_their_legends_name_the_experiments_only():
+    """Each overlaid chart is drawn at the page's width, its legend lists the experiments' names and nothing else (their
+    params are in the table), so the plot fills its chart: the axes span at least 85% of the SVG's width."""
+    from stages.report.sweep import sweep_page
+
+    text = sweep_page(**a_sweep())
+    charts = re.findall(r"<svg.*?</svg>", text, re.S)
+    assert len(charts) == 3  # the reward, gold (main's only) and KL curves
+    everyone = ["main", "gauge-thaw", "vocal-pons", "dutch-stob"]
+    for chart, names in zip(charts, [everyone, ["main"], everyone]):
+        legend = re.search(r'<g id="legend_1">.*', chart, re.S).group(0)
+        assert re.findall(r"<text[^>]*>([^<]*)</text>", legend) == names
+        width = float(re.search(r'<svg[^>]* width="([\d.]+)pt"', chart).group(1))
+        xs = [float(x) for x in re.findall(r"[ML] ([\d.]+) ", re.search(r'<g id="patch_2">.*?</g>', chart, re.S)[0])]
+        assert (max(xs) - min(xs)) / width >= 0.85, (max(xs) - min(xs), width)
+        assert width >= 600  # points: about the page's 1180 px, so the page does not scale its text up
+    assert "ppo.learning_rate" not in "".join(charts)
+
+
+LAYOUT_PROBE = """<script>
+const box = element => element.getBoundingClientRect();
+const layout = {page: box(document.body).width, table: box(document.querySelector("table")).width,
+  charts: [...document.querySelectorAll("svg")].map(s => [box(s).width, box(s.querySelector("[id=patch_2]")).width]),
+  headers: [...document.querySelectorAll("th")].map(h => [h.textContent, box(h).left])};
+document.body.insertAdjacentHTML("beforeend", "<pre id=layout>" + JSON.stringify(layout) + "</pre>");
+</script>"""
+
+
+def layout(page: Path, profile: Path, width: int = 1400) -> dict:
+    """The sizes Chromium lays ``page`` out at in a ``width`` px window (px): the page's content, the first table,
+    each chart (the SVG, its axes), each header cell's text and left edge; measured by a script added to a copy."""
+    probe = page.with_name(f"{page.stem}.probe.html")
+    probe.write_text(page.read_text().replace("</body>", f"{LAYOUT_PROBE}</body>"))
+    result = subprocess.run([BROWSER, *BROWSER_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},1000",
+                             "--virtual-time-budget=3000", "--dump-dom", probe.resolve().as_uri()],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(re.search(r"<pre id=\"layout\">(.*?)</pre>", result.stdout, re.S).group(1))
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no chromium: `make test` installs Debian's package where apt can")
+def test_a_sweep_s_page_at_1400_px_has_full_width_charts_and_a_table_within_the_page(tmp_path):
+    """In a 1400 px window: every chart is the page's full width and its plot nearly so, the table (eight params
+    that differ, some of 40 characters) is no wider than the page, and its results lie left of its params."""
+    from stages.report.sweep import sweep_page
+
+    page = tmp_path / "experiments.html"
+    page.write_text(sweep_page(**a_sweep()))
+    sizes = layout(page, tmp_path / "profile")
+    assert sizes["page"] == 1180  # html.STYLE's max-width
+    assert len(sizes["charts"]) == 3
+    for chart, axes in sizes["charts"]:
+        assert chart >= sizes["page"] - 1 and axes >= 0.85 * chart, sizes["charts"]
+    assert sizes["table"] <= sizes["page"], sizes["table"]
+    lefts = dict(sizes["headers"])
+    assert lefts["RM accuracy"] < min(lefts[key] for key in a_sweep()["varying"]), lefts
