@@ -78,7 +78,7 @@ def checked(value: Any, hint: Any, key: str) -> Any:
     naming ``key`` otherwise.
 
     Annotations understood: ``X | None`` / ``Optional[X]``, ``Literal[...]``, ``bool``, ``int``, ``float``,
-    ``str``, ``dict`` (any mapping), ``dict[str, str]``, ``list[str]`` and dataclasses.
+    ``str``, ``dict`` (any mapping), ``dict[str, str]``, ``list[str]``, ``list[int]`` and dataclasses.
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
@@ -115,6 +115,10 @@ def checked(value: Any, hint: Any, key: str) -> Any:
         if args and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             raise ConfigError(key, f"{{key}} must be a mapping of strings to strings, {_got(value)}")
         return dict(value)
+    if origin is list and args == (int,):
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(key, f"{{key}} must be a list of integers, {_got(value)}")
+        return list(value)
     if origin is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(key, f"{{key}} must be a list of strings, {_got(value)}")

@@ -14,6 +14,11 @@ fits a 100-column terminal, and the SFT baseline (the same in every PPO experime
 is left out; `heldout`: how many prompts were evaluated and how many of them are training prompts, 0 as prepare
 splits by distinct prompt). Which scorer gave `reward` is the `scorer` params section (metrics hold numbers only),
 which dvc.yaml tracks for this stage.
+
+With `evaluate.samples_per_prompt` > 1 or `evaluate.pass_at_k` set, a last group, ``accuracy``: per reward (``reward``,
+the scorer's, then each judge's), each policy's mean over n samples per prompt, greedy accuracy and pass@k, and the
+paired standard errors of PPO - SFT (stages/shared/accuracy.py). Its extra samples are drawn after everything above,
+which stays as it is; off (the default), nothing more is drawn and metrics.json is as it was.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ppo_core import response_logprobs, set_seed
+from stages.shared.accuracy import accuracy_table
 from stages.shared.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
@@ -78,7 +84,7 @@ def compare_policies(params: Params, root: Path) -> str:
     judges = judge_functions(params)
     columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
     columns |= {name: [] for name in judges} | {name: [] for name in kept}
-    by_policy = {}
+    by_policy, first = {}, {}  # first: {policy: {reward name: its (P,) rewards}} of the samples above
     for name, policy in policies.items():
         response_ids = sample_responses(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
         responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
@@ -99,10 +105,15 @@ def compare_policies(params: Params, root: Path) -> str:
         for key in columns:
             columns[key] += rows[key]
         by_policy[name] = policy_metrics(rows, list(judges))
+        first[name] = {"reward": rows["score"]} | {judge: rows[judge] for judge in judges}
     n = len(queries)
     wins = win_rate(columns["score"][n:], columns["score"][:n])
     in_train = training_prompts_among(queries, read_prompts(root / TOKENIZED_TRAIN)["query"])
     metrics = evaluation_metrics(by_policy["ppo"], by_policy["sft"], wins, {"prompts": n, "in_train": in_train})
+    if params.evaluate.samples_per_prompt > 1 or params.evaluate.pass_at_k:  # off: not a draw more (the same bytes)
+        scorers = {"reward": score} | judges
+        metrics["accuracy"] = sampled_accuracy(params, policies, tokenizer, (queries, query_ids), generation, scorers,
+                                               first, kept)
     with publishing():  # both or neither
         write_parquet(columns, root / EVAL_SAMPLES)
         write_json(metrics, root / EVAL_METRICS, sort_keys=False)
@@ -110,6 +121,45 @@ def compare_policies(params: Params, root: Path) -> str:
     return (f"{heldout_words(n, in_train)}: reward ({params.scorer.title}) {metrics['sft']['reward']:.2f} (sft) -> "
             f"{metrics['reward']:.2f} (ppo){judged}, win rate {metrics['win_rate']:.2f}, kl {metrics['kl']:.2f} -> "
             f"{EVAL_METRICS}")
+
+
+def sampled_accuracy(params: Params, policies: dict, tokenizer, prompts: tuple[list[str], list[list[int]]],
+                     generation: dict, scorers: dict, first: dict[str, dict[str, list[float]]],
+                     kept: dict[str, list] | None = None) -> dict:
+    """metrics.json's ``accuracy`` group (stages/shared/accuracy.py) over ``prompts`` (queries, their token ids): each
+    policy's n = `evaluate.samples_per_prompt` samples per prompt (``first``'s rewards, of the samples above, then n - 1
+    more drawn after both policies' first, so those stay as they are) and one greedy response per prompt, each scored
+    by every function of ``scorers`` (``reward``: the scorer, then the judges; one that sees the row gets each
+    prompt's ``kept`` columns)."""
+    kept = kept or {}
+    n_prompts, n_more = len(prompts[0]), params.evaluate.samples_per_prompt - 1
+    more_prompts = tuple([x for x in items for _ in range(n_more)] for items in prompts)  # a prompt's n - 1 together
+    more_kept = {key: [x for x in values for _ in range(n_more)] for key, values in kept.items()}
+    greedy_generation = generation | {"do_sample": False}
+    sampled, greedy = {}, {}
+    for name, policy in policies.items():
+        more = rewards_of(params, name, policy, tokenizer, more_prompts, generation, scorers, more_kept)
+        sampled[name] = {fn: np.concatenate([np.reshape(first[name][fn], (n_prompts, 1)),
+                                             np.reshape(more[fn], (n_prompts, n_more))], axis=1) for fn in scorers}
+        greedy[name] = rewards_of(params, name, policy, tokenizer, prompts, greedy_generation, scorers, kept)
+    return accuracy_table(sampled, greedy, params.evaluate.pass_at_k, params.evaluate.success_threshold)
+
+
+def rewards_of(params: Params, name: str, policy, tokenizer, prompts: tuple[list[str], list[list[int]]],
+               generation: dict, scorers: dict, kept: dict[str, list] | None = None) -> dict[str, np.ndarray]:
+    """One response per prompt of ``prompts`` (queries, their token ids) by ``policy``, scored by each of ``scorers``
+    as above (the scorer on `scorer.input`'s texts, a judge on query + response): {reward name: (len(prompts),)}."""
+    queries, query_ids = prompts
+    mode = "sampled" if generation["do_sample"] else "greedy"
+    response_ids = sample_responses(policy, tokenizer, query_ids, generation, params.evaluate.batch_size,
+                                    desc=f"evaluate {name}, {mode}")
+    responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    texts = {"reward": scorer_texts(params.scorer, queries, responses)}
+    seen = Row(queries, responses, kept or {})
+    return {fn: np.array(scores_of(score, texts.get(fn, [q + r for q, r in zip(queries, responses)]), params,
+                                   f"{name} ({mode})", who=None if fn == "reward" else f"judge {fn}", row=seen),
+                         dtype=np.float64)
+            for fn, score in scorers.items()}
 
 
 def scores_of(score, texts: list[str], params: Params, policy: str, who: str | None = None,

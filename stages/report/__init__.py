@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from stages.report.accuracy import accuracy_section
 from stages.report.html import page
 from stages.report.samples import extremes, score_header, side_by_side
 from stages.report.sections import (
@@ -59,7 +60,8 @@ def run(params: Params, root: Path = Path(".")) -> str:
     judges = params.evaluate.judges  # the named ones (the synthetic gold is in the tables already)
     samples = read_table(root / EVAL_SAMPLES, SAMPLE_COLUMNS + list(judges))
     sections = [
-        ("Evaluation on the held-out prompts", heldout_line(evaluation) + evaluation_table(evaluation, scorer, judges)),
+        ("Evaluation on the held-out prompts", heldout_line(evaluation) + evaluation_table(evaluation, scorer, judges)
+         + accuracy_section(evaluation, params.evaluate, scorer)),
         ("PPO, step by step", charts(curves, scorer) + heldout_charts(root / PPO_EVAL, scorer) + time_chart(root)),
         ("Watching the run: the policy kept and the doctor's alerts", watched(read_json(root / PPO_METRICS))),
         ("Held-out prompts: SFT and PPO side by side", side_by_side(samples, score_header(params.scorer),

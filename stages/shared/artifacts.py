@@ -336,7 +336,7 @@ def policy_means(metrics: dict, policy: str) -> dict[str, float]:
     """A policy's means from data/eval/metrics.json, keyed alike for both (``kl``: 0 for SFT)."""
     if policy == "sft":
         return {**metrics["sft"], "kl": 0.0}
-    return {k: v for k, v in metrics.items() if k not in ("win_rate", "sft", "heldout")}
+    return {k: v for k, v in metrics.items() if k not in ("win_rate", "sft", "heldout", "accuracy")}
 
 
 def check_writable(root: Path, paths: Sequence[Path | str]) -> None:

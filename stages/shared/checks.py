@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 # a kept prompts column must not take one (stages/ppo/tables.py's ROLLOUT_COLUMNS; stages/shared/scoring.py)
 RESERVED_COLUMNS = ("query", "input_ids", "step", "response", "score", "kl", "query_tokens", "response_tokens",
                     "ends_with_eos", "response_ids", "gold", "policy", "kl_to_sft", "prompts", "completions")
-RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft", "heldout")  # data/eval/metrics.json's own keys
+# data/eval/metrics.json's own keys
+RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft", "heldout", "accuracy")
 MIN_VOCAB = 256 + 2  # a tokenizer trained from scratch: every byte, plus EOS and PAD (stages/sft.py)
 # Legacy PPOConfig fields that only label a run: the pipeline decides what they name, so a value of a user's own
 # would read as if it acted. Each: the artifact the ppo stage reads, the param that picks what it holds (a label
@@ -153,6 +154,10 @@ def judge_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
     return [
         ("evaluate.n_prompts", p.evaluate.n_prompts, "null or >= 1",
          p.evaluate.n_prompts is None or p.evaluate.n_prompts >= 1),
+        ("evaluate.samples_per_prompt", p.evaluate.samples_per_prompt, ">= 1", p.evaluate.samples_per_prompt >= 1),
+        ("evaluate.pass_at_k", p.evaluate.pass_at_k, f"each in [1, evaluate.samples_per_prompt], here [1, "
+         f"{p.evaluate.samples_per_prompt}] (pass@k draws k of a prompt's samples)",
+         all(1 <= k <= p.evaluate.samples_per_prompt for k in p.evaluate.pass_at_k)),
         *((f"evaluate.judges.{name}", value, "a 'module:function'", ":" in value and value.partition(":")[2] != "")
           for name, value in p.evaluate.judges.items()),
         *((f"evaluate.judges.{name}", name, f"a name other than {list(RESERVED_METRICS)} (metric names of their own)",

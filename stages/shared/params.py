@@ -215,6 +215,16 @@ class EvaluateParams:
     """Scorers the policy never trained on, reported beside `scorer`'s: name -> "module:function" (list[str] ->
     list[float]), each a metric and a samples column of that name. `gold` is the gold score: with the synthetic data
     its lexicon's (no judge may take the name there), with data of your own a judge's of that name."""
+    samples_per_prompt: int
+    """Sampled responses per prompt and policy for the accuracy table (pass@k's n): 1 draws none beyond the one the
+    metrics above are of; n > 1 draws n - 1 more per prompt after those (which stay as they are), and a greedy one."""
+    pass_at_k: list[int]
+    """The k of pass@k, each at most samples_per_prompt ([]: none). With one, or samples_per_prompt > 1, metrics.json
+    gets an `accuracy` group: per reward (the scorer's, the judges'), each policy's mean over its samples, greedy
+    accuracy and pass@k (Chen et al. 2021's unbiased estimator), and the paired standard errors of PPO - SFT."""
+    success_threshold: float | None
+    """A reward >= this is a pass (accuracy, pass@k); null: a reward must be 0 or 1 (evaluate stops on another value
+    with one line naming the function)."""
 
 
 @dataclass(frozen=True)

@@ -173,3 +173,87 @@ def test_logprob_sums_score_the_response_tokens_without_full_logits(arch):
     model.get_output_embeddings().register_forward_hook(lambda *args: full_logits.append(1))
     assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
     assert not full_logits
+
+
+ZERO_ONE = """
+def even_length(texts):
+    return [float(len(t) % 2 == 0) for t in texts]
+
+
+def thirds(texts):
+    return [float(len(t) % 3 == 0) for t in texts]
+
+
+def chars(texts):
+    return [float(len(t)) for t in texts]
+"""
+
+
+def test_evaluate_reports_accuracy_and_pass_at_k_beside_what_it_reported(tiny_run, tiny_params, tmp_path, monkeypatch):
+    """evaluate.samples_per_prompt > 1 and evaluate.pass_at_k: metrics.json's last group, ``accuracy``, holds per reward
+    (the callable scorer's 0/1 `reward`, the gold score, a 0/1 judge) SFT's and PPO's mean, greedy accuracy and pass@k,
+    and the paired standard errors; the extra samples are drawn after the rest, so samples.parquet and every other
+    metric are those of the same params with the table off, byte for byte. The report shows the table."""
+    from stages import evaluate, report
+    from tests.conftest import params_per_stage
+
+    (tmp_path / "zero_one.py").write_text(ZERO_ONE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "eval", "report", "logs"))
+    scorer = dataclasses.replace(tiny_params.scorer, source="callable", name="zero_one:even_length", input="response")
+    off = dataclasses.replace(tiny_params, scorer=scorer, evaluate=dataclasses.replace(
+        tiny_params.evaluate, judges={"thirds": "zero_one:thirds"}))
+    evaluate.run(params_per_stage(off)["evaluate"], root)
+    before = {path: (root / path).read_bytes() for path in (EVAL_SAMPLES, EVAL_METRICS)}
+    on = dataclasses.replace(off, evaluate=dataclasses.replace(off.evaluate, samples_per_prompt=4, pass_at_k=[1, 2, 4],
+                                                                success_threshold=0.5))
+    evaluate.run(params_per_stage(on)["evaluate"], root)
+
+    assert (root / EVAL_SAMPLES).read_bytes() == before[EVAL_SAMPLES]  # the first sample per prompt, as with it off
+    metrics = json.loads((root / EVAL_METRICS).read_text())
+    accuracy = metrics.pop("accuracy")
+    assert json.dumps(metrics, indent=2) + "\n" == before[EVAL_METRICS].decode()  # all else as with it off
+    assert list(accuracy) == ["reward", "gold", "thirds"]
+    statistics = ["mean", "greedy", "pass@1", "pass@2", "pass@4"]
+    n = tiny_params.evaluate.n_prompts
+    for name, entry in accuracy.items():
+        assert list(entry) == ["sft", "ppo", "paired_se"]
+        for policy in ("sft", "ppo"):
+            stats = entry[policy]
+            assert list(stats) == statistics
+            assert stats["pass@1"] <= stats["pass@2"] <= stats["pass@4"]  # more tries, more passes
+            assert stats["greedy"] * n == pytest.approx(round(stats["greedy"] * n), abs=1e-9)  # a share of n prompts
+            if name != "gold":  # a 0/1 reward: its mean is its pass rate, pass@1
+                assert stats["pass@1"] == pytest.approx(stats["mean"], abs=1e-12)
+        assert all(se is None or se >= 0 for se in entry["paired_se"].values())
+    # the scorer's first sample per prompt is among the 4 its mean is over: with 4 samples, each prompt's share moves
+    # in quarters, so the mean over prompts is a multiple of 1 / (4 n)
+    assert accuracy["reward"]["ppo"]["mean"] * 4 * n == pytest.approx(round(accuracy["reward"]["ppo"]["mean"] * 4 * n))
+
+    report.run(params_per_stage(on)["report"], root)
+    page = (root / "data" / "report" / "index.html").read_text()
+    assert "<h3>Accuracy and pass@k</h3>" in page
+    assert "<td>callable zero_one:even_length score</td><td>pass@4 of 4 samples (unbiased estimator; a pass: reward " \
+           "&gt;= 0.5)</td>" in page
+    assert "<td>judge thirds</td><td>greedy accuracy" in page and "data/ppo/eval.csv" in page
+
+
+def test_a_null_success_threshold_refuses_a_reward_that_is_not_0_or_1(tiny_run, tiny_params, tmp_path, monkeypatch):
+    """evaluate.success_threshold: null says the rewards are 0/1: a judge's count of characters is not, and evaluate
+    stops with one line naming it, before it writes anything."""
+    from stages import evaluate
+    from tests.conftest import params_per_stage
+
+    (tmp_path / "zero_one.py").write_text(ZERO_ONE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "eval", "report", "logs"))
+    scorer = dataclasses.replace(tiny_params.scorer, source="callable", name="zero_one:even_length")
+    params = dataclasses.replace(tiny_params, scorer=scorer, evaluate=dataclasses.replace(
+        tiny_params.evaluate, judges={"chars": "zero_one:chars"}, samples_per_prompt=2, pass_at_k=[2],
+        success_threshold=None))
+    with pytest.raises(StageError, match=r"^evaluate: the reward 'chars' gave \d+ for the sft policy's sample 0 of "
+                                         r"prompt 0, but evaluate.success_threshold is null"):
+        evaluate.run(params_per_stage(params)["evaluate"], root)
+    assert not (root / EVAL_METRICS).exists() and not (root / EVAL_SAMPLES).exists()

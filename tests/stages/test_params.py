@@ -173,9 +173,13 @@ def test_values_that_would_fail_later_fail_at_load(tmp_path, edit, expected):
     ({"mine": "my_judges"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges'"),
     ({"mine": "my_judges:"}, "evaluate.judges.mine must be a 'module:function', got 'my_judges:'"),
     ({"reward": "my_judges:vowels"}, "evaluate.judges.reward must be a name other than ['win_rate', 'reward', 'kl', "
-                                     "'length', 'sft', 'heldout'] (metric names of their own), got 'reward'"),
+                                     "'length', 'sft', 'heldout', 'accuracy'] (metric names of their own), got "
+                                     "'reward'"),
     ({"sft": "my_judges:vowels"}, "evaluate.judges.sft must be a name other than ['win_rate', 'reward', 'kl', "
-                                  "'length', 'sft', 'heldout'] (metric names of their own), got 'sft'"),
+                                  "'length', 'sft', 'heldout', 'accuracy'] (metric names of their own), got 'sft'"),
+    ({"accuracy": "my_judges:vowels"}, "evaluate.judges.accuracy must be a name other than ['win_rate', 'reward', "
+                                       "'kl', 'length', 'sft', 'heldout', 'accuracy'] (metric names of their own), got "
+                                       "'accuracy'"),
 ])
 def test_a_bad_judge_is_one_line_at_load(tmp_path, judges, expected):
     """evaluate.judges names a function per metric: a value that is no 'module:function', or a name that is one of
@@ -185,6 +189,32 @@ def test_a_bad_judge_is_one_line_at_load(tmp_path, judges, expected):
     with pytest.raises(ParamsError) as err:
         load_params(path)
     assert str(err.value) == f"{path}: {expected}"
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({"samples_per_prompt": 0}, "evaluate.samples_per_prompt must be >= 1, got 0"),
+    ({"samples_per_prompt": 4, "pass_at_k": [1, 8]}, "evaluate.pass_at_k must be each in [1, "
+     "evaluate.samples_per_prompt], here [1, 4] (pass@k draws k of a prompt's samples), got [1, 8]"),
+    ({"pass_at_k": [0]}, "evaluate.pass_at_k must be each in [1, evaluate.samples_per_prompt], here [1, 1] (pass@k "
+     "draws k of a prompt's samples), got [0]"),
+    ({"pass_at_k": ["4"]}, "evaluate.pass_at_k must be a list of integers, got ['4'] (list)"),
+    ({"pass_at_k": 4}, "evaluate.pass_at_k must be a list of integers, got 4 (int)"),
+    ({"success_threshold": "high"}, "evaluate.success_threshold must be a number, got 'high' (str)"),
+])
+def test_bad_accuracy_params_are_one_line_at_load(tmp_path, values, expected):
+    """evaluate's accuracy table: k samples per prompt, the k of pass@k (none past the samples drawn), a numeric
+    threshold or null."""
+    path = write_params(tmp_path, lambda p: p["evaluate"].update(values))
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value) == f"{path}: {expected}"
+
+
+def test_accuracy_params_load(tmp_path):
+    path = write_params(tmp_path, lambda p: p["evaluate"].update(samples_per_prompt=8, pass_at_k=[1, 4, 8],
+                                                                 success_threshold=None))
+    loaded = load_params(path).evaluate
+    assert (loaded.samples_per_prompt, loaded.pass_at_k, loaded.success_threshold) == (8, [1, 4, 8], None)
 
 
 def test_judges_load_by_name_gold_included(tmp_path):

@@ -1,0 +1,40 @@
+"""The page's accuracy table (evaluate's `accuracy` group, stages/shared/accuracy.py): per reward, SFT and PPO side by
+side with the paired standard error of their difference, and where the run's curve of it is."""
+
+from __future__ import annotations
+
+from stages.report.html import table
+from stages.shared.params import EvaluateParams
+
+ACROSS_THE_RUN = ('<p class="note">Across the run: the held-out evaluations of the ppo stage (data/ppo/eval.csv, '
+                  "charted in PPO, step by step) sample one response per prompt, so for a 0/1 reward their mean "
+                  "is the sampled accuracy (pass@1) at each evaluation; greedy accuracy and pass@k are measured here, "
+                  "at the end only.</p>")
+
+
+def accuracy_section(metrics: dict, evaluate: EvaluateParams, scorer: str) -> str:
+    """Rows of (reward, statistic): SFT, PPO, PPO - SFT, the paired standard error of PPO - SFT over the prompts.
+    ``scorer``: the title of the scorer whose rewards are ``reward``. Empty where evaluate made no table (off)."""
+    if "accuracy" not in metrics:
+        return ""
+    passes = "reward = 1" if evaluate.success_threshold is None else f"reward >= {evaluate.success_threshold:g}"
+    n = evaluate.samples_per_prompt
+    rows = []
+    for name, entry in metrics["accuracy"].items():
+        reward = {"reward": f"{scorer} score", "gold": "gold score"}.get(name, f"judge {name}")
+        for statistic, sft in entry["sft"].items():
+            se = entry["paired_se"][statistic]
+            rows.append([reward, statistic_words(statistic, n, passes), sft, entry["ppo"][statistic],
+                         entry["ppo"][statistic] - sft, "n/a (one prompt)" if se is None else se])
+    header = ["reward", "over the held-out prompts", "SFT", "PPO", "PPO - SFT", "paired standard error of PPO - SFT"]
+    return "<h3>Accuracy and pass@k</h3>" + table(rows, header) + ACROSS_THE_RUN
+
+
+def statistic_words(statistic: str, n: int, passes: str) -> str:
+    """``mean``, ``greedy``, ``pass@k`` in words, with what counts as a pass (``passes``) and ``n``, the samples per
+    prompt."""
+    if statistic == "mean":
+        return f"mean reward of {n} sampled responses per prompt"
+    if statistic == "greedy":
+        return f"greedy accuracy (one greedy response per prompt, a pass: {passes})"
+    return f"{statistic} of {n} samples (unbiased estimator; a pass: {passes})"
