@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ppo_core import set_seed
-from stages.shared import synthetic
+from stages.shared import chat, synthetic
 from stages.shared.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
 from stages.shared.origins import LOCAL_READERS, local_data_file
 from stages.shared.params import COLUMNS, SYNTHETIC, DatasetSpec, Params
@@ -27,18 +27,18 @@ def run(params: Params, root: Path = Path(".")) -> str:
     set_seed(params.seed)
     data = params.data
     tables = {name: load(getattr(data, name), name, params) for name in COLUMNS}
-    prompts = tables["prompts"]["query"]
+    column, prompts = next(iter(tables["prompts"].items()))  # query, or messages (chats as JSON text)
     split = held_out_split(prompts, held_out_count(prompts, data.n_eval_prompts, data.prompts.source, params.path))
     with publishing():  # all four or none
         write_parquet(tables["sft"], root / RAW_SFT)
         write_parquet(tables["pairs"], root / RAW_PAIRS)
-        write_parquet({"query": split.train}, root / RAW_PROMPTS_TRAIN)
-        write_parquet({"query": split.held_out}, root / RAW_PROMPTS_EVAL)
+        write_parquet({column: split.train}, root / RAW_PROMPTS_TRAIN)
+        write_parquet({column: split.held_out}, root / RAW_PROMPTS_EVAL)
     repeats = f" ({len(set(prompts))} distinct, {len(prompts) - len(set(prompts))} repeats)" \
         if len(set(prompts)) < len(prompts) else ""
-    return (f"{len(tables['sft']['text'])} SFT texts, {len(tables['pairs']['prompt'])} pairs, {len(prompts)} prompts"
-            f"{repeats}: {len(split.train)} train + {len(split.held_out)} held out, none of them a training prompt "
-            f"-> {RAW_SFT.parent}")
+    return (f"{len(next(iter(tables['sft'].values())))} SFT texts, {len(tables['pairs']['prompt'])} pairs, "
+            f"{len(prompts)} prompts{repeats}: {len(split.train)} train + {len(split.held_out)} held out, none of them "
+            f"a training prompt -> {RAW_SFT.parent}")
 
 
 class Split(NamedTuple):
@@ -73,7 +73,7 @@ def held_out_count(prompts: list[str], asked: int, source: str, params_path: Pat
 
 
 def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
-    """One dataset as columns of strings, named as in COLUMNS."""
+    """One dataset as columns of strings, named as in its row shape (`chat.shape`: COLUMNS' by default)."""
     if spec.source == SYNTHETIC:
         if spec.n is None:
             raise StageError(f"{params.path}: data.{name}.n is null; synthetic data needs a row count")
@@ -83,7 +83,8 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
         raise StageError(f"{spec.source}: no rows (data.{name}.source in {params.path}); "
                          "give a dataset with at least one row")
     where = f"data.{name}.columns in {params.path}"
-    for ours in COLUMNS[name]:
+    shape = chat.shape(name, spec.columns)
+    for ours in shape:
         theirs = spec.columns.get(ours)
         if theirs is None:
             raise StageError(f"{params.path}: data.{name}.columns has no entry for '{ours}'; "
@@ -91,28 +92,33 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
         if theirs not in frame.columns:
             raise StageError(f"{spec.source}: column '{theirs}' not found ({where} maps '{ours}' to it); "
                              f"its columns are {list(frame.columns)}")
+        if ours == "messages":  # chats, as JSON text: compared, split and stored as the strings are
+            frame[theirs] = chat.chats_as_json(frame[theirs], spec.source, theirs, ends_with_assistant=name == "sft")
         bad = frame[theirs].map(lambda v: not isinstance(v, str)).to_numpy()
         if bad.any():  # the first bad row, counted from 1 as an editor shows rows (after a CSV's header)
             count, first = int(bad.sum()), int(bad.argmax())
             values = "values that are" if count > 1 else "value that is"
             raise StageError(f"{spec.source}: column '{theirs}' has {count} {values} not text (missing or numbers), "
                              f"the first in row {first + 1} ({frame[theirs].iloc[first]!r}); clean the file")
-    frame = without_blank_texts(frame, spec, name)
+    frame = without_blank_texts(frame, spec, name, shape)
     order = list(range(len(frame)))
     random.Random(f"{params.seed}-{name}").shuffle(order)
     if spec.n is not None and spec.n > len(frame):
         note(f"prepare: data.{name}.n is {spec.n}, but {spec.source} has {len(frame)} rows: using all {len(frame)}")
     frame = frame.iloc[order[:spec.n]]
-    return {ours: frame[spec.columns[ours]].tolist() for ours in COLUMNS[name]}
+    return {ours: frame[spec.columns[ours]].tolist() for ours in shape}
 
 
 # The columns that must hold text: a blank one (empty, or only whitespace) would be trained on as if it were some.
-NON_BLANK = {"sft": ("text",), "pairs": ("chosen", "rejected"), "prompts": ("query",)}
+NON_BLANK = {"sft": ("text", "completion"), "pairs": ("chosen", "rejected"), "prompts": ("query",)}
 
 
-def without_blank_texts(frame, spec: DatasetSpec, name: str):
-    """``frame`` without the rows whose text columns (`NON_BLANK`) are blank, said in a note; none left is an error."""
-    theirs = [spec.columns[ours] for ours in NON_BLANK[name]]
+def without_blank_texts(frame, spec: DatasetSpec, name: str, shape: tuple[str, ...]):
+    """``frame`` without the rows whose text columns (`NON_BLANK`, those of its row ``shape``) are blank, said in a
+    note; none left is an error."""
+    theirs = [spec.columns[ours] for ours in NON_BLANK[name] if ours in shape]
+    if not theirs:  # chats: prepare checked their turns
+        return frame
     blank = frame[theirs].apply(lambda column: column.str.strip() == "").any(axis=1)
     if not blank.any():
         return frame

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from transformers import AutoTokenizer
 
 from ppo_core import set_seed
+from stages.shared import chat
 from stages.shared.artifacts import (
     RAW_PROMPTS_EVAL,
     RAW_PROMPTS_TRAIN,
@@ -22,7 +23,6 @@ from stages.shared.artifacts import (
     TOKENIZED_TRAIN,
     TOKENIZER_KEY,
     publishing,
-    read_table,
     require_dir,
     tokenizer_digest,
     write_parquet,
@@ -109,9 +109,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
     made_with = tokenizer_digest(root / SFT_MODEL)  # recorded with the ids: ppo and evaluate check they match
     kept, tables = {}, {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
-        queries = read_table(root / source, ["query"])["query"].tolist()
+        queries = chat.read_prompts(root / source)  # query strings, or chats
         where = f"{source} (data.prompts.source's {target.stem} prompts)"
-        ids, cut = fitted(tokenizer(queries)["input_ids"], params.tokenize, tokenizer, where, params.path, limit)
+        ids = chat.prompt_ids(queries, tokenizer, params.chat, str(SFT_MODEL))  # the chat template's where it is on
+        ids, cut = fitted(ids, params.tokenize, tokenizer, where, params.path, limit)
         long = len(queries) - len(ids)
         ids = [x for x in ids if len(x) >= params.tokenize.min_query_tokens]
         short = len(queries) - long - len(ids)
@@ -124,7 +125,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
                              f"whole context of {SFT_MODEL}; lower tokenize.max_query_tokens in {params.path}")
         too_long = len(ids) - len(fitting)
         ids = fitting
-        tables[target] = {"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids}
+        tables[target] = {"query": chat.decoded(tokenizer, ids, chat.templated(queries, params.chat)), "input_ids": ids}
         dropped = {f"over {limit} tokens (tokenize.truncation: drop)": long,
                    f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,
                    "filling the whole context": too_long}

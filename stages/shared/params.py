@@ -42,7 +42,9 @@ class DatasetSpec:
     split: str
     """Split of a Hugging Face dataset; ignored for local files and synthetic data."""
     columns: dict[str, str]
-    """Our column -> the source's column, e.g. {query: prompt} renames `prompt` to `query` (as the seed does)."""
+    """Our column -> the source's column, e.g. {query: prompt} renames `prompt` to `query` (as the seed does); sft may
+    map {prompt, completion} or {messages} instead of {text}, prompts {messages} instead of {query} (chats:
+    stages/shared/chat.py)."""
     n: int | None
     """Rows generated (synthetic) or kept after a seeded shuffle (real data; null keeps all)."""
 
@@ -50,11 +52,12 @@ class DatasetSpec:
 @dataclass(frozen=True)
 class DataParams:
     sft: DatasetSpec
-    """SFT texts, one column: text."""
+    """SFT rows: text (the loss on all of it), or prompt and completion, or messages (the loss on the completion, the
+    last turn)."""
     pairs: DatasetSpec
     """Preference pairs: prompt, chosen, rejected (the RM scores prompt + chosen against prompt + rejected)."""
     prompts: DatasetSpec
-    """PPO prompts, one column: query; split into train and held-out eval."""
+    """PPO prompts, one column: query (or messages, chats); split into train and held-out eval."""
     n_eval_prompts: int
     """Distinct prompts held out from PPO for the held-out evaluations (evaluate, the watch), each once; the split is by
     distinct prompt (every copy of a prompt on one side, so none is a training prompt), and at most 25% of the
@@ -103,6 +106,18 @@ class ModelParams:
     mixed_precision: Literal["bf16", "fp16"] | None
     """sft, reward and ppo compute in this dtype under autocast, over float32 weights (null: float32). bf16 pays on
     CPUs with AVX-512 BF16 (1.3-2x here) and on GPUs; ppo takes it as accelerate's `mixed_precision`."""
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    """Prompts in the tokenizer's own chat template (`apply_chat_template(..., add_generation_prompt=True)`), in sft
+    and tokenize alike. Chats (a `messages` column) always go through it."""
+
+    template: bool
+    """Each query (tokenize) and each SFT prompt of prompt/completion rows a user turn of the template; false: the
+    text as it is. Plain `text` SFT rows are never templated."""
+    system_prompt: str | None
+    """A system turn put first in every templated chat that has none (null: none)."""
 
 
 @dataclass(frozen=True)
@@ -298,6 +313,7 @@ SECTIONS: dict[str, type] = {
     "seed": int,
     "data": DataParams,
     "model": ModelParams,
+    "chat": ChatParams,
     "sft": SFTParams,
     "reward": RewardParams,
     "tokenize": TokenizeParams,
@@ -319,6 +335,7 @@ class Params:
     """The seed of a run: each stage seeds once from it (the ppo stage too, unless ppo.seed is set)."""
     data: DataParams
     model: ModelParams
+    chat: ChatParams
     sft: SFTParams
     reward: RewardParams
     tokenize: TokenizeParams
