@@ -7,13 +7,11 @@ averaged over the policy's own samples, a Monte Carlo estimate of KL(pi || pi_sf
 tokens. Win rate: the fraction of prompts where that scorer scores the PPO response above the SFT one (ties count
 half). Both policies are loaded with plain transformers and sampled with the `generation` kwargs of the PPO rollouts.
 
-data/eval/metrics.json puts what a sweep compares at the top, short enough that `dvc exp show --only-changed`
-fits a 100-column terminal, and the SFT baseline (the same in every PPO experiment) in a group:
-``{"win_rate", "gold", "reward", "kl", "length", "sft": {"gold", "reward", "length"}, "heldout": {"prompts",
-"in_train"}}`` (top level: the PPO policy; `gold` only with the synthetic data; the SFT policy's KL to itself, 0,
-is left out; `heldout`: how many prompts were evaluated and how many of them are training prompts, 0 as prepare
-splits by distinct prompt). Which scorer gave `reward` is the `scorer` params section (metrics hold numbers only),
-which dvc.yaml tracks for this stage.
+data/eval/metrics.json puts what a sweep compares at the top (`dvc exp show --only-changed` in 100 columns), the SFT
+baseline in a group: ``{"win_rate", "gold", "reward", "kl", "length", "sft": {"gold", "reward", "length"},
+"heldout": {"prompts", "in_train"}}`` (top: the PPO policy; `gold` with the synthetic data only; `heldout`: the prompts
+evaluated, and how many are training prompts, 0 as prepare splits by distinct prompt). Which scorer gave `reward` is
+the `scorer` params section, which dvc.yaml tracks for this stage.
 
 With `evaluate.samples_per_prompt` > 1 or `evaluate.pass_at_k` set, a last group, ``accuracy``: per reward (``reward``,
 the scorer's, then each judge's), each policy's mean over n samples per prompt, greedy accuracy and pass@k, and the
@@ -41,15 +39,13 @@ from stages.shared.artifacts import (
     TOKENIZED_TRAIN,
     check_tokenized_with,
     evaluation_metrics,
-    heldout_words,
-    kept_columns,
     publishing,
     read_prompts,
     require_dir,
-    training_prompts_among,
     write_json,
     write_parquet,
 )
+from stages.shared.heldout import heldout_words, kept_columns, training_prompts_among
 from stages.shared.models import is_encoder_decoder, load_float32, sample_responses
 from stages.shared.params import Params
 from stages.shared.runtime import device, note, tf32_on_gpu
@@ -70,8 +66,7 @@ def compare_policies(params: Params, root: Path) -> str:
              f"held-out prompts: evaluating all {len(prompts)}")
     prompts = prompts.head(params.evaluate.n_prompts)
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
-    kept = {name: values[:len(queries)]  # data.prompts.keep: in every sample row, and for the rewards
-            for name, values in kept_columns(root / TOKENIZED_EVAL, params.data.prompts.keep).items()}
+    kept = {k: v[:len(queries)] for k, v in kept_columns(root / TOKENIZED_EVAL, params.data.prompts.keep).items()}
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     check_tokenized_with(root / TOKENIZED_EVAL, root / SFT_MODEL)
     model_class = AutoModelForSeq2SeqLM if is_encoder_decoder(require_dir(root / SFT_MODEL)) else AutoModelForCausalLM

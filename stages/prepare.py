@@ -8,26 +8,21 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import NamedTuple
 
 from ppo_core import set_seed
-from stages.shared import synthetic
+from stages.shared import chat, synthetic
 from stages.shared.artifacts import RAW_PAIRS, RAW_PROMPTS_EVAL, RAW_PROMPTS_TRAIN, RAW_SFT, publishing, write_parquet
+from stages.shared.heldout import held_out_count, held_out_split, missing, rows_of, storable
 from stages.shared.origins import LOCAL_READERS, local_data_file
 from stages.shared.params import COLUMNS, SYNTHETIC, DatasetSpec, Params
 from stages.shared.runtime import StageError, note, reason
-
-# At most this share of the distinct prompts is held out, whatever data.n_eval_prompts asks (scikit-learn's default
-# test share): a small prompts file still trains on most of its prompts (the count that fits the embedded 1,400
-# would hold out all of a user's 200).
-MAX_HELD_OUT_SHARE = 0.25
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
     set_seed(params.seed)
     data = params.data
     tables = {name: load(getattr(data, name), name, params) for name in COLUMNS}
-    prompts = tables["prompts"]["query"]
+    column, prompts = next(iter(tables["prompts"].items()))  # query, or messages (chats as JSON text)
     split = held_out_split(prompts, held_out_count(prompts, data.n_eval_prompts, data.prompts.source, params.path))
     with publishing():  # all four or none
         write_parquet(tables["sft"], root / RAW_SFT)
@@ -37,52 +32,13 @@ def run(params: Params, root: Path = Path(".")) -> str:
     repeats = f" ({len(set(prompts))} distinct, {len(prompts) - len(set(prompts))} repeats)" \
         if len(set(prompts)) < len(prompts) else ""
     kept = f", with {', '.join(data.prompts.keep)}" if data.prompts.keep else ""
-    return (f"{len(tables['sft']['text'])} SFT texts, {len(tables['pairs']['prompt'])} pairs, {len(prompts)} prompts"
-            f"{repeats}{kept}: {len(split.train)} train + {len(split.held_out)} held out, none of them a training "
-            f"prompt -> {RAW_SFT.parent}")
-
-
-class Split(NamedTuple):
-    """The prompts split by distinct prompt, as row indices: every copy of a prompt on one side."""
-
-    train: list[int]  # the rows whose prompt is not held out, in their order (a repeated prompt stays repeated)
-    held_out: list[int]  # the first row of each held-out prompt, in order
-
-
-def held_out_split(prompts: list[str], n_held_out: int) -> Split:
-    """Hold out the first ``n_held_out`` distinct prompts of ``prompts`` (shuffled already), each once (its first
-    row), and train on every row of the others: no held-out prompt is a training prompt, however often the file
-    repeats it. Without repeats, the first ``n_held_out`` rows and the rest, as a split by row gives."""
-    first = {}
-    for row, prompt in enumerate(prompts):
-        first.setdefault(prompt, row)
-    held_out = list(first.values())[:n_held_out]
-    out = {prompts[row] for row in held_out}
-    return Split([row for row, prompt in enumerate(prompts) if prompt not in out], held_out)
-
-
-def rows_of(table: dict[str, list], rows: list[int]) -> dict[str, list]:
-    """The ``rows`` of a table of equal-length columns, every column kept."""
-    return {name: [values[i] for i in rows] for name, values in table.items()}
-
-
-def held_out_count(prompts: list[str], asked: int, source: str, params_path: Path) -> int:
-    """How many distinct prompts to hold out: ``data.n_eval_prompts``, capped at ``MAX_HELD_OUT_SHARE`` of the distinct
-    prompts (at least 1) with a note; fewer than 2 distinct prompts is an error (nothing to hold out that training
-    does not see)."""
-    distinct = len(set(prompts))
-    if distinct < 2:
-        raise StageError(f"{source}: {len(prompts)} prompts but {distinct} distinct: a held-out prompt would also be "
-                         f"a training prompt; give at least 2 distinct prompts (data.prompts.source in {params_path})")
-    cap = max(1, int(MAX_HELD_OUT_SHARE * distinct))
-    if asked > cap:
-        note(f"prepare: data.n_eval_prompts is {asked}, but {source} has {distinct} distinct prompts: holding out "
-             f"{cap} ({MAX_HELD_OUT_SHARE:.0%}) and training on the other {distinct - cap}")
-    return min(asked, cap)
+    return (f"{len(next(iter(tables['sft'].values())))} SFT texts, {len(tables['pairs']['prompt'])} pairs, "
+            f"{len(prompts)} prompts{repeats}{kept}: {len(split.train)} train + {len(split.held_out)} held out, none "
+            f"of them a training prompt -> {RAW_SFT.parent}")
 
 
 def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
-    """One dataset as columns of strings, named as in COLUMNS."""
+    """One dataset as columns of strings, named as in its row shape (`chat.shape`: COLUMNS' by default)."""
     if spec.source == SYNTHETIC:
         if spec.n is None:
             raise StageError(f"{params.path}: data.{name}.n is null; synthetic data needs a row count")
@@ -92,7 +48,8 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
         raise StageError(f"{spec.source}: no rows (data.{name}.source in {params.path}); "
                          "give a dataset with at least one row")
     where = f"data.{name}.columns in {params.path}"
-    for ours in COLUMNS[name]:
+    shape = chat.shape(name, spec.columns)
+    for ours in shape:
         theirs = spec.columns.get(ours)
         if theirs is None:
             raise StageError(f"{params.path}: data.{name}.columns has no entry for '{ours}'; "
@@ -100,6 +57,8 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
         if theirs not in frame.columns:
             raise StageError(f"{spec.source}: column '{theirs}' not found ({where} maps '{ours}' to it); "
                              f"its columns are {list(frame.columns)}")
+        if ours == "messages":  # chats, as JSON text: compared, split and stored as the strings are
+            frame[theirs] = chat.chats_as_json(frame[theirs], spec.source, theirs, ends_with_assistant=name == "sft")
         bad = frame[theirs].map(lambda v: not isinstance(v, str)).to_numpy()
         if bad.any():  # the first bad row, counted from 1 as an editor shows rows (after a CSV's header)
             count, first = int(bad.sum()), int(bad.argmax())
@@ -108,54 +67,26 @@ def load(spec: DatasetSpec, name: str, params: Params) -> dict[str, list[str]]:
                              f"the first in row {first + 1} ({frame[theirs].iloc[first]!r}); clean the file")
     for column in spec.keep:  # prompts only (checked at load): checked where rows are the file's, named as it has them
         storable(frame, column, spec)
-    frame = without_blank_texts(frame, spec, name)
+    frame = without_blank_texts(frame, spec, name, shape)
     order = list(range(len(frame)))
     random.Random(f"{params.seed}-{name}").shuffle(order)
     if spec.n is not None and spec.n > len(frame):
         note(f"prepare: data.{name}.n is {spec.n}, but {spec.source} has {len(frame)} rows: using all {len(frame)}")
     frame = frame.iloc[order[:spec.n]]
-    kept = {column: [None if _missing(v) else v for v in frame[column].tolist()] for column in spec.keep}
-    return {ours: frame[spec.columns[ours]].tolist() for ours in COLUMNS[name]} | kept
-
-
-def storable(frame, column: str, spec: DatasetSpec) -> list:
-    """The values of the source's ``column`` that ``data.prompts.keep`` names, as Parquet can store them (numbers,
-    text, lists, nested mappings: one type down the column, missing values allowed); a StageError naming the
-    column and the first row that cannot be stored beside the ones before it (rows counted from 1, as an editor
-    shows them after a CSV's header)."""
-    import pyarrow as pa
-
-    if column not in frame.columns:
-        raise StageError(f"{spec.source}: column '{column}' not found (data.prompts.keep names it); its columns are "
-                         f"{list(frame.columns)}")
-    values = [None if _missing(v) else v for v in frame[column].tolist()]
-    try:
-        pa.array(values)
-        return values
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
-        pass
-    for row in range(len(values)):  # the first row that breaks it (only where the column cannot be stored)
-        try:
-            pa.array(values[:row + 1])
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError) as err:
-            raise StageError(f"{spec.source}: column '{column}' (data.prompts.keep) cannot be stored: row {row + 1} "
-                             f"holds {values[row]!r} ({type(values[row]).__name__}), which does not go with the rows "
-                             f"before it ({reason(err, 120)}); give the column one type") from None
-    return values
-
-
-def _missing(value) -> bool:
-    """A missing value as pandas gives it (None, or NaN in a column of numbers)."""
-    return value is None or (isinstance(value, float) and value != value)
+    kept = {column: [None if missing(v) else v for v in frame[column].tolist()] for column in spec.keep}
+    return {ours: frame[spec.columns[ours]].tolist() for ours in shape} | kept
 
 
 # The columns that must hold text: a blank one (empty, or only whitespace) would be trained on as if it were some.
-NON_BLANK = {"sft": ("text",), "pairs": ("chosen", "rejected"), "prompts": ("query",)}
+NON_BLANK = {"sft": ("text", "completion"), "pairs": ("chosen", "rejected"), "prompts": ("query",)}
 
 
-def without_blank_texts(frame, spec: DatasetSpec, name: str):
-    """``frame`` without the rows whose text columns (`NON_BLANK`) are blank, said in a note; none left is an error."""
-    theirs = [spec.columns[ours] for ours in NON_BLANK[name]]
+def without_blank_texts(frame, spec: DatasetSpec, name: str, shape: tuple[str, ...]):
+    """``frame`` without the rows whose text columns (`NON_BLANK`, those of its row ``shape``) are blank, said in a
+    note; none left is an error."""
+    theirs = [spec.columns[ours] for ours in NON_BLANK[name] if ours in shape]
+    if not theirs:  # chats: prepare checked their turns
+        return frame
     blank = frame[theirs].apply(lambda column: column.str.strip() == "").any(axis=1)
     if not blank.any():
         return frame

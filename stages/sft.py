@@ -19,7 +19,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
-    DataCollatorForLanguageModeling,
     DataCollatorForSeq2Seq,
     GPT2Config,
     GPT2LMHeadModel,
@@ -29,6 +28,7 @@ from transformers import (
 )
 
 from ppo_core import set_seed
+from stages.shared import chat
 from stages.shared.artifacts import (
     RAW_SFT,
     SFT_CHECKPOINTS,
@@ -36,7 +36,6 @@ from stages.shared.artifacts import (
     SFT_METRICS,
     SFT_MODEL,
     publishing,
-    read_table,
     save_pretrained,
     write_csv,
     write_json,
@@ -60,15 +59,16 @@ EOS, PAD = "<|endoftext|>", "<pad>"
 def run(params: Params, root: Path = Path(".")) -> str:
     check_mixed_precision(params)
     set_seed(params.seed)
-    texts = read_table(root / RAW_SFT, ["text"])["text"].tolist()
-    tokenizer, model = build(params.model, texts)
+    table = chat.read_sft(root / RAW_SFT)  # {text}, or {prompt, completion}: the loss on the completion only
+    tokenizer, model = build(params.model, chat.tokenizer_texts(table))
+    if params.chat.template:  # before training: tokenize would refuse its prompts after it
+        chat.check_template(tokenizer, params.model.name_or_path or "model.name_or_path null", "chat.template is true")
     model = with_lora(model, params.model.lora, "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM")
     if model.config.is_encoder_decoder:
-        examples, collator = seq2seq_examples(texts, tokenizer, params), DataCollatorForSeq2Seq(tokenizer, model)
+        examples, collator = seq2seq_examples(table, tokenizer, params), DataCollatorForSeq2Seq(tokenizer, model)
     else:
-        ids = tokenizer(texts, truncation=True, max_length=params.sft.max_length - 1)["input_ids"]
-        examples = [{"input_ids": x + [tokenizer.eos_token_id]} for x in ids]
-        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        examples, collator = chat.sft_examples(table, tokenizer, params.sft.max_length, params.chat,
+                                               params.model.name_or_path or "model.name_or_path null")
     n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
     steps = math.ceil((len(examples) - n_eval) / params.sft.batch_size) * params.sft.num_train_epochs
     too_few = too_little_data(len(examples) - n_eval, steps, params.model.name_or_path is None)
@@ -124,10 +124,12 @@ def too_little_data(n_train: int, steps: float, from_scratch: bool) -> str | Non
     return None
 
 
-def seq2seq_examples(texts: list[str], tokenizer, params: Params) -> list[dict[str, list[int]]]:
-    """Each text split at a seeded space: encoder input the start, labels the rest (leading space kept, so
-    start + rest is the text) plus EOS, both truncated to sft.max_length tokens."""
-    rng = random.Random(f"{params.seed}-sft-split")
+def seq2seq_examples(table: dict[str, list], tokenizer, params: Params) -> list[dict[str, list[int]]]:
+    """Each text of ``table`` split at a seeded space: encoder input the start, labels the rest (leading space kept,
+    so start + rest is the text) plus EOS, both truncated to sft.max_length tokens."""
+    if "text" not in table:
+        raise StageError("an encoder-decoder model trains on plain text rows (data.sft.columns: {text: ...}) only")
+    texts, rng = table["text"], random.Random(f"{params.seed}-sft-split")
     n = params.sft.max_length
     examples = []
     for text in texts:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from transformers import AutoTokenizer
 
 from ppo_core import set_seed
+from stages.shared import chat
 from stages.shared.artifacts import (
     RAW_PROMPTS_EVAL,
     RAW_PROMPTS_TRAIN,
@@ -21,15 +22,14 @@ from stages.shared.artifacts import (
     TOKENIZED_EVAL,
     TOKENIZED_TRAIN,
     TOKENIZER_KEY,
-    kept_columns,
     publishing,
-    read_table,
     require_dir,
     tokenizer_digest,
     write_parquet,
 )
+from stages.shared.heldout import kept_columns
 from stages.shared.models import model_context
-from stages.shared.params import Params, TokenizeParams, query_token_limit
+from stages.shared.params import Params, TokenizeParams
 from stages.shared.runtime import StageError, warning
 
 
@@ -78,6 +78,12 @@ def fitted(ids: list[list[int]], tokenize: TokenizeParams, tokenizer, source: st
     return out, Cut(len(over), max(len(x) for x in over) - limit, mid_word)
 
 
+def query_token_limit(tokenize: TokenizeParams, context: int, max_new_tokens: int) -> int:
+    """The most tokens a query may have: tokenize.max_query_tokens, or where it is null the ``context`` (the SFT
+    model's, in tokens) less ``max_new_tokens`` (the response's room)."""
+    return tokenize.max_query_tokens if tokenize.max_query_tokens is not None else context - max_new_tokens
+
+
 def without_training_prompts(table: dict[str, list], training: set[str]) -> dict[str, list]:
     """The held-out ``table`` (``query``, ``input_ids``) without the rows whose decoded query is a training prompt:
     prepare splits by distinct prompt, but two prompts cut to the same first (or last) tokens become one."""
@@ -110,10 +116,10 @@ def run(params: Params, root: Path = Path(".")) -> str:
     made_with = tokenizer_digest(root / SFT_MODEL)  # recorded with the ids: ppo and evaluate check they match
     kept, tables = {}, {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
-        queries = read_table(root / source, ["query"])["query"].tolist()
+        queries = chat.read_prompts(root / source)  # query strings, or chats
         travelling = kept_columns(root / source, params.data.prompts.keep)  # data.prompts.keep: row by row
         where = f"{source} (data.prompts.source's {target.stem} prompts)"
-        every = tokenizer(queries)["input_ids"]
+        every = chat.prompt_ids(queries, tokenizer, params.chat, str(SFT_MODEL))  # the chat template's where it is on
         ids, cut = fitted(every, params.tokenize, tokenizer, where, params.path, limit)
         rows = [i for i, x in enumerate(every) if len(x) <= limit] if len(ids) < len(every) else range(len(every))
         long = len(queries) - len(ids)
@@ -129,7 +135,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
                              f"{params.path}")
         too_long = len(kept_rows) - len(fitting)
         ids = [x for _, x in fitting]
-        tables[target] = {"query": tokenizer.batch_decode(ids, skip_special_tokens=True), "input_ids": ids,
+        tables[target] = {"query": chat.decoded(tokenizer, ids, chat.templated(queries, params.chat)), "input_ids": ids,
                           **{name: [values[row] for row, _ in fitting] for name, values in travelling.items()}}
         dropped = {f"over {limit} tokens (tokenize.truncation: drop)": long,
                    f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,

@@ -27,13 +27,11 @@ from stages.shared.artifacts import (
     TOKENIZED_EVAL,
     TOKENIZED_TRAIN,
     check_tokenized_with,
-    heldout_words,
-    kept_columns,
     read_prompts,
     require_dir,
-    training_prompts_among,
 )
 from stages.shared.checks import defaulted_ppo_keys
+from stages.shared.heldout import heldout_words, kept_columns, training_prompts_among
 from stages.shared.models import check_mixed_precision, is_encoder_decoder, model_context
 from stages.shared.params import Params
 from stages.shared.runtime import Progress, StageError, note, process_state, warning

@@ -23,11 +23,11 @@ from stages.shared.artifacts import (
     SFT_CURVE,
     SFT_METRICS,
     atomic_path,
-    heldout_words,
     policy_means,
     read_json,
     sha256_file,
 )
+from stages.shared.heldout import heldout_words
 from stages.shared.params import MIN_TEXTS_FROM_SCRATCH, Params
 
 # curves.csv columns drawn together, one chart each: (title, [(column, label)], y label); {scorer}: the scorer's title

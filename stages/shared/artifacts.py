@@ -264,30 +264,6 @@ def read_table(path: Path, columns: Sequence[str]):
         raise StageError(f"{path}: not a readable Parquet file ({reason(err)}); {restore_hint(path)}") from None
 
 
-def kept_columns(path: Path, names: Sequence[str]) -> dict[str, list]:
-    """The prompts columns that travel (`data.prompts.keep`) of a Parquet file an earlier stage wrote, as Python values
-    (lists and dicts as the source had them, not numpy arrays); a StageError where one is missing."""
-    if not names:
-        return {}
-    frame = read_table(path, names)  # checks the file and the columns
-    del frame
-    table = pq.read_table(path, columns=list(names))
-    return {name: table.column(name).to_pylist() for name in names}
-
-
-def training_prompts_among(queries, training) -> int:
-    """How many of the held-out ``queries`` are also training prompts (``training``): 0 where prepare and tokenize
-    held them out, as they do; measured where a held-out figure is made, so that it says what it is."""
-    training = set(training)
-    return sum(query in training for query in queries)
-
-
-def heldout_words(n: int, in_train: int) -> str:
-    """``"200 held-out prompts, none of them a training prompt"`` (or how many are)."""
-    return f"{n} held-out prompts, " + ("none of them a training prompt" if not in_train else
-                                         f"{in_train} of them training prompts")
-
-
 def read_prompts(path: Path):
     """The tokenize stage's prompts (``query``, ``input_ids``), every row holding at least one token id."""
     prompts = read_table(path, ["query", "input_ids"])

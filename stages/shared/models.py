@@ -164,3 +164,4 @@ def save_adapter(model, folder: Path) -> None:
 
     model.save_pretrained(folder)
     canonical_adapter_configs(str(folder))
+

@@ -43,27 +43,28 @@ class DatasetSpec:
     split: str
     """Split of a Hugging Face dataset; ignored for local files and synthetic data."""
     columns: dict[str, str]
-    """Our column -> the source's column, e.g. {query: prompt} renames `prompt` to `query` (as the seed does)."""
+    """Our column -> the source's column, e.g. {query: prompt} renames `prompt` to `query` (as the seed does); sft may
+    map {prompt, completion} or {messages} instead of {text}, prompts {messages} instead of {query} (chats:
+    stages/shared/chat.py)."""
     n: int | None
     """Rows generated (synthetic) or kept after a seeded shuffle (real data; null keeps all)."""
     keep: list[str] = dataclasses.field(default_factory=list)
-    """(prompts) The source's other columns that travel with each prompt, unchanged and under their own names: an
-    answer, an id, test cases, nested JSON. prepare, tokenize, every rollout row of the ppo stage and evaluate's samples
-    hold them, and a reward function takes them by name (`scorer`). [] (the default): the query alone."""
+    """(prompts) The source's other columns that travel with each prompt, as they are (an answer, an id, nested JSON):
+    in every table after prepare's, and for the rewards by name (`scorer`). []: the query alone."""
 
 
 @dataclass(frozen=True)
 class DataParams:
     sft: DatasetSpec
-    """SFT texts, one column: text."""
+    """SFT rows: text (the loss on all of it), or prompt and completion, or messages (the loss on the completion, the
+    last turn)."""
     pairs: DatasetSpec
     """Preference pairs: prompt, chosen, rejected (the RM scores prompt + chosen against prompt + rejected)."""
     prompts: DatasetSpec
-    """PPO prompts, one column: query; split into train and held-out eval."""
+    """PPO prompts, one column: query (or messages, chats); split into train and held-out eval."""
     n_eval_prompts: int
-    """Distinct prompts held out from PPO for the held-out evaluations (evaluate, the watch), each once; the split is by
-    distinct prompt (every copy of a prompt on one side, so none is a training prompt), and at most 25% of the
-    distinct prompts are held out (a note says so where this asks for more)."""
+    """Distinct prompts held out from PPO (evaluate, the watch), each once, every copy of a prompt on one side; at most
+    25% of the distinct prompts (a note says so where this asks for more)."""
 
     @property
     def is_synthetic(self) -> bool:
@@ -111,6 +112,17 @@ class ModelParams:
 
 
 @dataclass(frozen=True)
+class ChatParams:
+    """Prompts in the tokenizer's own chat template (`apply_chat_template(..., add_generation_prompt=True)`), in sft
+    and tokenize alike. Chats (a `messages` column) always go through it."""
+
+    template: bool
+    """Each query and each SFT prompt (prompt/completion rows) a user turn of the template; `text` rows never."""
+    system_prompt: str | None
+    """A system turn put first in every templated chat that has none (null: none)."""
+
+
+@dataclass(frozen=True)
 class SFTParams:
     learning_rate: float
     """AdamW peak learning rate (cosine decay after warmup)."""
@@ -154,12 +166,6 @@ class TokenizeParams:
     tokens, maybe cutting a word: the stage says how many), "drop" (left out, counted)."""
     min_query_tokens: int
     """Queries shorter than this (after truncation) are dropped."""
-
-
-def query_token_limit(tokenize: TokenizeParams, context: int, max_new_tokens: int) -> int:
-    """The most tokens a query may have: tokenize.max_query_tokens, or where it is null the ``context`` (the SFT
-    model's, in tokens) less ``max_new_tokens`` (the response's room)."""
-    return tokenize.max_query_tokens if tokenize.max_query_tokens is not None else context - max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -216,15 +222,12 @@ class EvaluateParams:
     list[float]), each a metric and a samples column of that name. `gold` is the gold score: with the synthetic data
     its lexicon's (no judge may take the name there), with data of your own a judge's of that name."""
     samples_per_prompt: int
-    """Sampled responses per prompt and policy for the accuracy table (pass@k's n): 1 draws none beyond the one the
-    metrics above are of; n > 1 draws n - 1 more per prompt after those (which stay as they are), and a greedy one."""
+    """Sampled responses per prompt and policy for the accuracy table (pass@k's n; 1: none beyond the one above)."""
     pass_at_k: list[int]
-    """The k of pass@k, each at most samples_per_prompt ([]: none). With one, or samples_per_prompt > 1, metrics.json
-    gets an `accuracy` group: per reward (the scorer's, the judges'), each policy's mean over its samples, greedy
-    accuracy and pass@k (Chen et al. 2021's unbiased estimator), and the paired standard errors of PPO - SFT."""
+    """The k of pass@k, each <= samples_per_prompt ([]: none). With one, or n > 1, metrics.json's `accuracy` group:
+    per reward, each policy's mean, greedy accuracy and pass@k (Chen et al. 2021), and PPO - SFT's paired SEs."""
     success_threshold: float | None
-    """A reward >= this is a pass (accuracy, pass@k); null: a reward must be 0 or 1 (evaluate stops on another value
-    with one line naming the function)."""
+    """A reward >= this is a pass (accuracy, pass@k); null: a reward must be 0 or 1 (else one line, evaluate stops)."""
 
 
 @dataclass(frozen=True)
@@ -313,6 +316,7 @@ SECTIONS: dict[str, type] = {
     "seed": int,
     "data": DataParams,
     "model": ModelParams,
+    "chat": ChatParams,
     "sft": SFTParams,
     "reward": RewardParams,
     "tokenize": TokenizeParams,
@@ -334,6 +338,7 @@ class Params:
     """The seed of a run: each stage seeds once from it (the ppo stage too, unless ppo.seed is set)."""
     data: DataParams
     model: ModelParams
+    chat: ChatParams
     sft: SFTParams
     reward: RewardParams
     tokenize: TokenizeParams

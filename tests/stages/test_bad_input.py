@@ -441,6 +441,25 @@ CASES += [
 ]
 
 
+def setup_not_chats(root):
+    (root / "chats.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in (
+        [{"role": "user", "content": "a film"}], "a film", [{"role": "user", "content": "a play"}])))
+
+
+# Chat prompts (issue 47): a template asked of a tokenizer that has none, and chats that are not chats.
+CASES += [
+    ("chat-template-missing", "tokenize", "tokenize", {"chat.template": True},
+     None, "data/models/sft: its tokenizer has no chat template, but chat.template is true; give a model whose "
+           "tokenizer has one (model.name_or_path), or set chat.template: false with plain text rows"),
+    ("chat-template-missing-before-sft-trains", "sft", "sft", {"chat.template": True},
+     None, "model.name_or_path null: its tokenizer has no chat template, but chat.template is true"),
+    ("messages-not-chats", "prepare", None,
+     {"data.prompts.source": "chats.jsonl", "data.prompts.columns": {"messages": "turns"}},
+     setup_not_chats, "chats.jsonl: column 'turns' row 2 is not a chat (a list of {role, content} objects), got "
+                      "'a film'; clean the file"),
+]
+
+
 if not torch.cuda.is_available():  # fp16 autocast is a GPU's: on a CPU the run would be float32's, byte for byte
     CASES.append(("fp16-on-a-cpu", "sft", "sft", {"model.mixed_precision": "fp16"},
                   None, "params.yaml: model.mixed_precision is fp16, which needs a CUDA GPU and none is visible: on a "

@@ -107,8 +107,8 @@ def test_bad_callable_scorer_is_a_clear_error(tiny_params, tmp_path):
 SIGNATURES = '''def two_args(texts, labels):
     return [0.0] * len(texts)
 
-def keywords_only(*, completions):
-    return [0.0] * len(completions)
+def keywords_only(*, texts):
+    return [0.0] * len(texts)
 
 def texts_and_options(texts, scale=1.0, **columns):
     return [scale] * len(texts)
@@ -130,7 +130,7 @@ def test_a_scorer_that_cannot_take_the_texts_is_refused_naming_its_file(tiny_par
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(__import__("sys").modules, "signatures", raising=False)
     for name, shown in (("two_args", "two_args(texts, labels) (signatures.py:1)"),
-                        ("keywords_only", "keywords_only(*, completions) (signatures.py:4)"),
+                        ("keywords_only", "keywords_only(*, texts) (signatures.py:4)"),
                         ("scorer", "Scorer(texts, extra) (signatures.py:11)")):
         with pytest.raises(StageError) as caught:
             scoring.build_scorer(with_scorer(tiny_params, f"signatures:{name}"), tmp_path)

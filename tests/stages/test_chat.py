@@ -1,0 +1,169 @@
+"""stages/shared/chat.py through the stages that use it: prompts in the tokenizer's own chat template (tokenize), chats
+through prepare, and SFT on prompt/completion rows with the loss on the completion tokens only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from stages import prepare, sft, tokenize
+from stages.shared import chat
+from stages.shared.artifacts import (
+    RAW_PROMPTS_EVAL,
+    RAW_PROMPTS_TRAIN,
+    RAW_SFT,
+    SFT_METRICS,
+    SFT_MODEL,
+    TOKENIZED_EVAL,
+    TOKENIZED_TRAIN,
+)
+from stages.shared.params import ChatParams, DatasetSpec
+from stages.shared.runtime import StageError
+from tests.tiny import EOS, tiny_causal_lm, tiny_tokenizer
+
+# A small template of our own (the tiny tokenizers have none): a special token opens each turn, as real ones do.
+TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|endoftext|>assistant:{% endif %}")
+TRAIN, HELD_OUT = ["the movie was", "a slow film", "the cast", "i liked it"], ["the plot was", "music"]
+OFF, ON = ChatParams(template=False, system_prompt=None), ChatParams(template=True, system_prompt="be brief")
+
+
+def with_chat_model(tiny_run, root):
+    """``root`` holding the tiny SFT model whose tokenizer has ``TEMPLATE``; returns that tokenizer."""
+    shutil.copytree(tiny_run / SFT_MODEL, root / SFT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(root / SFT_MODEL)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(root / SFT_MODEL)
+    return AutoTokenizer.from_pretrained(root / SFT_MODEL)
+
+
+def templated_ids(tokenizer, turns: list[dict]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return encoded["input_ids"]
+
+
+def tokenize_params(tiny_params, template: ChatParams):
+    room = dataclasses.replace(tiny_params.tokenize, max_query_tokens=None, truncation="refuse")
+    return dataclasses.replace(tiny_params, chat=template, tokenize=room)
+
+
+def test_a_query_with_the_template_on_is_what_apply_chat_template_makes(tiny_run, tiny_params, tmp_path):
+    tokenizer = with_chat_model(tiny_run, tmp_path)
+    for path, queries in ((RAW_PROMPTS_TRAIN, TRAIN), (RAW_PROMPTS_EVAL, HELD_OUT)):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame({"query": queries}).to_parquet(tmp_path / path)
+    tokenize.run(tokenize_params(tiny_params, ON), tmp_path)
+    for path, queries in ((TOKENIZED_TRAIN, TRAIN), (TOKENIZED_EVAL, HELD_OUT)):
+        table = pd.read_parquet(tmp_path / path)
+        expected = [templated_ids(tokenizer, [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": q}]) for q in queries]
+        assert [list(x) for x in table["input_ids"]] == expected
+        # query is the decoded prompt, the template's special tokens kept: query + response is what the policy saw
+        assert table["query"].tolist() == [tokenizer.decode(x) for x in expected]
+        assert table["query"][0] == f"<|endoftext|>system: be brief\n<|endoftext|>user: {queries[0]}\n" \
+                                    "<|endoftext|>assistant:"
+
+
+def test_the_template_off_tokenizes_the_query_as_it_is(tiny_run, tiny_params, tmp_path):
+    tokenizer = with_chat_model(tiny_run, tmp_path)
+    assert chat.prompt_ids(TRAIN, tokenizer, OFF, "m") == tokenizer(TRAIN)["input_ids"]
+
+
+def test_chats_go_through_prepare_and_the_template(tiny_run, tiny_params, tmp_path):
+    """A prompts file of chats (`messages`): prepare keeps them, tokenize formats each with the template, chat.template
+    off as on (its own system turn kept; the system prompt goes to the chats that have none)."""
+    chats = [[{"role": "user", "content": f"film {i}"}] for i in range(12)]
+    chats[0] = [{"role": "system", "content": "rate"}, *chats[0]]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"turns": c}) + "\n" for c in chats))
+    prompts = DatasetSpec(source=str(tmp_path / "chats.jsonl"), split="train", columns={"messages": "turns"}, n=None)
+    prepare.run(dataclasses.replace(tiny_params, data=dataclasses.replace(tiny_params.data, prompts=prompts)), tmp_path)
+    raw = pd.concat([pd.read_parquet(tmp_path / p) for p in (RAW_PROMPTS_TRAIN, RAW_PROMPTS_EVAL)])
+    assert list(raw.columns) == ["messages"] and sorted(map(json.loads, raw["messages"]), key=str) == \
+        sorted(chats, key=str)
+
+    tokenizer = with_chat_model(tiny_run, tmp_path)
+    tokenize.run(tokenize_params(tiny_params, ChatParams(template=False, system_prompt="hi")), tmp_path)
+    for raw, tokenized in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
+        chats = [json.loads(m) for m in pd.read_parquet(tmp_path / raw)["messages"]]
+        system = {"role": "system", "content": "hi"}
+        expected = [templated_ids(tokenizer, c if c[0]["role"] == "system" else [system, *c]) for c in chats]
+        assert [list(x) for x in pd.read_parquet(tmp_path / tokenized)["input_ids"]] == expected
+
+
+def test_a_messages_column_that_is_not_chats_is_one_line(tiny_params, tmp_path):
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"m": [{"role": "user", "content": "hi"}]}) + "\n"
+                                          + json.dumps({"m": "hello"}) + "\n")
+    spec = DatasetSpec(source="chats.jsonl", split="train", columns={"messages": "m"}, n=None)
+    with pytest.raises(StageError, match=r"^chats.jsonl: column 'm' row 2 is not a chat \(a list of \{role, content\} "
+                                         r"objects\), got 'hello'; clean the file$"):
+        chat.chats_as_json(pd.read_json(tmp_path / "chats.jsonl", lines=True)["m"], spec.source, "m", False)
+
+
+def completion_only_loss(model, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """The mean cross-entropy of the tokens after the first ``n_prompt`` (the completion and EOS) given all before
+    them, computed from the logits by hand."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return torch.nn.functional.cross_entropy(logits[n_prompt - 1:-1], torch.tensor(ids[n_prompt:]))
+
+
+def test_the_sft_loss_is_the_completion_s_alone():
+    """Prompt/completion rows: labels -100 on the prompt's tokens, so the model's loss on a batch (padded by the
+    collator) is the completions' cross-entropy; were the prompt's tokens counted, it would be the whole text's."""
+    tokenizer, model = tiny_tokenizer(), tiny_causal_lm().eval()
+    table = {"prompt": ["w5 w6 w7 w8 w9", "w10 w11"], "completion": ["w20 w21", "w30 w31 w32"]}
+    examples, collator = chat.sft_examples(table, tokenizer, 40, OFF, "tiny")
+    assert examples[0] == {"input_ids": [5, 6, 7, 8, 9, 20, 21, EOS], "labels": [-100] * 5 + [20, 21, EOS]}
+    with torch.no_grad():
+        losses = [model(**collator([x])).loss for x in examples]
+        batch = collator(examples)  # padded: the shorter row's padding is -100 too
+        per_token = model(**batch).loss
+    for x, n_prompt, loss in zip(examples, (5, 2), losses):
+        assert loss == pytest.approx(float(completion_only_loss(model, x["input_ids"], n_prompt)), abs=1e-6)
+        assert loss != pytest.approx(float(completion_only_loss(model, x["input_ids"], 1)), abs=1e-3)  # whole text
+    # the batch's loss: the mean over the 3 + 4 completion tokens, none of the prompts' or the padding's
+    assert float(per_token) == pytest.approx((3 * float(losses[0]) + 4 * float(losses[1])) / 7, abs=1e-6)
+
+
+def test_a_templated_sft_prompt_is_the_query_ppo_gets(tiny_run, tmp_path):
+    """With chat.template on, an SFT prompt's tokens are the tokenize stage's for that query, all of them labelled
+    -100; a chat's last (assistant) turn is the completion."""
+    tokenizer = with_chat_model(tiny_run, tmp_path)
+    table = {"prompt": ["the movie was"], "completion": [" good"]}
+    (example,), _ = chat.sft_examples(table, tokenizer, 40, ON, "m")
+    query = chat.prompt_ids(["the movie was"], tokenizer, ON, "m")[0]
+    completion = tokenizer(" good", add_special_tokens=False)["input_ids"]
+    assert example["input_ids"] == query + completion + [tokenizer.eos_token_id]
+    assert example["labels"] == [-100] * len(query) + completion + [tokenizer.eos_token_id]
+    messages = [{"role": "user", "content": "the movie was"}, {"role": "assistant", "content": " good"}]
+    (tmp_path / "raw").mkdir()
+    pd.DataFrame({"messages": [json.dumps(messages)]}).to_parquet(tmp_path / "raw" / "sft.parquet")
+    as_chat = chat.read_sft(tmp_path / "raw" / "sft.parquet")
+    assert chat.sft_examples(as_chat, tokenizer, 40, ON, "m")[0] == [example]
+
+
+def test_a_prompt_that_fills_max_length_is_left_out_and_said(capfd):
+    tokenizer = tiny_tokenizer()
+    table = {"prompt": ["w5 w6 w7 w8", "w5"], "completion": ["w9", "w9 w10 w11 w12"]}
+    examples, _ = chat.sft_examples(table, tokenizer, 5, OFF, "tiny")
+    assert examples == [{"input_ids": [5, 9, 10, 11, EOS], "labels": [-100, 9, 10, 11, EOS]}]  # cut at its end
+    assert "note: sft: 1 of 2 prompts fill sft.max_length=5 tokens" in capfd.readouterr().err
+
+
+def test_sft_trains_on_prompt_completion_rows(tiny_params, tmp_path):
+    """The stage end to end on a prompts file of prompt/completion rows (a tokenizer trained from scratch on them)."""
+    rows = [{"q": f"question {i} is", "a": f" answer {i % 7}."} for i in range(40)]
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = DatasetSpec(source=str(tmp_path / "pc.jsonl"), split="train", columns={"prompt": "q", "completion": "a"},
+                       n=None)
+    params = dataclasses.replace(tiny_params, data=dataclasses.replace(tiny_params.data, sft=spec))
+    prepare.run(params, tmp_path)
+    assert list(pd.read_parquet(tmp_path / RAW_SFT).columns) == ["prompt", "completion"]
+    sft.run(params, tmp_path)
+    assert json.loads((tmp_path / SFT_METRICS).read_text())["n_train"] == 38
