@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ppo_core import response_logprobs, set_seed
-from stages.shared.accuracy import accuracy_table
+from stages.shared.accuracy import accuracy_table, policy_metrics, win_rate
 from stages.shared.artifacts import (
     EVAL_METRICS,
     EVAL_SAMPLES,
@@ -49,7 +49,7 @@ from stages.shared.heldout import heldout_words, kept_columns, training_prompts_
 from stages.shared.models import is_encoder_decoder, load_float32, sample_responses
 from stages.shared.params import Params
 from stages.shared.runtime import device, note, tf32_on_gpu
-from stages.shared.scoring import Row, build_scorer, judge_functions, scored, scorer_texts
+from stages.shared.scoring import Combined, Row, build_scorer, judge_functions, scored, scorer_texts
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -78,7 +78,8 @@ def compare_policies(params: Params, root: Path) -> str:
     bs = params.evaluate.batch_size
     judges = judge_functions(params)
     columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
-    columns |= {name: [] for name in judges} | {name: [] for name in kept}
+    parts = [f"reward_{name}" for name in params.scorer.functions]  # scorer.source combined: each function's
+    columns |= {name: [] for name in (*parts, *judges, *kept)}
     by_policy, first = {}, {}  # first: {policy: {reward name: its (P,) rewards}} of the samples above
     for name, policy in policies.items():
         response_ids = sample_responses(policy, tokenizer, query_ids, generation, bs, desc=f"evaluate {name}")
@@ -92,14 +93,14 @@ def compare_policies(params: Params, root: Path) -> str:
         seen = Row(queries, responses, kept)
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
                 "score": scores_of(score, scorer_texts(params.scorer, queries, responses), params, name, row=seen),
-                "kl_to_sft": kl.tolist(),
-                "response_tokens": [len(r) for r in response_ids]}
+                "kl_to_sft": kl.tolist(), "response_tokens": [len(r) for r in response_ids]}
+        rows |= {f"reward_{k}": v for k, v in (score.last if isinstance(score, Combined) else {}).items()}
         for judge, fn in judges.items():
             rows[judge] = scores_of(fn, texts, params, name, who=f"judge {judge}", row=seen)
         rows |= kept
         for key in columns:
             columns[key] += rows[key]
-        by_policy[name] = policy_metrics(rows, list(judges))
+        by_policy[name] = policy_metrics(rows, list(judges), parts)
         first[name] = {"reward": rows["score"]} | {judge: rows[judge] for judge in judges}
     n = len(queries)
     wins = win_rate(columns["score"][n:], columns["score"][:n])
@@ -162,28 +163,18 @@ def scores_of(score, texts: list[str], params: Params, policy: str, who: str | N
     """The checked scores of a policy's texts by the scorer (or ``who``, a judge), `evaluate.batch_size` at a time
     (as the ppo stage calls the scorer on one step's rollouts; the reward model and a pipeline batch each call by
     `scorer.batch_size`); a reward function that sees the row gets ``row``'s slice of the batch."""
-    out, size = [], params.evaluate.batch_size
+    out, size, parts = [], params.evaluate.batch_size, {}
     for start in range(0, len(texts), size):
         batch = texts[start:start + size]
         at = f"the {policy} policy's samples {start + 1}-{start + len(batch)}"
         part = None if row is None else Row(row.prompts[start:start + size], row.completions[start:start + size],
                                             {k: v[start:start + size] for k, v in row.columns.items()})
         out += scored(score, batch, params.scorer, at, who, part)
+        for name, values in (score.last.items() if isinstance(score, Combined) else ()):
+            parts.setdefault(name, []).extend(values)  # a Combined's functions' rewards, over every batch
+    if isinstance(score, Combined):
+        score.last = parts
     return out
-
-
-def policy_metrics(rows: dict[str, list], judges: list[str] = ()) -> dict[str, float]:
-    """A policy's means over its samples: each judge's (the gold score first), the scorer's, KL to SFT and response
-    length."""
-    return {judge: float(np.mean(rows[judge])) for judge in judges} | {
-        "reward": float(np.mean(rows["score"])), "kl": float(np.mean(rows["kl_to_sft"])),
-        "length": float(np.mean(rows["response_tokens"]))}
-
-
-def win_rate(scores: list[float], baseline_scores: list[float]) -> float:
-    """The fraction of prompts where ``scores`` beat ``baseline_scores`` (same prompt, same order), ties half."""
-    scores, baseline = np.array(scores), np.array(baseline_scores)
-    return float(np.mean((scores > baseline) + 0.5 * (scores == baseline)))
 
 
 def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]], batch_size: int) -> list[float]:

@@ -20,7 +20,7 @@ from stages.shared.artifacts import PPO_CHECKPOINTS, SFT_MODEL, loading
 from stages.shared.models import lora_config
 from stages.shared.params import Params, ScorerParams
 from stages.shared.runtime import StageError, to_host, warning
-from stages.shared.scoring import Row, build_scorer, reward_adapter, scored, scorer_texts
+from stages.shared.scoring import Combined, Row, build_scorer, component_stats, reward_adapter, scored, scorer_texts
 from stages.shared.synthetic import gold_score
 
 
@@ -82,6 +82,7 @@ def one_step(loop: Loop, step: int, idx: list[int], root: Path) -> tuple[dict, d
     scores = scored(loop.score, scorer_texts(loop.scorer, queries, responses), loop.scorer, f"PPO step {step + 1}",
                     row=Row(queries, responses, columns))
     seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
+    components = loop.score.last if isinstance(loop.score, Combined) else {}  # scorer.source combined: each function's
     # 3. optimise
     try:
         stats = trainer.step(query_tensors, response_tensors, [torch.tensor(s, dtype=torch.float) for s in scores])
@@ -96,8 +97,9 @@ def one_step(loop: Loop, step: int, idx: list[int], root: Path) -> tuple[dict, d
         "query_tokens": [len(q) for q in query_tensors], "response_tokens": [len(r) for r in response_ids],
         "ends_with_eos": [bool(len(r)) and int(r[-1]) == tokenizer.eos_token_id for r in response_ids],
         "response_ids": [r.tolist() for r in response_ids],
-    } | ({"gold": gold} if gold else {}) | columns, trainer.accelerator)  # the kept columns after the others
-    return stats | seconds, rollout_table(gathered, stats["objective/kl_dist"])
+    } | ({"gold": gold} if gold else {}) | {f"reward_{name}": values for name, values in components.items()}
+        | columns, trainer.accelerator)  # each function's rewards and the kept columns after the others
+    return stats | component_stats(components) | seconds, rollout_table(gathered, stats["objective/kl_dist"])
 
 
 # A score scale past which a non-finite loss is put down to the scores: far outside what a reward should be, on the

@@ -65,7 +65,9 @@ class StepTables:
         self.timings.append({"step": step} | {k: float(stats[k]) for k in keys if k.startswith("time/")})
         self.curves.append({"step": step, "reward_mean": float(np.mean(scores))}
                            | ({"gold_mean": float(np.mean(gold))} if gold else {})
-                           | {name: float(stats.get(key, "nan")) for name, key in CURVES.items()})  # nan: no critic
+                           | {name: float(stats.get(key, "nan")) for name, key in CURVES.items()}  # nan: no critic
+                           | {f"reward_{key.split('/')[1]}": float(value) for key, value in stats.items()
+                              if key.startswith("rewards/") and key.endswith("/mean")})  # scorer.functions' own
 
     def write(self, paths: dict[Path, Path]) -> None:
         """Write each table to `paths[its final path]` (the final path itself, or the working copy)."""

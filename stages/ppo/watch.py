@@ -24,7 +24,7 @@ import torch
 from stages.ppo.checkpoints import save_best
 from stages.shared.params import AlertParams, WatchParams
 from stages.shared.runtime import warning
-from stages.shared.scoring import Row, scored, scorer_texts
+from stages.shared.scoring import Combined, Row, component_stats, scored, scorer_texts
 
 EVAL_SEED_OFFSET = 7919  # the held-out evaluation's stream: seed + this, apart from every stream the run draws from
 
@@ -61,6 +61,9 @@ def heldout_row(loop, prompts, judges: dict, step: int) -> dict[str, float]:
                                          f"judge {name}", seen)))
     row["reward"] = float(np.mean(scored(loop.score, scorer_texts(loop.scorer, queries, texts), loop.scorer, at,
                                          row=seen)))
+    if isinstance(loop.score, Combined):  # each function's mean, under its name
+        row |= {f"reward_{key.split('/')[1]}": value for key, value in component_stats(loop.score.last).items()
+                if key.endswith("/mean")}
     row["kl"] = float(((logprobs - ref_logprobs) * masks).sum(-1).mean())
     row["length"] = float(np.mean([len(r) for r in responses]))
     return row

@@ -59,10 +59,11 @@ def evaluation_table(metrics: dict, scorer: str, judges: dict[str, str] | None =
     `evaluate.judges` (name -> module:function), each a row after the gold score."""
     judges = judges or {}
     gold = f"gold score ({judges['gold']})" if "gold" in judges else "gold score"
-    names = {"reward": f"{scorer} score", "gold": gold,
+    sft, ppo = policy_means(metrics, "sft"), policy_means(metrics, "ppo")
+    parts = {key: f"{scorer}: {key.removeprefix('reward_')}" for key in ppo if key.startswith("reward_")}  # combined's
+    names = {"reward": f"{scorer} score", **parts, "gold": gold,
              **{name: f"judge {name} ({spec})" for name, spec in judges.items() if name != "gold"},
              "kl": "KL to SFT", "length": "response length (tokens)"}
-    sft, ppo = policy_means(metrics, "sft"), policy_means(metrics, "ppo")
     rows = [[label, sft[key], ppo[key], ppo[key] - sft[key]] for key, label in names.items() if key in ppo]
     win = f"<p>Win rate of PPO over SFT ({html.escape(scorer)}, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
     return table(rows, ["mean over the held-out prompts", "SFT", "PPO", "PPO - SFT"]) + win
@@ -78,8 +79,11 @@ def heldout_line(metrics: dict) -> str:
 
 
 def charts(curves: pd.DataFrame, scorer: str) -> str:
+    """The per-step curves (`CHARTS`), and with `scorer.source: combined` each reward function's mean (curves.csv's
+    reward_NAME columns) in a chart of its own."""
+    functions = [(c, c.removeprefix("reward_")) for c in curves if c.startswith("reward_") and c != "reward_mean"]
     out = []
-    for title, columns, ylabel in CHARTS:
+    for title, columns, ylabel in CHARTS + ([("Each reward function", functions, "per sample")] if functions else []):
         present = [(c, label) for c, label in columns if c in curves]
         if not present:
             continue

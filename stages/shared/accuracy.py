@@ -101,3 +101,17 @@ def accuracy_table(sampled: dict[str, dict[str, np.ndarray]], greedy: dict[str, 
         out[name] = {p: {s: float(v.mean()) for s, v in stats[p].items()} for p in POLICIES}
         out[name]["paired_se"] = {s: paired_se(stats["ppo"][s], stats["sft"][s]) for s in stats["ppo"]}
     return out
+
+
+def policy_metrics(rows: dict[str, list], judges: list[str] = (), parts: list[str] = ()) -> dict[str, float]:
+    """A policy's means over its samples: each judge's (the gold score first), the scorer's, each of its functions'
+    (``parts``, over the samples it applied to), KL to SFT and response length."""
+    return {judge: float(np.mean(rows[judge])) for judge in judges} | {"reward": float(np.mean(rows["score"]))} | {
+        part: float(np.mean([v for v in rows[part] if v is not None] or [np.nan])) for part in parts} | {
+        "kl": float(np.mean(rows["kl_to_sft"])), "length": float(np.mean(rows["response_tokens"]))}
+
+
+def win_rate(scores: list[float], baseline_scores: list[float]) -> float:
+    """The fraction of prompts where ``scores`` beat ``baseline_scores`` (same prompt, same order), ties half."""
+    scores, baseline = np.array(scores), np.array(baseline_scores)
+    return float(np.mean((scores > baseline) + 0.5 * (scores == baseline)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from ppo_core.algo.registry import get_estimator
 from ppo_core.fields import ConfigError, check_range
 from stages.shared.params import COLUMNS, SYNTHETIC, GenerationParams, Params
 from stages.shared.runtime import ParamsError
@@ -81,11 +82,52 @@ def check_values(p: Params) -> None:
     check_range("seed", p.seed, ">= 0", p.seed >= 0)  # before the ppo section, whose seed defaults to it
     for key, value in positive_values(p).items():
         check_range(key, value, "> 0", value > 0)
-    checks = [*range_checks(p), *generation_checks(p.generation), *judge_checks(p), *watch_checks(p)]
+    checks = [*range_checks(p), *generation_checks(p.generation), *judge_checks(p), *watch_checks(p),
+              *reward_function_checks(p)]
     if p.model.name_or_path is None:
         checks += scratch_model_checks(p)
     for key, value, expected, ok in checks:
         check_range(key, value, expected, ok)
+
+
+def check_group_sampling(p: Params, config) -> None:
+    """A group estimator with greedy decoding: every sample of a prompt the same, every advantage 0."""
+    if get_estimator(config.advantage_estimator).needs_groups and not p.generation.do_sample:
+        raise ParamsError(f"{p.path}: generation.do_sample is false, but ppo.advantage_estimator "
+                          f"{config.advantage_estimator} compares ppo.num_generations={config.num_generations} samples "
+                          "of each prompt: greedy decoding makes them identical (every advantage 0); set "
+                          "generation.do_sample: true")
+
+
+# scorer.functions' entries: each key and what it must be
+REWARD_FUNCTION_KEYS = {"name": "a 'module:function' (callable), a model (pipeline), or null (reward_model)",
+                        "weight": "a number", "source": "reward_model, pipeline or callable", "label": "a label"}
+
+
+def reward_function_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
+    """scorer.functions: set exactly with scorer.source combined, each entry a mapping of `REWARD_FUNCTION_KEYS` (a
+    name, a weight), under a name no metric of evaluate's has."""
+    spec, out = p.scorer, []
+    combined = spec.source == "combined"
+    out.append(("scorer.functions", spec.functions, "a mapping of reward names to {name, weight} with scorer.source "
+                "combined, and {} otherwise", bool(spec.functions) == combined))
+    out.append(("scorer.name", spec.name, "null with scorer.source combined (its functions name theirs)",
+                not combined or spec.name is None))
+    for name, entry in spec.functions.items():
+        key = f"scorer.functions.{name}"
+        ok = isinstance(entry, dict) and set(entry) <= set(REWARD_FUNCTION_KEYS)
+        out.append((key, entry, f"a mapping with keys among {list(REWARD_FUNCTION_KEYS)}", ok))
+        if not ok:
+            continue
+        source = entry.get("source", "callable")
+        out += [(f"{key}.source", source, REWARD_FUNCTION_KEYS["source"], source in ("reward_model", "pipeline",
+                                                                                      "callable")),
+                (f"{key}.weight", entry.get("weight", 1.0), "a number",
+                 isinstance(entry.get("weight", 1.0), (int, float)) and not isinstance(entry.get("weight"), bool)),
+                (f"{key}.name", entry.get("name"), "a 'module:function'", source != "callable" or
+                 ":" in str(entry.get("name") or "")),
+                ("scorer.functions", name, f"names other than {list(RESERVED_METRICS)}", name not in RESERVED_METRICS)]
+    return out
 
 
 def positive_values(p: Params) -> dict[str, Any]:
@@ -121,7 +163,7 @@ def range_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
         ("tokenize.min_query_tokens", p.tokenize.min_query_tokens, "<= tokenize.max_query_tokens",
          p.tokenize.max_query_tokens is None or p.tokenize.min_query_tokens <= p.tokenize.max_query_tokens),
         ("scorer.name", p.scorer.name, f"set for scorer.source {p.scorer.source}",
-         p.scorer.source == "reward_model" or bool(p.scorer.name)),
+         p.scorer.source in ("reward_model", "combined") or bool(p.scorer.name)),
         ("scorer.name", p.scorer.name, "a 'module:function' with scorer.source callable",
          p.scorer.source != "callable" or not p.scorer.name or p.scorer.name.partition(":")[2] != ""),
         ("scorer.name", p.scorer.name, "null with scorer.source reward_model (the reward stage's model scores; a "

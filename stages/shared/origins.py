@@ -79,11 +79,24 @@ def scorer_origin(params: Params) -> dict[str, dict[str, Any]]:
     package, {"inputs": {dir: sha256}} for a pipeline model given as a local directory; {} for the reward model (an
     input of the stage already)."""
     spec = params.scorer
-    if spec.source == "pipeline":
-        check_model_source(spec.name, "scorer.name")  # a saved model's directory, or a hub id
-        local = Path(spec.name)
-        return {"inputs": {spec.name: digest(local)}} if local.is_dir() else {}
-    return callable_origin(spec.name, "scorer.name", params) if spec.source == "callable" else {}
+    if spec.source == "combined":  # each function's, merged
+        merged = {}
+        for name, entry in spec.functions.items():
+            one = function_origin(entry.get("source", "callable"), entry.get("name"), f"scorer.functions.{name}.name",
+                                  params)
+            for kind, values in one.items():
+                merged.setdefault(kind, {}).update(values)
+        return merged
+    return function_origin(spec.source, spec.name, "scorer.name", params)
+
+
+def function_origin(source: str, name: str | None, key: str, params: Params) -> dict[str, dict[str, Any]]:
+    """`scorer_origin` of one reward function: a pipeline's local model directory, a callable's code."""
+    if source == "pipeline":
+        check_model_source(name, key)  # a saved model's directory, or a hub id
+        local = Path(name)
+        return {"inputs": {name: digest(local)}} if local.is_dir() else {}
+    return callable_origin(name, key, params) if source == "callable" else {}
 
 
 def callable_origin(name: str, key: str, params: Params) -> dict[str, dict[str, Any]]:

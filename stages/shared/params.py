@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
-from ppo_core.algo.registry import get_estimator
 from ppo_core.fields import ConfigError, check_keys, checked
 from stages.shared.runtime import ParamsError
 
@@ -170,9 +169,9 @@ class TokenizeParams:
 
 @dataclass(frozen=True)
 class ScorerParams:
-    source: Literal["reward_model", "pipeline", "callable"]
-    """Reward source of the ppo stage, and what evaluate reports: "reward_model" (data/models/reward), "pipeline" or
-    "callable"."""
+    source: Literal["reward_model", "pipeline", "callable", "combined"]
+    """Reward source of the ppo stage, and what evaluate reports: "reward_model" (data/models/reward), "pipeline",
+    "callable" or "combined" (`functions`' weighted sum)."""
     name: str | None
     """pipeline: a text-classification model id or path; callable: "module:function" (list[str] -> list[float])."""
     label: str
@@ -182,12 +181,15 @@ class ScorerParams:
     input: Literal["query_response", "response"] = "query_response"
     """What the scorer is given: "query_response" (the prompt and the response as one text, as the seed scores and
     the reward model is trained) or "response" (the response alone). Judges and the gold score see both."""
+    functions: dict = dataclasses.field(default_factory=dict)
+    """source combined: several rewards, weighted and summed, each a metric of its own: name -> {name, weight, and
+    source (callable by default; reward_model, pipeline with label)} (stages/shared/scoring.py's `Combined`)."""
 
     @property
     def title(self) -> str:
-        """The scorer in labels: "reward model", "pipeline NAME (LABEL)" or "callable module:function"."""
+        """The scorer in labels: "reward model", "pipeline NAME (LABEL)", "callable module:function", "combined A+B"."""
         return {"reward_model": "reward model", "pipeline": f"pipeline {self.name} ({self.label})",
-                "callable": f"callable {self.name}"}[self.source]
+                "callable": f"callable {self.name}", "combined": "combined " + "+".join(self.functions)}[self.source]
 
 
 @dataclass(frozen=True)
@@ -391,10 +393,7 @@ def load_params(path: str | Path) -> Params:
         if err.key == "scorer.source" and ":" in str(raw.get("scorer", {}).get("source", "")):
             hint = "; a function goes in scorer.name ('module:function') with scorer.source: callable"
         raise ParamsError(f"{path}: {err.message('')}{hint}") from None
-    config = params.ppo_config  # every stage checks the ppo section: a typo there fails at once, not after sft
-    if get_estimator(config.advantage_estimator).needs_groups and not params.generation.do_sample:
-        raise ParamsError(f"{path}: generation.do_sample is false, but ppo.advantage_estimator "
-                          f"{config.advantage_estimator} compares ppo.num_generations={config.num_generations} samples "
-                          "of each prompt: greedy decoding makes them identical (every advantage 0); set "
-                          "generation.do_sample: true")
+    from stages.shared.checks import check_group_sampling
+
+    check_group_sampling(params, params.ppo_config)  # every stage checks the ppo section: a typo fails at once
     return params

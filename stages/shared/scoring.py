@@ -11,6 +11,7 @@ reruns ppo and evaluate. The resumable state's fingerprint covers it too.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import traceback
@@ -33,19 +34,29 @@ REWARDS = "rewards"  # the package of user reward functions, a dep of the ppo st
 
 
 def build_scorer(params: Params, root: Path, policy=None) -> Callable[[list[str]], list[float]]:
-    """The reward function chosen by `scorer.source`: texts (query + response) -> one float each. `policy`: the policy
-    carrying the reward stage's adapter (see `reward_adapter`), which then scores instead of a reward model of its
-    own."""
+    """The reward function chosen by `scorer.source`: texts (query + response) -> one float each, or with "combined"
+    a `Combined` of `scorer.functions`. `policy`: the policy carrying the reward stage's adapter (see
+    `reward_adapter`), which then scores instead of a reward model of its own."""
     spec = params.scorer
+    if spec.source == "combined":
+        return Combined({name: (one_function(params, root, dataclasses.replace(
+            spec, source=entry.get("source", "callable"), name=entry.get("name"), label=entry.get("label", spec.label),
+            functions={}), policy, f"scorer.functions.{name}.name"), float(entry.get("weight", 1.0)))
+            for name, entry in spec.functions.items()})
+    return one_function(params, root, spec, policy, "scorer.name")
+
+
+def one_function(params: Params, root: Path, spec: ScorerParams, policy, key: str) -> Callable:
+    """One reward function, of ``spec``'s source (params ``key`` names it in errors)."""
     if spec.source == "reward_model":
         model, tokenizer = load_reward_model(root / REWARD_MODEL, policy)
         return lambda texts: reward_scores(model, tokenizer, texts, spec.batch_size)
     if spec.source == "pipeline":
-        check_model_source(spec.name, "scorer.name")
+        check_model_source(spec.name, key)
         try:
             pipe = pipeline("text-classification", model=spec.name, device=device())
         except (OSError, ValueError) as err:
-            raise StageError(f"{params.path}: scorer.name '{spec.name}' could not be loaded as a text-classification "
+            raise StageError(f"{params.path}: {key} '{spec.name}' could not be loaded as a text-classification "
                              f"model ({reason(err)}); give a local path or a model id") from None
 
         def score_with_pipeline(texts: list[str]) -> list[float]:
@@ -57,7 +68,7 @@ def build_scorer(params: Params, root: Path, policy=None) -> Callable[[list[str]
             return [float(labels[spec.label]) for labels in by_label]
 
         return score_with_pipeline
-    return load_callable(spec.name, "scorer.name", params)  # its output is checked by `scored`
+    return load_callable(spec.name, key, params)  # its output is checked by `scored`
 
 
 def load_callable(name: str, key: str, params: Params) -> Callable[[list[str]], list[float]]:
@@ -213,14 +224,44 @@ def scorer_texts(spec: ScorerParams, queries: list[str], responses: list[str]) -
     return [q + r for q, r in zip(queries, responses)]
 
 
+class Combined:
+    """`scorer.source: combined`: several reward functions, each with its weight; a response's reward is their
+    weighted sum, a function's None (it does not apply to that response) left out of it, as TRL's GRPOTrainer sums
+    them (all None: 0). After each call, ``last`` holds each function's own rewards (None where it did not apply), for
+    the stats, the curves, the held-out watch and evaluate, under the function's name."""
+
+    def __init__(self, functions: dict[str, tuple[Callable, float]]):
+        self.functions = functions
+        self.last: dict[str, list[float | None]] = {}
+
+    def score(self, texts: list[str], spec: ScorerParams, at: str, row: Row | None) -> list[float]:
+        self.last = {name: scored(fn, texts, spec, at, f"scorer function {name}", row, keep_none=True)
+                     for name, (fn, _) in self.functions.items()}
+        weights = [weight for _, weight in self.functions.values()]
+        return [sum(w * v for w, v in zip(weights, values) if v is not None) for values in zip(*self.last.values())]
+
+
+def component_stats(last: dict[str, list[float | None]]) -> dict[str, float]:
+    """Each function's mean and std over the responses it applied to (``rewards/NAME/mean`` and ``/std``, TRL's
+    names; NaN where it applied to none)."""
+    out = {}
+    for name, values in last.items():
+        applied = np.array([v for v in values if v is not None], dtype=float)
+        out[f"rewards/{name}/mean"] = float(applied.mean()) if applied.size else float("nan")
+        out[f"rewards/{name}/std"] = float(applied.std(ddof=1)) if applied.size > 1 else float("nan")
+    return out
+
+
 def scored(score: Callable[[list[str]], list[float]], texts: list[str], spec: ScorerParams, at: str,
-           who: str | None = None, row: Row | None = None) -> list[float]:
+           who: str | None = None, row: Row | None = None, keep_none: bool = False) -> list[float]:
     """``score(texts)`` checked (see `checked_scores`), or for a reward function that sees the row (`takes_the_row`)
     ``score(prompts=..., completions=..., <kept column>=...)`` from ``row``, a None in its output (the reward does not
     apply to that response, TRL's meaning) counted as 0; an exception the scorer raises becomes one line naming where
     (``at``: "PPO step 3", "the ppo policy's samples 1-100"), the scorer (``who``: by default `scorer`'s, e.g.
     "scorer (callable rewards.example:score)"), the exception and where it was raised (``--debug`` shows the
     traceback)."""
+    if isinstance(score, Combined):
+        return score.score(texts, spec, at, row)
     who = who or scorer_name(spec)
     by_row = row is not None and takes_the_row(score)
     try:
@@ -232,8 +273,8 @@ def scored(score: Callable[[list[str]], list[float]], texts: list[str], spec: Sc
     except SystemExit as err:  # sys.exit() in a scorer would end the stage without a word
         raise StageError(f"{at}: {who} called sys.exit({err.code!r}){raised_where(err)}; a scorer returns its scores, "
                          "it does not end the process") from err
-    return [0.0 if value is None else value
-            for value in checked_scores(scores, len(texts), spec, at, who, allow_none=by_row)]
+    checked = checked_scores(scores, len(texts), spec, at, who, allow_none=by_row)
+    return checked if keep_none else [0.0 if value is None else value for value in checked]
 
 
 def scorer_name(spec: ScorerParams) -> str:

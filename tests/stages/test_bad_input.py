@@ -435,6 +435,20 @@ CASES += [
      {"scorer.source": "callable", "scorer.name": "scorers:needs_answer"},
      None, "params.yaml: scorer.name 'scorers:needs_answer': needs_answer (scorers.py:35) takes 'answer', which is not "
            "a column of the prompts: add it to data.prompts.keep (kept now: none), or give it a default"),
+    ("combined-without-functions", "prepare", None, {"scorer.source": "combined"},
+     None, "params.yaml: scorer.functions must be a mapping of reward names to {name, weight} with scorer.source "
+           "combined, and {} otherwise, got {}"),
+    ("functions-without-combined", "prepare", None,
+     {"scorer.source": "callable", "scorer.name": "scorers:words", "scorer.functions": {"a": {"name": "scorers:nan"}}},
+     None, "params.yaml: scorer.functions must be a mapping of reward names to {name, weight} with scorer.source "
+           "combined, and {} otherwise, got {'a': {'name': 'scorers:nan'}}"),
+    ("combined-function-bad-key", "prepare", None,
+     {"scorer.source": "combined", "scorer.functions": {"a": {"name": "scorers:words", "wieght": 2}}},
+     None, "params.yaml: scorer.functions.a must be a mapping with keys among ['name', 'weight', 'source', 'label'], "
+           "got {'name': 'scorers:words', 'wieght': 2}"),
+    ("combined-function-raises", "ppo", "ppo",
+     {"scorer.source": "combined", "scorer.functions": {"acc": {"name": "scorers:raises", "weight": 1.0}}},
+     None, "PPO step 1: scorer function acc raised ZeroDivisionError: division by zero (scorers.py:"),
     ("judge-named-gold-with-synthetic-data", "prepare", None, {"evaluate.judges": {"gold": "scorers:words"}},
      None, "params.yaml: evaluate.judges.gold must be a name other than 'gold' with the synthetic data (its gold "
            "score, the lexicon's, is 'gold' already; a judge takes that name with data of your own), got 'gold'"),
