@@ -45,6 +45,8 @@ from stages.shared.runtime import device, quiet_trainer, trainer_progress
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
+    if not needs_reward_model(params.scorer):
+        return not_trained(root)
     check_mixed_precision(params)
     set_seed(params.seed)
     pairs = read_table(root / RAW_PAIRS, ["prompt", "chosen", "rejected"])
@@ -94,6 +96,27 @@ def run(params: Params, root: Path = Path(".")) -> str:
         discard(checkpoints)
     return (f"{len(train)} pairs, held-out pairwise accuracy {metrics['accuracy']:.3f} ({n_eval} pairs) "
             f"-> {REWARD_MODEL}")
+
+
+def needs_reward_model(scorer) -> bool:
+    """Whether the trained reward model scores anything: it is the scorer, or one of `scorer.functions` (judges are
+    functions of the user's own)."""
+    return scorer.source == "reward_model" or any(entry.get("source") == "reward_model"
+                                                  for entry in scorer.functions.values())
+
+
+NOT_TRAINED = {"trained": False, "why": "nothing scores with the reward model (scorer.source, scorer.functions)"}
+
+
+def not_trained(root: Path) -> str:
+    """Where nothing needs a reward model: outputs that say so, the same bytes whatever the pairs and the SFT model,
+    so nothing downstream reruns for them; in seconds."""
+    with publishing():
+        with atomic_path(root / REWARD_MODEL) as tmp:
+            tmp.mkdir(parents=True)
+            write_json(NOT_TRAINED, tmp / "not_trained.json")
+        write_json(NOT_TRAINED, root / REWARD_METRICS)
+    return f"not trained: {NOT_TRAINED['why']} -> {REWARD_MODEL}"
 
 
 def save_reward_model(path: Path, model, tokenizer) -> None:

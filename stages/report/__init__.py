@@ -21,14 +21,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from stages.report.accuracy import accuracy_section
+from stages.report.accuracy import accuracy_section, heldout_line
 from stages.report.html import page
 from stages.report.samples import extremes, score_header, side_by_side
 from stages.report.sections import (
     charts,
     evaluation_table,
     heldout_charts,
-    heldout_line,
     models,
     params_diff,
     time_chart,

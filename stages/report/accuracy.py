@@ -3,7 +3,10 @@ side with the paired standard error of their difference, and where the run's cur
 
 from __future__ import annotations
 
+import html
+
 from stages.report.html import table
+from stages.shared.heldout import heldout_words
 from stages.shared.params import EvaluateParams
 
 ACROSS_THE_RUN = ('<p class="note">Across the run: the held-out evaluations of the ppo stage (data/ppo/eval.csv, '
@@ -38,3 +41,12 @@ def statistic_words(statistic: str, n: int, passes: str) -> str:
     if statistic == "greedy":
         return f"greedy accuracy (one greedy response per prompt, a pass: {passes})"
     return f"{statistic} of {n} samples (unbiased estimator; a pass: {passes})"
+
+
+def heldout_line(metrics: dict) -> str:
+    """What the held-out figures are over: how many prompts, and how many of them are training prompts (evaluate's
+    ``heldout``; none by construction). Empty for metrics written before evaluate measured it."""
+    if "heldout" not in metrics:
+        return ""
+    held = metrics["heldout"]
+    return f"<p>Over {html.escape(heldout_words(held['prompts'], held['in_train']))}.</p>"

@@ -27,7 +27,6 @@ from stages.shared.artifacts import (
     read_json,
     sha256_file,
 )
-from stages.shared.heldout import heldout_words
 from stages.shared.params import MIN_TEXTS_FROM_SCRATCH, Params
 
 # curves.csv columns drawn together, one chart each: (title, [(column, label)], y label); {scorer}: the scorer's title
@@ -67,15 +66,6 @@ def evaluation_table(metrics: dict, scorer: str, judges: dict[str, str] | None =
     rows = [[label, sft[key], ppo[key], ppo[key] - sft[key]] for key, label in names.items() if key in ppo]
     win = f"<p>Win rate of PPO over SFT ({html.escape(scorer)}, ties half): <b>{metrics['win_rate']:.3f}</b></p>"
     return table(rows, ["mean over the held-out prompts", "SFT", "PPO", "PPO - SFT"]) + win
-
-
-def heldout_line(metrics: dict) -> str:
-    """What the held-out figures are over: how many prompts, and how many of them are training prompts (evaluate's
-    ``heldout``; none by construction). Empty for metrics written before evaluate measured it."""
-    if "heldout" not in metrics:
-        return ""
-    held = metrics["heldout"]
-    return f"<p>Over {html.escape(heldout_words(held['prompts'], held['in_train']))}.</p>"
 
 
 def charts(curves: pd.DataFrame, scorer: str) -> str:
@@ -172,6 +162,8 @@ def models(root: Path) -> str:
     if sft.get("n_train", MIN_TEXTS_FROM_SCRATCH) < MIN_TEXTS_FROM_SCRATCH:
         caveat = (f'<p class="note">SFT trained on {sft["n_train"]} texts: a model trained from scratch on so few '
                   "learns no language, and the evaluation above then compares noise.</p>")
+    if reward.get("trained") is False:  # the reward stage trained none: nothing scored with it
+        rows, caveat = [], caveat + f'<p class="note">No reward model was trained: {html.escape(reward["why"])}.</p>'
     text = caveat + (table(rows, ["reward model, held-out pairs", "value"]) if rows else "")
     if (root / SFT_CURVE).exists():
         curve = pd.read_csv(root / SFT_CURVE)

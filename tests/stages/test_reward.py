@@ -37,3 +37,40 @@ def test_reward_metrics_are_the_saved_model_s_on_the_held_out_pairs(tiny_run, ti
     assert metrics["accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 16
     assert metrics["margin"] == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 16, abs=1e-6)
     assert set(metrics["train"]) == {"accuracy", "loss"}
+
+
+def test_no_reward_model_is_trained_where_nothing_scores_with_it(tiny_run, tiny_params, tmp_path):
+    """A callable scorer (a verifiable task's checker) needs no reward model: the reward stage trains none, says so,
+    and writes the same bytes whatever its inputs, so nothing downstream reruns for them; ppo and evaluate run."""
+    import dataclasses
+    import shutil
+    import time
+
+    from stages import reward
+    from stages.shared.artifacts import RAW_PAIRS, REWARD_METRICS, REWARD_MODEL
+
+    scorer = dataclasses.replace(tiny_params.scorer, source="callable", name="rewards.answers:states_a_number")
+    params = dataclasses.replace(tiny_params, scorer=scorer)
+    outputs = {}
+    for name in ("a", "b"):
+        root = tmp_path / name
+        shutil.copytree(tiny_run / "data" / "raw", root / "data" / "raw")
+        shutil.copytree(tiny_run / "data" / "models" / "sft", root / "data" / "models" / "sft")
+        if name == "b":  # other pairs: nothing changes
+            (root / RAW_PAIRS).write_bytes((tiny_run / "data" / "raw" / "sft.parquet").read_bytes())
+        started = time.perf_counter()
+        summary = reward.run(params, root)
+        assert time.perf_counter() - started < 5 and summary.startswith("not trained: nothing scores with the reward")
+        outputs[name] = {p.relative_to(root): p.read_bytes()
+                         for p in sorted([*(root / REWARD_MODEL).rglob("*"), root / REWARD_METRICS]) if p.is_file()}
+    assert outputs["a"] == outputs["b"] and len(outputs["a"]) == 2
+    from stages import evaluate, ppo
+
+    root = tmp_path / "a"  # ppo and evaluate need none of it
+    shutil.copytree(tiny_run / "data" / "tokenized", root / "data" / "tokenized")
+    ppo.run(params, root)
+    assert "200 held-out prompts" not in evaluate.run(params, root)  # (tiny: fewer) it ran to the end
+    combined = dataclasses.replace(tiny_params.scorer, source="combined", name=None,
+                                   functions={"rm": {"source": "reward_model", "weight": 1.0}})
+    assert reward.needs_reward_model(combined) and reward.needs_reward_model(tiny_params.scorer)
+    assert not reward.needs_reward_model(scorer)
