@@ -182,3 +182,33 @@ def test_a_scorer_failing_on_one_process_ends_both(tiny_run, tmp_path):
     assert code != 0
     assert "error: ppo: PPO step 1: scorer (callable rank_scorer:score) returned nan for text 0" in output
     assert not (root / PPO_MODEL).exists()
+
+
+def test_kept_columns_reach_each_process_s_rewards_and_rollouts(tiny_run, tmp_path):
+    """data.prompts.keep in 2 processes (issue 47): each process scores its own share of the batch against its own
+    prompts' answers (the scorer returns 1 only then), and the rollouts, gathered in process order, hold them."""
+    from stages import prepare, tokenize
+    from stages.shared.params import load_params
+    from tests.stages.test_columns import WORDS, answer_of, write_prompts
+
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints"))
+    remove_outputs_as_dvc_does(root, "ppo")
+    (root / "row_scorer.py").write_text(
+        "def accuracy(completions, answer, prompts, **kwargs):\n"
+        "    return [float(a == sum(map(ord, p)) % 97) for p, a in zip(prompts, answer)]\n")
+    source = root / "qa.jsonl"
+    write_prompts(source, [f"{w} {i}" for i in range(4) for w in WORDS])
+    params = params_file(tmp_path, ppo__batch_size=4, ppo__mini_batch_size=2, ppo__steps=8, scorer__source="callable",
+                         scorer__name="row_scorer:accuracy", data__prompts__source=str(source),
+                         data__prompts__columns={"query": "question"}, data__prompts__keep=["answer", "meta"],
+                         data__n_eval_prompts=8, tokenize__max_query_tokens=None, tokenize__truncation="refuse")
+    loaded = load_params(params)
+    assert loaded.data.prompts.keep == ["answer", "meta"] and loaded.tokenize.max_query_tokens is None
+    prepare.run(loaded, root)
+    tokenize.run(loaded, root)
+    code, output = launch_stage("ppo", params, root, timeout=300)
+    assert code == 0, output[-3000:]
+    rollouts = pd.read_parquet(root / PPO_ROLLOUTS)
+    assert rollouts.groupby("step").size().tolist() == [8, 8]  # both processes' shares
+    assert (rollouts["answer"] == rollouts["query"].map(answer_of)).all() and (rollouts["score"] == 1.0).all()
