@@ -1,5 +1,6 @@
-"""The prompts split into training and held-out ones by distinct prompt, and the columns kept with each prompt
-(`data.prompts.keep`): pure functions over the rows prepare reads."""
+"""Held out means held out: the prompts split into training and held-out ones by distinct prompt (prepare), the
+account of it that every held-out figure carries (how many held-out prompts are training prompts: none), and the
+columns kept with each prompt (`data.prompts.keep`: checked at prepare, read back by tokenize, ppo and evaluate)."""
 
 from __future__ import annotations
 
