@@ -240,7 +240,9 @@ def test_reward_code_under_rewards_is_a_dep_of_ppo_and_evaluate(repo):
                                                      "source: callable\n  name: rewards.example:keyword_sentiment"))
     try:
         result = dvc("repro", cwd=repo)
-        assert ran(result.stdout) == ["ppo", "evaluate", "report"] and "warning" not in result.stderr
+        # the reward stage tracks the scorer's source: a callable needs no reward model, and it trains none (seconds)
+        assert ran(result.stdout) == ["reward", "ppo", "evaluate", "report"] and "warning" not in result.stderr
+        assert "reward: not trained: nothing scores with the reward model" in result.stderr + result.stdout
         assert status(repo) == {}
         first = pd.read_parquet(repo / "data" / "ppo" / "rollouts" / "step-00000.parquet")
         first_sft = sft_samples(repo)
@@ -277,7 +279,7 @@ def test_exp_run_reruns_only_ppo_and_evaluate(repo):
     experiments = [rev for row in rows for exp in (row.get("experiments") or []) for rev in exp["revs"]]
     smoke = next(rev for rev in experiments if rev["name"] == "smoke")
     metrics = smoke["data"]["metrics"]["data/eval/metrics.json"]["data"]
-    assert list(metrics) == ["win_rate", "gold", "reward", "kl", "length", "sft"]  # the file's order: dvc's columns
+    assert list(metrics) == ["win_rate", "gold", "reward", "kl", "length", "sft", "heldout"]  # dvc's columns' order
     assert smoke["data"]["params"]["params.yaml"]["data"]["ppo"]["learning_rate"] == 2e-05
     baseline = next(row for row in rows if row.get("experiments"))  # HEAD: its metrics are there to compare with
     before = baseline["data"]["metrics"]["data/eval/metrics.json"]["data"]
