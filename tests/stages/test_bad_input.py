@@ -240,8 +240,8 @@ CASES = [
     ("checkpoints-not-writable", "ppo", "ppo", {},
      setup_unwritable("data/checkpoints"), "data/checkpoints/ppo: operation not permitted; cannot write there"),
     ("scorer-source-is-a-function", "prepare", None, {"scorer.source": "myreward:score"},
-     None, "params.yaml: scorer.source must be one of ['reward_model', 'pipeline', 'callable'], got 'myreward:score' "
-           "(str); a function goes in scorer.name ('module:function') with scorer.source: callable"),
+     None, "params.yaml: scorer.source must be one of ['reward_model', 'pipeline', 'callable', 'combined'], got "
+           "'myreward:score' (str); a function goes in scorer.name ('module:function') with scorer.source: callable"),
     ("reward-raises", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "scorers:raises"},
      None, "PPO step 1: scorer (callable scorers:raises) raised ZeroDivisionError: division by zero (scorers.py:16)"),
     ("reward-syntax-error", "ppo", "ppo", {"scorer.source": "callable", "scorer.name": "broken:score"},
