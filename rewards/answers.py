@@ -28,14 +28,18 @@ def accuracy(completions: list[str], answer: list, **kwargs) -> list[float | Non
     >>> accuracy(["so it is 12", "it is 13", "it is 5"], answer=[12, "12", None])
     [1.0, 0.0, None]
     """
-    out = []
-    for completion, expected in zip(completions, answer):
-        if expected is None:
-            out.append(None)
-            continue
+    def right(completion: str, expected) -> bool:
         stated = final_number(completion)
-        out.append(float(stated is not None and stated == float(expected)))
-    return out
+        return stated is not None and stated == float(expected)
+
+    return per_answer(completions, answer, right)
+
+
+def per_answer(completions: list[str], answer: list, right) -> list[float | None]:
+    """1.0 where ``right(completion, expected)`` holds for a completion and its prompt's answer, else 0.0; None (the
+    reward does not apply: it counts 0) where the prompt has no answer. The loop every accuracy reward shares."""
+    return [None if expected is None else float(right(completion, expected))
+            for completion, expected in zip(completions, answer)]
 
 
 def states_a_number(completions: list[str], **kwargs) -> list[float]:

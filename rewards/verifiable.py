@@ -21,7 +21,7 @@ import re
 
 from reasoning_gym import get_score_answer_fn
 
-from rewards.answers import NUMBER
+from rewards.answers import NUMBER, per_answer
 
 TASK = "chain_sum"  # the reasoning-gym task whose checker scores the answers (stages/fetch_tasks.py generates it)
 FORMAT_WEIGHT = 0.1
@@ -51,14 +51,11 @@ def accuracy(completions: list[str], answer: list, **kwargs) -> list[float | Non
     >>> accuracy(["3 + 4 = 7. The answer is 7.", "The answer is 17.", "7"], answer=["7", "7", None])
     [1.0, 0.0, None]
     """
-    out = []
-    for completion, expected in zip(completions, answer):
-        if expected is None:
-            out.append(None)
-            continue
+    def right(completion: str, expected) -> bool:
         stated = stated_answer(completion)
-        out.append(float(stated is not None and score_answer(stated, {"answer": str(expected)}) == 1.0))
-    return out
+        return stated is not None and score_answer(stated, {"answer": str(expected)}) == 1.0
+
+    return per_answer(completions, answer, right)
 
 
 def answer_format(completions: list[str], **kwargs) -> list[float]:

@@ -58,15 +58,19 @@ def sometimes(completions, **kwargs):
 '''
 
 
+def written_module(name: str, source: str, folder, monkeypatch):
+    """The module ``name`` of ``source``, written to ``folder`` and imported afresh (a user's reward file)."""
+    import importlib
+
+    (folder / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    return importlib.import_module(name)
+
+
 @pytest.fixture
 def rewards_module(tmp_path, monkeypatch):
-    (tmp_path / "row_rewards.py").write_text(REWARDS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import importlib
-    import sys
-
-    sys.modules.pop("row_rewards", None)
-    return importlib.import_module("row_rewards")
+    return written_module("row_rewards", REWARDS, tmp_path, monkeypatch)
 
 
 def test_kept_columns_go_through_prepare_and_tokenize_row_by_row(tiny_run, tiny_params, tmp_path):

@@ -16,7 +16,7 @@ import torch
 from stages import evaluate, ppo, prepare, tokenize
 from stages.shared.artifacts import EVAL_METRICS, EVAL_SAMPLES, PPO_CURVES, PPO_EVAL, PPO_STATS
 from stages.shared.scoring import Combined, Row, component_stats, scored
-from tests.stages.test_columns import WORDS, with_prompts, write_prompts
+from tests.stages.test_columns import WORDS, with_prompts, write_prompts, written_module
 
 FUNCTIONS = '''
 def exact(completions, answer, prompts, **kwargs):
@@ -34,13 +34,7 @@ def never(completions, **kwargs):
 
 @pytest.fixture
 def functions(tmp_path, monkeypatch):
-    (tmp_path / "weighted.py").write_text(FUNCTIONS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import importlib
-    import sys
-
-    sys.modules.pop("weighted", None)
-    return importlib.import_module("weighted")
+    return written_module("weighted", FUNCTIONS, tmp_path, monkeypatch)
 
 
 def test_the_weighted_sum_leaves_a_none_out_as_trl_does(tiny_params):
