@@ -166,19 +166,41 @@ def _alive(pid: int) -> bool:
 def terminate_as_interrupt() -> Iterator[None]:
     """In the block, SIGTERM (what `kill` and job schedulers send) raises KeyboardInterrupt, as Ctrl-C does: a stage
     stops the same way for both (temporaries removed, locks released, one line). Outside the main thread (where
-    signals cannot be handled) the block runs as it is."""
+    signals cannot be handled) the block runs as it is.
+
+    Python runs a signal's handler between any two bytecodes, also inside a weakref callback or a ``__del__`` (the
+    import system's module-lock callback, say), where a raised exception is printed as "Exception ignored" and the
+    run goes on as if no signal had come. So a KeyboardInterrupt swallowed there is raised again 10 ms later, at
+    the next point that can take it, and nothing is printed for it."""
+    swallowed, received = sys.unraisablehook, []
+
     def interrupt(signum, frame):
+        received.append(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
+    def again(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and received and hasattr(signal, "setitimer"):
+            signal.setitimer(signal.ITIMER_REAL, 0.01)  # SIGALRM: `interrupt` once more
+        else:
+            swallowed(unraisable)
+
+    signals = [signal.SIGTERM, signal.SIGINT]
     try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
+        previous = {sig: signal.signal(sig, interrupt) for sig in signals}
     except ValueError:
         yield
         return
+    if hasattr(signal, "setitimer"):
+        previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, lambda signum, frame: interrupt(received[-1], frame))
+    sys.unraisablehook = again
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = swallowed
+        if hasattr(signal, "setitimer"):
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def process_state():
