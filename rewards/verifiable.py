@@ -8,11 +8,10 @@ reward functions (by keyword: ``completions``, then the kept ``answer`` column):
 - `accuracy`: 1.0 where the stated answer is right by reasoning-gym's checker for the task, else 0.0;
 - `answer_format`: 1.0 where the response ends with the answer sentence, else 0.0.
 
-The ppo stage takes one scorer today, so `accuracy_with_format` is what the example's params name:
-``accuracy + FORMAT_WEIGHT * answer_format``, a right answer worth 1.0 and the format a bonus of 0.1 on top (a wrong
-answer in the right form earns 0.1, a right one 1.1). The bonus is small on purpose: it steers towards the form that
-`accuracy` reads, and never outweighs a right answer. evaluate lists the two parts as judges, so each is reported on
-its own; once the scorer takes several weighted functions, they are ``[(accuracy, 1.0), (answer_format, 0.1)]``.
+The example's params combine them (`scorer.source: combined`): ``accuracy`` weight 1.0, ``answer_format`` weight 0.1,
+a right answer worth 1.0 and the format a bonus of 0.1 on top (a wrong answer in the right form earns 0.1, a right one
+1.1). The bonus is small on purpose: it steers towards the form that `accuracy` reads, and never outweighs a right
+answer. Each is logged and evaluated on its own (``reward_correct``, ``reward_format``).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from reasoning_gym import get_score_answer_fn
 from rewards.answers import NUMBER, per_answer
 
 TASK = "chain_sum"  # the reasoning-gym task whose checker scores the answers (stages/fetch_tasks.py generates it)
-FORMAT_WEIGHT = 0.1
 ANSWER_SENTENCE = "The answer is"
 # the answer sentence, last in the response: "The answer is -12." (an integer, the final full stop optional)
 ENDS_WITH_ANSWER = re.compile(rf"(?:^|\s){ANSWER_SENTENCE} (-?\d+)\.?$")
@@ -66,13 +64,3 @@ def answer_format(completions: list[str], **kwargs) -> list[float]:
     """
     return [float(ENDS_WITH_ANSWER.search(c.strip()) is not None) for c in completions]
 
-
-def accuracy_with_format(completions: list[str], answer: list, **kwargs) -> list[float | None]:
-    """`accuracy` plus `FORMAT_WEIGHT` times `answer_format`: the one scorer the ppo stage takes today. None where the
-    prompt has no answer (the format alone is then no reason to reward it).
-
-    >>> accuracy_with_format(["The answer is 7.", "The answer is 8.", "7, I think"], answer=["7", "7", "7"])
-    [1.1, 0.1, 1.0]
-    """
-    right, form = accuracy(completions, answer), answer_format(completions)
-    return [None if r is None else r + FORMAT_WEIGHT * f for r, f in zip(right, form)]

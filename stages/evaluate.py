@@ -14,9 +14,10 @@ evaluated, and how many are training prompts, 0 as prepare splits by distinct pr
 the `scorer` params section, which dvc.yaml tracks for this stage.
 
 With `evaluate.samples_per_prompt` > 1 or `evaluate.pass_at_k` set, a last group, ``accuracy``: per reward (``reward``,
-the scorer's, then each judge's), each policy's mean over n samples per prompt, greedy accuracy and pass@k, and the
-paired standard errors of PPO - SFT (stages/shared/accuracy.py). Its extra samples are drawn after everything above,
-which stays as it is; off (the default), nothing more is drawn and metrics.json is as it was.
+the scorer's, ``reward_NAME`` for each function of a combined scorer, then each judge's), each policy's mean over n
+samples per prompt, greedy accuracy and pass@k, and the paired standard errors of PPO - SFT (stages/shared/accuracy.py);
+with a pretrained `model.name_or_path`, that base model's too. Its extra samples are drawn after everything above, which
+stays as it is; off (the default), nothing more is drawn and metrics.json is as it was.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ from stages.shared.artifacts import (
     write_parquet,
 )
 from stages.shared.heldout import heldout_words, kept_columns, training_prompts_among
-from stages.shared.models import is_encoder_decoder, load_float32, sample_responses
+from stages.shared.models import is_encoder_decoder, load_base, load_float32, sample_responses
 from stages.shared.params import Params
 from stages.shared.runtime import device, note, tf32_on_gpu
-from stages.shared.scoring import Combined, Row, build_scorer, judge_functions, scored, scorer_texts
+from stages.shared.scoring import Combined, Row, build_scorer, function_rewards, judge_functions, scored, scorer_texts
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -101,7 +102,7 @@ def compare_policies(params: Params, root: Path) -> str:
         for key in columns:
             columns[key] += rows[key]
         by_policy[name] = policy_metrics(rows, list(judges), parts)
-        first[name] = {"reward": rows["score"]} | {judge: rows[judge] for judge in judges}
+        first[name] = {"reward": rows["score"]} | function_rewards(score) | {judge: rows[judge] for judge in judges}
     n = len(queries)
     wins = win_rate(columns["score"][n:], columns["score"][:n])
     in_train = training_prompts_among(queries, read_prompts(root / TOKENIZED_TRAIN)["query"])
@@ -123,22 +124,29 @@ def sampled_accuracy(params: Params, policies: dict, tokenizer, prompts: tuple[l
                      generation: dict, scorers: dict, first: dict[str, dict[str, list[float]]],
                      kept: dict[str, list] | None = None) -> dict:
     """metrics.json's ``accuracy`` group (stages/shared/accuracy.py) over ``prompts`` (queries, their token ids): each
-    policy's n = `evaluate.samples_per_prompt` samples per prompt (``first``'s rewards, of the samples above, then n - 1
-    more drawn after both policies' first, so those stay as they are) and one greedy response per prompt, each scored
-    by every function of ``scorers`` (``reward``: the scorer, then the judges; one that sees the row gets each
-    prompt's ``kept`` columns)."""
-    kept = kept or {}
-    n_prompts, n_more = len(prompts[0]), params.evaluate.samples_per_prompt - 1
-    more_prompts = tuple([x for x in items for _ in range(n_more)] for items in prompts)  # a prompt's n - 1 together
-    more_kept = {key: [x for x in values for _ in range(n_more)] for key, values in kept.items()}
+    policy's n = `evaluate.samples_per_prompt` samples per prompt (``first``'s rewards where it has that policy's, of
+    the samples above, then the rest drawn after both policies' first, so those stay as they are; then the base
+    model's, where `model.name_or_path` names one, loaded after SFT's and PPO's draws) and one greedy
+    response per prompt, each scored by every function of ``scorers`` (``reward``: the scorer, each of a combined
+    scorer's functions, then the judges; one that sees the row gets each prompt's ``kept`` columns)."""
+    kept, n, n_prompts = kept or {}, params.evaluate.samples_per_prompt, len(prompts[0])
     greedy_generation = generation | {"do_sample": False}
-    sampled, greedy = {}, {}
-    for name, policy in policies.items():
-        more = rewards_of(params, name, policy, tokenizer, more_prompts, generation, scorers, more_kept)
-        sampled[name] = {fn: np.concatenate([np.reshape(first[name][fn], (n_prompts, 1)),
-                                             np.reshape(more[fn], (n_prompts, n_more))], axis=1) for fn in scorers}
+    sampled, greedy, base = {}, {}, params.model.name_or_path  # base: the pretrained model SFT started from, if any
+    for name in [*policies, *(["base"] if base is not None else [])]:
+        policy = policies[name] if name in policies else load_base(type(policies["sft"]), base, tokenizer)
+        drawn = [first[name]] if name in first else []  # the base model has no samples above
+        copies = n - len(drawn)
+        more = rewards_of(params, name, policy, tokenizer, tuple(repeated(x, copies) for x in prompts), generation,
+                          scorers, {key: repeated(values, copies) for key, values in kept.items()})
+        sampled[name] = {fn: np.concatenate([np.reshape(d[fn], (n_prompts, 1)) for d in drawn]
+                                            + [np.reshape(more[fn], (n_prompts, copies))], axis=1) for fn in more}
         greedy[name] = rewards_of(params, name, policy, tokenizer, prompts, greedy_generation, scorers, kept)
     return accuracy_table(sampled, greedy, params.evaluate.pass_at_k, params.evaluate.success_threshold)
+
+
+def repeated(items: list, copies: int) -> list:
+    """Each item ``copies`` times, a prompt's copies together."""
+    return [x for x in items for _ in range(copies)]
 
 
 def rewards_of(params: Params, name: str, policy, tokenizer, prompts: tuple[list[str], list[list[int]]],
@@ -152,10 +160,12 @@ def rewards_of(params: Params, name: str, policy, tokenizer, prompts: tuple[list
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     texts = {"reward": scorer_texts(params.scorer, queries, responses)}
     seen = Row(queries, responses, kept or {})
-    return {fn: np.array(scores_of(score, texts.get(fn, [q + r for q, r in zip(queries, responses)]), params,
-                                   f"{name} ({mode})", who=None if fn == "reward" else f"judge {fn}", row=seen),
-                         dtype=np.float64)
-            for fn, score in scorers.items()}
+    out = {fn: np.array(scores_of(score, texts.get(fn, [q + r for q, r in zip(queries, responses)]), params,
+                                  f"{name} ({mode})", who=None if fn == "reward" else f"judge {fn}", row=seen),
+                        dtype=np.float64)
+           for fn, score in scorers.items()}
+    parts = {fn: np.array(values, dtype=np.float64) for fn, values in function_rewards(scorers["reward"]).items()}
+    return {"reward": out.pop("reward")} | parts | out
 
 
 def scores_of(score, texts: list[str], params: Params, policy: str, who: str | None = None,

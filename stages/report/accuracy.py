@@ -16,20 +16,24 @@ ACROSS_THE_RUN = ('<p class="note">Across the run: the held-out evaluations of t
 
 
 def accuracy_section(metrics: dict, evaluate: EvaluateParams, scorer: str) -> str:
-    """Rows of (reward, statistic): SFT, PPO, PPO - SFT, the paired standard error of PPO - SFT over the prompts.
+    """Rows of (reward, statistic): the base model (where evaluate had one), SFT, PPO, PPO - SFT, the paired standard
+    error of PPO - SFT over the prompts.
     ``scorer``: the title of the scorer whose rewards are ``reward``. Empty where evaluate made no table (off)."""
     if "accuracy" not in metrics:
         return ""
     passes = "reward = 1" if evaluate.success_threshold is None else f"reward >= {evaluate.success_threshold:g}"
     n = evaluate.samples_per_prompt
-    rows = []
+    rows, base = [], all("base" in entry for entry in metrics["accuracy"].values())
     for name, entry in metrics["accuracy"].items():
-        reward = {"reward": f"{scorer} score", "gold": "gold score"}.get(name, f"judge {name}")
+        reward = {"reward": f"{scorer} score", "gold": "gold score"}.get(
+            name, f"scorer function {name.removeprefix('reward_')}" if name.startswith("reward_") else f"judge {name}")
         for statistic, sft in entry["sft"].items():
             se = entry["paired_se"][statistic]
-            rows.append([reward, statistic_words(statistic, n, passes), sft, entry["ppo"][statistic],
-                         entry["ppo"][statistic] - sft, "n/a (one prompt)" if se is None else se])
-    header = ["reward", "over the held-out prompts", "SFT", "PPO", "PPO - SFT", "paired standard error of PPO - SFT"]
+            rows.append([reward, statistic_words(statistic, n, passes), *([entry["base"][statistic]] if base else []),
+                         sft, entry["ppo"][statistic], entry["ppo"][statistic] - sft,
+                         "n/a (one prompt)" if se is None else se])
+    header = ["reward", "over the held-out prompts", *(["base model"] if base else []), "SFT", "PPO", "PPO - SFT",
+              "paired standard error of PPO - SFT"]
     return "<h3>Accuracy and pass@k</h3>" + table(rows, header) + ACROSS_THE_RUN
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from stages.shared.runtime import StageError
 
-POLICIES = ("sft", "ppo")  # the baseline first, as the table reads
+POLICIES = ("base", "sft", "ppo")  # as the table reads: the pretrained model (where there is one), SFT, then PPO
 
 
 def pass_at_k(passes: np.ndarray, k: int) -> np.ndarray:
@@ -89,16 +89,18 @@ def accuracy_table(sampled: dict[str, dict[str, np.ndarray]], greedy: dict[str, 
     standard error of PPO - SFT for each.
 
     Args:
-        sampled: {policy ("sft", "ppo"): {reward name: (P, n) rewards}}.
+        sampled: {policy ("sft", "ppo", and "base" where evaluate had a pretrained model): {reward name: (P, n)
+            rewards}}.
         greedy: {policy: {reward name: (P,) rewards of the greedy responses}}.
         ks: the k of pass@k; threshold: see `passed`.
     Returns:
-        {reward name: {"sft": {statistic: mean}, "ppo": {...}, "paired_se": {statistic: SE or None}}}.
+        {reward name: {"base": {statistic: mean} (where given), "sft": {...}, "ppo": {...},
+        "paired_se": {statistic: SE of PPO - SFT, or None}}}.
     """
-    out = {}
+    out, policies = {}, [p for p in POLICIES if p in sampled]
     for name in sampled["ppo"]:
-        stats = {p: per_prompt(sampled[p][name], greedy[p][name], ks, threshold, name, p) for p in POLICIES}
-        out[name] = {p: {s: float(v.mean()) for s, v in stats[p].items()} for p in POLICIES}
+        stats = {p: per_prompt(sampled[p][name], greedy[p][name], ks, threshold, name, p) for p in policies}
+        out[name] = {p: {s: float(v.mean()) for s, v in stats[p].items()} for p in policies}
         out[name]["paired_se"] = {s: paired_se(stats["ppo"][s], stats["sft"][s]) for s in stats["ppo"]}
     return out
 

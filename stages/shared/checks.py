@@ -213,15 +213,16 @@ def judge_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
 
 def watch_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
     """The watch section: held-out evaluation, the policy kept and by what, the alerts' thresholds."""
+    rankable = [*(f"reward_{name}" for name in p.scorer.functions), *p.evaluate.judges]  # beside reward and gold
+    gold = f"gold{' (synthetic data only)' if not p.data.is_synthetic else ''}, "
     return [
         ("watch.eval_every", p.watch.eval_every, ">= 0 (0: no held-out evaluation)", p.watch.eval_every >= 0),
         ("watch.eval_prompts", p.watch.eval_prompts, ">= 1", p.watch.eval_prompts >= 1),
         ("watch.keep", p.watch.keep, "last when watch.eval_every is 0 (best is chosen at a held-out evaluation)",
          p.watch.keep == "last" or p.watch.eval_every > 0),
-        ("watch.best_by", p.watch.best_by, f"reward, gold{' (synthetic data only)' if not p.data.is_synthetic else ''} "
-         f"or a judge of evaluate.judges ({', '.join(p.evaluate.judges) or 'none'}) with watch.keep: best",
-         p.watch.keep != "best"
-         or p.watch.best_by in ("reward", *(("gold",) if p.data.is_synthetic else ()), *p.evaluate.judges)),
+        ("watch.best_by", p.watch.best_by, f"reward, {gold}reward_NAME of a function of scorer.functions or a judge "
+         f"of evaluate.judges ({', '.join(rankable) or 'none'}) with watch.keep: best",
+         p.watch.keep != "best" or p.watch.best_by in ("reward", *(["gold"] * p.data.is_synthetic), *rankable)),
         ("watch.kl_price", p.watch.kl_price, ">= 0", p.watch.kl_price >= 0),
         *((f"watch.alerts.{name}", value, "> 0", value > 0) for name, value in vars(p.watch.alerts).items()),
         ("watch.alerts.entropy_ratio", p.watch.alerts.entropy_ratio, "< 1 (a share of the first step's entropy)",

@@ -45,6 +45,15 @@ def load_float32(model_class, path, **kwargs):
         return model_class.from_pretrained(path, dtype=torch.float32, **kwargs)
 
 
+def load_base(model_class, path, tokenizer):
+    """The pretrained model at ``path`` that sft started from, in float32 on the device for sampling (eval mode), its
+    embeddings sized to SFT's ``tokenizer``
+    (sft adds a pad token where the model's tokenizer has none): evaluate's base model, sampled with SFT's padding."""
+    model = load_float32(model_class, path)
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer))  # the pad row: masked out of attention wherever it pads
+    return model.to(device()).eval()
+
 def check_mixed_precision(params) -> None:
     """Refuse `model.mixed_precision: fp16` where no CUDA GPU is visible: autocast to float16 is a GPU's, and on a CPU
     the stages would compute in float32, byte for byte what `null` gives, while the params say fp16."""

@@ -241,6 +241,13 @@ class Combined:
         return [sum(w * v for w, v in zip(weights, values) if v is not None) for values in zip(*self.last.values())]
 
 
+def function_rewards(score) -> dict[str, list[float]]:
+    """A combined scorer's functions' rewards of its last call, by their metric names (``reward_NAME``), None (does
+    not apply) counted 0 as in the sum; {} for any other scorer."""
+    last = score.last.items() if isinstance(score, Combined) else ()
+    return {f"reward_{fn}": [0.0 if v is None else v for v in values] for fn, values in last}
+
+
 def component_stats(last: dict[str, list[float | None]]) -> dict[str, float]:
     """Each function's mean and std over the responses it applied to (``rewards/NAME/mean`` and ``/std``, TRL's
     names; NaN where it applied to none)."""

@@ -125,10 +125,11 @@ def test_fetch_code_deps_are_exactly_what_it_executes(example):
     assert {d.removeprefix(UP) for d in deps} == executed_files(["stages.__main__", example.fetch.__name__])
 
 
-# The mappings whose keys are the user's to choose (or absent: model.lora null, evaluate.judges {}; a table's columns
-# name its row shape: text, prompt/completion or messages for sft)
-FREE_FORM = {"model.lora", "evaluate.judges", "ppo.tracker_kwargs", "ppo.accelerator_kwargs", "ppo.project_kwargs",
-             "ppo.push_to_hub_if_best_kwargs", *(f"data.{table}.columns" for table in ("sft", "pairs", "prompts"))}
+# The mappings whose keys are the user's to choose (or absent: model.lora null, evaluate.judges and scorer.functions {};
+# a table's columns name its row shape: text, prompt/completion or messages for sft)
+FREE_FORM = {"model.lora", "evaluate.judges", "scorer.functions", "ppo.tracker_kwargs", "ppo.accelerator_kwargs",
+             "ppo.project_kwargs", "ppo.push_to_hub_if_best_kwargs",
+             *(f"data.{table}.columns" for table in ("sft", "pairs", "prompts"))}
 
 
 def keys(node: dict, prefix: str = "") -> list[str]:
@@ -160,16 +161,16 @@ def test_the_sentiment_params_judge_by_vader_and_minilm_under_bf16():
 
 
 def test_the_verifiable_params_reward_the_kept_answer_and_report_accuracy():
-    """The scorer is the checker plus the format bonus on each prompt's kept answer, its two parts are judges (each
-    reported apart), a group estimator samples several answers per prompt, the prompts go through the chat template,
+    """The scorer is the checker on each prompt's kept answer plus the format bonus, combined (each reported apart), a
+    group estimator samples several answers per prompt, the prompts go through the chat template,
     evaluate holds out at least 200 problems and reports pass@k, and the policy judged is the last one (keep: best would
     choose it on held-out prompts)."""
     params = load_params(VERIFIABLE.dir / "params.yaml")
     assert params.data.prompts.keep == ["answer"] and params.chat.template
     assert set(params.data.sft.columns) == {"prompt", "completion"}
-    assert (params.scorer.source, params.scorer.name) == ("callable", "rewards.verifiable:accuracy_with_format")
-    assert params.evaluate.judges == {"correct": "rewards.verifiable:accuracy",
-                                      "format": "rewards.verifiable:answer_format"}
+    assert params.scorer.source == "combined" and params.evaluate.judges == {}
+    assert {name: (f["name"], f["weight"]) for name, f in params.scorer.functions.items()} == {
+        "correct": ("rewards.verifiable:accuracy", 1.0), "format": ("rewards.verifiable:answer_format", 0.1)}
     assert params.ppo_config.advantage_estimator == "dr_grpo" and params.ppo_config.num_generations >= 2
     assert params.data.n_eval_prompts >= 200 and params.evaluate.n_prompts >= 200
     assert params.data.prompts.n * 0.25 >= params.data.n_eval_prompts  # prepare holds out at most 25%

@@ -96,7 +96,7 @@ def test_every_stage_runs_and_the_held_out_problems_are_seen_by_neither_sft_nor_
 def test_each_answer_travels_with_its_prompt_and_scores_its_own_responses(tiny_run):
     """The answer column from the fetched prompts to the tokenized table, every rollout row and evaluate's samples;
     each rollout's score is the scorer on its response and its own prompt's answer (4 samples a prompt)."""
-    from rewards.verifiable import accuracy, accuracy_with_format, answer_format
+    from rewards.verifiable import accuracy, answer_format
 
     folder, _ = tiny_run
     fetched = pd.read_parquet(folder / "data/fetched/prompts.parquet")
@@ -109,14 +109,15 @@ def test_each_answer_travels_with_its_prompt_and_scores_its_own_responses(tiny_r
     user_turn = re.compile(r"<\|im_start\|>user\n(.*)<\|im_end\|>\n<\|im_start\|>assistant\n$", re.DOTALL)
     questions = [user_turn.search(q).group(1) for q in rollouts["query"]]  # the templated query's problem
     assert rollouts["answer"].tolist() == [answer_of[q] for q in questions]
-    expected = [0.0 if s is None else s for s in accuracy_with_format(rollouts["response"].tolist(),
-                                                                      answer=rollouts["answer"].tolist())]
-    assert rollouts["score"].tolist() == pytest.approx(expected, abs=1e-6)
+    right = accuracy(rollouts["response"].tolist(), answer=rollouts["answer"].tolist())
+    form = answer_format(rollouts["response"].tolist())
+    assert rollouts["reward_correct"].tolist() == right and rollouts["reward_format"].tolist() == form
+    assert rollouts["score"].tolist() == pytest.approx([r + 0.1 * f for r, f in zip(right, form)], abs=1e-6)
     samples = pd.read_parquet(folder / "data/eval/samples.parquet")
     assert samples["answer"].tolist() == [answer_of[user_turn.search(q).group(1)] for q in samples["query"]]
     responses, answers = samples["response"].tolist(), samples["answer"].tolist()
-    assert samples["correct"].tolist() == accuracy(responses, answer=answers)  # the judges, on the same rows
-    assert samples["format"].tolist() == answer_format(responses)
+    assert samples["reward_correct"].tolist() == accuracy(responses, answer=answers)  # each function, on its rows
+    assert samples["reward_format"].tolist() == answer_format(responses)
 
 
 @pytest.mark.slow
@@ -124,9 +125,10 @@ def test_evaluate_reports_accuracy_and_pass_at_k_for_the_scorer_and_each_part(ti
     folder, _ = tiny_run
     metrics = json.loads((folder / "data/eval/metrics.json").read_text())
     assert metrics["heldout"] == {"prompts": 8, "in_train": 0}
-    assert set(metrics["accuracy"]) == {"reward", "correct", "format"}
+    assert list(metrics["accuracy"]) == ["reward", "reward_correct", "reward_format"]
     for table in metrics["accuracy"].values():
-        for policy in ("sft", "ppo", "paired_se"):
+        assert list(table) == ["base", "sft", "ppo", "paired_se"]  # base: the fetched model, before SFT
+        for policy in ("base", "sft", "ppo", "paired_se"):
             assert set(table[policy]) == {"mean", "greedy", "pass@1", "pass@2"}
-        for policy in ("sft", "ppo"):
+        for policy in ("base", "sft", "ppo"):
             assert 0 <= table[policy]["pass@1"] <= table[policy]["pass@2"] <= 1

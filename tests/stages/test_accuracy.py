@@ -96,6 +96,22 @@ def test_accuracy_table_by_hand():
     assert table["format"]["ppo"] == {"mean": 0.75, "greedy": 0.5, "pass@1": 0.75, "pass@2": 1.0}
 
 
+def test_the_base_model_is_a_column_where_given_and_the_paired_error_stays_ppo_minus_sft():
+    """With a pretrained model.name_or_path, evaluate adds the base model: its statistics first, the paired SE still
+    PPO - SFT's."""
+    sampled = {"sft": {"correct": np.array([[0.0, 1.0], [1.0, 0.0]])},
+               "ppo": {"correct": np.array([[1.0, 1.0], [1.0, 0.0]])},
+               "base": {"correct": np.array([[0.0, 0.0], [0.0, 1.0]])}}
+    greedy = {"sft": {"correct": np.array([0.0, 1.0])}, "ppo": {"correct": np.array([1.0, 1.0])},
+              "base": {"correct": np.array([0.0, 0.0])}}
+    table = accuracy_table(sampled, greedy, [2], None)
+    assert list(table["correct"]) == ["base", "sft", "ppo", "paired_se"]
+    assert table["correct"]["base"] == {"mean": 0.25, "greedy": 0.0, "pass@2": 0.5}
+    without = accuracy_table({p: sampled[p] for p in ("sft", "ppo")}, greedy, [2], None)
+    assert without["correct"]["paired_se"] == table["correct"]["paired_se"]
+    assert without["correct"]["paired_se"]["greedy"] == pytest.approx(0.5, abs=1e-15)
+
+
 def test_a_reward_not_0_or_1_with_a_null_threshold_is_one_line_naming_it():
     with pytest.raises(StageError) as err:
         passed(np.array([[0.0, 1.0], [1.0, 0.25]]), None, "gold", "sft")

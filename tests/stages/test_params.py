@@ -276,3 +276,22 @@ def test_ppo_keys_left_out_are_named_once_with_the_defaults_they_take(tmp_path, 
     note_defaulted_keys(params)
     assert capsys.readouterr().err == (f"note: {path}: 2 ppo keys not set, so PPOConfig's defaults: batch_size=128, "
                                        "ppo_epochs=4\n")
+
+
+def test_best_by_may_rank_by_one_of_the_combined_scorer_s_functions(tmp_path):
+    """With `scorer.source: combined`, the held-out watch measures each function (`reward_NAME`): `keep: best` may rank
+    by one; a name that is neither a function's nor a judge's is one line listing those it may be."""
+    def combined(best_by):
+        def edit(p):
+            p["scorer"].update(source="combined", name=None, functions={
+                "correct": {"name": "rewards.example:keyword_sentiment", "weight": 1.0}})
+            p["watch"].update(eval_every=4, keep="best", best_by=best_by)
+        return edit
+
+    assert load_params(write_params(tmp_path, combined("reward_correct"))).watch.best_by == "reward_correct"
+    path = write_params(tmp_path, combined("correct"))
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert str(err.value) == (f"{path}: watch.best_by must be reward, gold, reward_NAME of a function of "
+                              "scorer.functions or a judge of evaluate.judges (reward_correct) with watch.keep: best, "
+                              "got 'correct'")
