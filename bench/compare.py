@@ -61,7 +61,7 @@ ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_
               "cispo"]  # critic-free
 IMPLS = ["floor", "floor_trl", "trl", "ppo_core", "ppo_core_bf16", "ppo_core_lora", *ESTIMATORS, "grpo_lora",
          "trl_grpo", "trl_grpo_lora", "ppo_core_bf16w", "grpo_bf16w", "ppo_core_fastgen", "grpo_fastgen",
-         "ppo_core_fastgen_compiled"]
+         "ppo_core_fastgen_compiled", "ppo_core_policy_sampling", "grpo_policy_sampling"]
 DEFAULT_IMPLS = IMPLS[:5]  # LoRA (needs peft) on request: --impls ppo_core ppo_core_lora --shapes base
 BF16 = "ppo_core, bf16 mixed"
 LORA = "ppo_core, LoRA r=16"
@@ -71,6 +71,8 @@ GRPO_BF16W = "ppo_core, grpo, bf16 weights"
 FASTGEN = "ppo_core, bf16 rollout copy + static cache"
 GRPO_FASTGEN = "ppo_core, grpo, bf16 rollout copy + static cache"
 FASTGEN_COMPILED = "ppo_core, bf16 rollout copy + static cache, compiled layers"
+POLICY_SAMPLING = "ppo_core, sampling from the policy (rollout_dtype None)"
+GRPO_POLICY_SAMPLING = "ppo_core, grpo, sampling from the policy (rollout_dtype None)"
 TRL_GRPO = "TRL GRPOTrainer G=4"
 TRL_GRPO_LORA = "TRL GRPOTrainer G=4, LoRA r=16"
 
@@ -136,6 +138,12 @@ def planned_runs(impls: list) -> tuple:
         runs.append(Run(FASTGEN_COMPILED, sys.executable,
                         ("bench/ppo_step.py", "--impl", "ppo_core", "--fast-generate", "--compile-layers"), "floor",
                         "trl"))
+    if "ppo_core_policy_sampling" in impls:  # the policy samples itself, as TRL 0.11 (the default before "auto")
+        runs.append(Run(POLICY_SAMPLING, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core",
+                                                          "--policy-sampling"), "floor", "trl"))
+    if "grpo_policy_sampling" in impls:
+        runs.append(Run(GRPO_POLICY_SAMPLING, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator",
+                                                               "grpo", "--policy-sampling"), "floor", TRL_GRPO))
     for impl, label, flags in (("trl_grpo", TRL_GRPO, ()), ("trl_grpo_lora", TRL_GRPO_LORA, ("--lora",))):
         if impl not in impls:  # TRL 1.16's GRPOTrainer on ppo_core grpo's work (bench/grpo_trl.py says what differs)
             continue

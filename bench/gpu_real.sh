@@ -2,19 +2,18 @@
 # Issue 37's GPU run, one shot: real models' shapes (bench/configs/, random weights) on the realistic work (64 prompts
 # of 112-144 tokens, 256 new tokens, mini-batches of 16, 4 PPO epochs, bf16 autocast), against TRL.
 #   1. the main shape (Qwen2.5-0.5B's, 151,936-token vocabulary), interleaved rounds (bench/compare.py --bf16): ppo_core's
-#      PPO step (GAE, value head) under autocast, sampling from the policy (generate) and from a bf16 rollout copy with
-#      the static cache (PPOConfig.rollout_dtype, cache_implementation="static": transformers compiles the decoding
-#      step), its GRPO round (G=4) with that rollout copy, beside TRL 0.11.4's PPOTrainer and TRL 1.16's GRPOTrainer
-#      (the bf16-weights rows of the second run are in bench/README.md); seconds by phase
-#      (generate, log-prob passes, update), tokens/s per GPU (all tokens of the step over its wall time, NeMo-RL's), the
-#      update's MFU (counted FLOPs, bench/common.update_flops), each step's peak memory (the LoRA rows of the first
-#      run are in bench/README.md);
-#   2. the same PPO step with each decoder layer of the policy compiled (torch.compile, dynamic shapes; ppo_step.py
-#      --compile-layers), one round: the lever against the update's kernel launches (its MFU);
+#      PPO step (GAE, value head) under autocast with its defaults (on a CUDA GPU with bf16, rollout_dtype "auto" is a
+#      bf16 rollout copy sampled with the compiled static cache, its samples corrected by truncated importance weights),
+#      the same step sampling from the policy itself (rollout_dtype None: TRL 0.11's sampling, the default before),
+#      its GRPO round (G=4) with its defaults, beside TRL 0.11.4's PPOTrainer and TRL 1.16's GRPOTrainer; seconds by
+#      phase (generate, log-prob passes, update), tokens/s per GPU (all tokens of the step over its wall time,
+#      NeMo-RL's), the update's MFU (counted FLOPs, bench/common.update_flops), each step's peak memory;
+#   2. one PPO step with the defaults under torch.profiler at that shape (bench/profile_step.py): where the update's
+#      time goes now;
 #   3. the rollout engines at that shape (bench/rollout.py: HF generate under autocast, then on a bf16 copy: generate,
 #      static cache, static cache compiled by transformers);
-#   4. one PPO step with bf16 weights under torch.profiler at that shape (bench/profile_step.py);
-#   5. while BUDGET seconds last: SmolLM2-360M's shape against both TRLs, then Qwen2.5-1.5B's (ppo_core alone).
+#   4. while BUDGET seconds last: SmolLM2-360M's shape against both TRLs, then Qwen2.5-1.5B's (ppo_core alone).
+# (Each decoder layer compiled, measured on 2026-11-27, made the update slower: bench/README.md; no longer run here.)
 # The peers come from carried wheels (bench/peers.sh download, then `carry: [.whl]`), each in its own --target
 # directory under this machine's torch; without .whl the TRL rows are skipped with a note.
 # Everything lands in $OUT (or bench/results/gpu_real): gpu_real.md (the tables), gpu_real.log, json.tar.gz.
@@ -58,20 +57,18 @@ else
 fi
 cmp=("$PY" bench/compare.py --bf16 --max-others 1 --threads "$threads" --timeout 300 "${rounds[@]}")
 
-section "$main: PPO and GRPO against TRL, generate and the bf16 rollout copy (bf16)" compare_main \
-  "${cmp[@]}" --shapes "$main" --impls ppo_core ppo_core_fastgen trl grpo_fastgen trl_grpo
-if fits 130; then section "$main: the update with compiled decoder layers (bf16)" compare_compiled \
-  "${cmp[@]}" --steps 1 --shapes "$main" --impls ppo_core_fastgen_compiled; fi
+section "$main: PPO and GRPO with ppo_core's defaults against TRL (bf16)" compare_main \
+  "${cmp[@]}" --shapes "$main" --impls ppo_core ppo_core_policy_sampling trl grpo trl_grpo
+if fits 45; then section "$main: one PPO step with the defaults under the profiler" profile "$PY" \
+  bench/profile_step.py --shape "$main" --bf16 --threads "$threads"; fi
 if fits 100; then section "$main: rollout engines" rollout "$PY" bench/rollout.py --shape "$main" --bf16 --rounds 2 \
   --threads "$threads" --engines generate generate_bf16w static_bf16w compiled_bf16w; fi
-if fits 45; then section "$main: one PPO step under the profiler, bf16 weights" profile "$PY" bench/profile_step.py \
-  --shape "$main" --bf16-weights --threads "$threads"; fi
 for shape in "${others[@]}"; do
-  if fits 120; then section "$shape: PPO and GRPO with the bf16 rollout copy against TRL (bf16)" "compare_$shape" \
-    "${cmp[@]}" --shapes "$shape" --impls ppo_core_fastgen trl grpo_fastgen trl_grpo; fi
+  if fits 120; then section "$shape: PPO and GRPO with ppo_core's defaults against TRL (bf16)" "compare_$shape" \
+    "${cmp[@]}" --shapes "$shape" --impls ppo_core trl grpo trl_grpo; fi
 done
-if fits 100; then section "$big: ppo_core PPO, generate and the bf16 rollout copy (bf16)" compare_big \
-  "${cmp[@]}" --shapes "$big" --impls ppo_core ppo_core_fastgen; fi
+if fits 100; then section "$big: ppo_core PPO, its defaults and sampling from the policy (bf16)" compare_big \
+  "${cmp[@]}" --shapes "$big" --impls ppo_core ppo_core_policy_sampling; fi
 say "== done at ${SECONDS} s"
 tar -czf "$out/json.tar.gz" -C "$work" $(cd "$work" && ls *.json 2>/dev/null) 2>/dev/null
 grep -q "failed" "$md" && exit 1 || exit 0

@@ -8,7 +8,8 @@ The two libraries share one API, so the code below is the same for both apart fr
     /work/trl-venv/bin/python bench/ppo_step.py --impl trl --shape 32k --steps 5 --warmup 1
     # ppo_core with a LoRA policy (reference = the adapter-disabled model, no second copy of the weights)
     .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --steps 5 --warmup 1 --lora
-    # ppo_core sampling from a bf16 rollout copy with the static cache (on CUDA: a compiled decoding step)
+    # ppo_core sampling from a bf16 rollout copy with the static cache (on CUDA: a compiled decoding step); on a CUDA
+    # GPU with bf16 that is the default (rollout_dtype "auto"), which --policy-sampling turns off (TRL 0.11's sampling)
     .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --steps 5 --warmup 1 --bf16 --fast-generate
     # a worker of compare.py's interleaved runs: builds the trainer, then runs steps on request
     .venv/bin/python bench/ppo_step.py --impl ppo_core --shape 32k --serve
@@ -67,14 +68,17 @@ def group_size(estimator: str) -> int:
 
 
 def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lora=None, estimator: str = "gae",
-                  bf16_weights: bool = False, fast_generate: bool = False, compile_layers: bool = False):
+                  bf16_weights: bool = False, fast_generate: bool = False, compile_layers: bool = False,
+                  policy_sampling: bool = False):
     """The seed's construction: value-head model from a local dir, default reference, local tokenizer.
 
     With `lora` (a peft LoraConfig) the policy gets a fresh adapter on the loaded model: the trainer then
     trains the adapter and the value head only, and takes the reference from the adapter-disabled model.
     With `bf16_weights` the model's weights are bf16 (the value head stays float32), no autocast, and the optimizer
     is `common.MasterAdamW` (float32 master copies): the lever against autocast's per-use casts. With `fast_generate`
-    generate() samples from a bf16 rollout copy of the policy (`rollout_dtype`; with `FAST_GENERATE`'s static cache).
+    generate() samples from a bf16 rollout copy of the policy (`rollout_dtype`; with `FAST_GENERATE`'s static cache),
+    as ppo_core's defaults do on a CUDA GPU with bf16; with `policy_sampling` (or `bf16_weights`: the weights are bf16
+    already) the policy samples itself, as TRL 0.11 did (`rollout_dtype=None`, the dynamic cache).
     With `compile_layers` each decoder layer of the policy is compiled (`torch.compile`, dynamic shapes): the lever
     against the update's kernel launches (its elementwise work fused per layer); the reference, a copy made before,
     stays as it is."""
@@ -91,6 +95,7 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
         # ppo_core's critic-free estimators (each with its reference defaults); the legacy PPOConfig has no such field
         **({"advantage_estimator": estimator, "num_generations": group_size(estimator)} if estimator != "gae" else {}),
         **({"rollout_dtype": "bfloat16"} if fast_generate else {}),  # ppo_core's; the legacy PPOConfig has none
+        **({"rollout_dtype": None} if policy_sampling or bf16_weights else {}),
     )
     torch.manual_seed(setting.seed)  # the value head is initialised at load time
     if common.SHAPES[shape].config:  # GBs of weights: handed over in memory (from_pretrained takes a model too)
@@ -191,7 +196,11 @@ def main() -> None:
                         help="torch.compile each decoder layer of the policy (ppo_core only)")
     parser.add_argument("--fast-generate", action="store_true",
                         help="sample from a bf16 rollout copy with the static cache (ppo_core only; rollout_dtype)")
+    parser.add_argument("--policy-sampling", action="store_true",
+                        help="sample from the policy itself, as TRL 0.11 (ppo_core only; rollout_dtype None)")
     args = parser.parse_args()
+    if args.policy_sampling and (args.impl != "ppo_core" or args.fast_generate):
+        parser.error("--policy-sampling is ppo_core's (not with --fast-generate)")
     if args.compile_layers and args.impl != "ppo_core":
         parser.error("--compile-layers is benchmarked for --impl ppo_core")
     if args.fast_generate and (args.impl != "ppo_core" or args.bf16_weights):
@@ -207,13 +216,14 @@ def main() -> None:
     if args.bf16_weights and (args.impl != "ppo_core" or args.lora):
         parser.error("--bf16-weights is benchmarked for --impl ppo_core without --lora")
     trainer, digest = build_trainer(args.impl, args.shape, setting, args.bf16, lora, args.estimator,
-                                    args.bf16_weights, args.fast_generate, args.compile_layers)
+                                    args.bf16_weights, args.fast_generate, args.compile_layers, args.policy_sampling)
     generation = FAST_GENERATE if args.fast_generate else None
     vocab, group = common.SHAPES[args.shape].vocab_size, group_size(args.estimator)
 
     impl = f"{args.impl}, LoRA r={args.lora_r}" if args.lora else args.impl
     impl += ", bf16 weights" if args.bf16_weights else ""
     impl += ", bf16 rollout copy + static cache" if args.fast_generate else ""
+    impl += ", sampling from the policy" if args.policy_sampling else ""
     impl += ", compiled layers" if args.compile_layers else ""
     impl += f", {args.estimator}" + (f" G={group}" if group > 1 else "") if args.estimator != "gae" else ""
     if args.serve:

@@ -204,16 +204,20 @@ class PPOConfig:
     0.2), off without max_completion_length"""
     overlong_penalty_factor: float = 1.0
     """(ppo_core) the overlong penalty at max_completion_length"""
-    rollout_dtype: Literal["bfloat16", "float16"] | None = None
+    rollout_dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = "auto"
     """(ppo_core) generate() samples from a copy of the policy in this dtype, synced whenever the policy's weights
-    changed (veRL's rollout.dtype): on a GPU bf16 rollouts without autocast's casts, and with
-    ``cache_implementation="static"`` a compiled decoding step; step()'s log-probs stay the policy's own passes. None:
-    sample from the policy itself. Not under ZeRO-3 (the weights are sharded)"""
-    rollout_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
+    changed (veRL's rollout.dtype): on a GPU bf16 rollouts without autocast's casts, and with the static cache (what
+    generate() uses with a copy on a GPU unless told otherwise) a compiled decoding step; step()'s log-probs stay the
+    policy's own passes (float32: an exact copy, whose rollout_correction weights are 1). None: sample from the policy
+    itself, as TRL 0.11 did. "auto": bfloat16 on a CUDA GPU with bf16, else None; None under ZeRO-3 (the weights are
+    sharded)"""
+    rollout_correction: Literal["auto", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = (
+        "auto")
     """(ppo_core) with rollout_dtype: weight each token's policy loss by pi_old / pi_copy, the policy's probability of
     the sampled token over the rollout copy's that sampled it, per token or per sequence, truncated at or zeroed above
     rollout_correction_cap (TRL's vLLM importance-sampling correction; TIS); costs one no-grad pass of the copy a
-    step, and adds the sampling/* stats. None: no correction (the samples count as the policy's own)"""
+    step, and adds the sampling/* stats. None: no correction (the samples count as the policy's own); "auto":
+    token_truncate wherever a copy samples"""
     rollout_correction_cap: float = 2.0
     """(ppo_core) the largest importance weight of rollout_correction"""
 
@@ -302,14 +306,16 @@ class RunSizes:
 
 
 def run_config(config: PPOConfig, sizes: RunSizes, is_encoder_decoder: bool, is_peft_model: bool,
-               resolved: ResolvedConfig | None = None) -> PPOConfig:
+               resolved: ResolvedConfig | None = None, rollout: tuple[str | None, ...] | None = None) -> PPOConfig:
     """A copy of ``config`` with the legacy fields of the run filled (``world_size``, ``global_batch_size``,
     ``global_backward_batch_size``, ``is_encoder_decoder``, ``is_peft_model``) and the estimator's settings resolved
     into the fields left None (``RESOLVED_FIELDS``): what ``trainer.config`` holds, as legacy user code reads them
     there (``trainer.config.init_kl_coef`` is 0.2 for PPO, as legacy TRL's). The caller's ``config`` is left as it was
     built, so ``dataclasses.replace`` on it still means what it says.
 
-    The copy holds ``resolved`` (what every part of the run reads as ``run.resolved``) and refuses an edit of the fields
+    ``rollout``: ``rollout_dtype`` and ``rollout_correction`` as this machine runs them ("auto" resolved by the trainer:
+    ``models.rollout_copy.rollout_choice``). The copy holds ``resolved`` (what every part of the run reads as
+    ``run.resolved``) and refuses an edit of the fields
     in ``FIXED_IN_A_RUN``; the others (``ratio_threshold``, ``early_stopping``, ``ppo_epochs``, ...) are read as each
     step goes, and follow an edit, as legacy's did."""
     run = copy.copy(config)
@@ -317,6 +323,8 @@ def run_config(config: PPOConfig, sizes: RunSizes, is_encoder_decoder: bool, is_
     run.global_batch_size = sizes.global_batch_size
     run.global_backward_batch_size = sizes.global_backward_batch_size
     run.is_encoder_decoder, run.is_peft_model = is_encoder_decoder, is_peft_model
+    if rollout is not None:  # rollout_dtype and rollout_correction as this machine runs them ("auto" resolved)
+        run.rollout_dtype, run.rollout_correction = rollout
     resolved = resolve(config) if resolved is None else resolved
     for name in RESOLVED_FIELDS:
         setattr(run, name, getattr(resolved, name))
@@ -552,4 +560,4 @@ def _check_ranges(config: PPOConfig) -> None:
                     not config.adap_kl_ctrl or getattr(config, name) is not None)
     check_range("rollout_correction", config.rollout_correction, "unset without rollout_dtype (without a rollout copy "
                 "the policy samples itself: every weight would be 1)",
-                config.rollout_correction is None or config.rollout_dtype is not None, "set rollout_dtype")
+                config.rollout_correction in (None, "auto") or config.rollout_dtype is not None, "set rollout_dtype")

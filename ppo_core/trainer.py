@@ -48,7 +48,7 @@ from .models.cpu_attention import scoring_precision
 from .models.generation import check_group_sampling, generate_batched
 from .models.modeling import PreTrainedModelWrapper, decoder_start_token_id
 from .models.reference import frozen_reference, placed_reference, reference_policy
-from .models.rollout_copy import RolloutCopy
+from .models.rollout_copy import RolloutCopy, rollout_choice, static_cache_by_default
 from .models.training import prepare_for_training
 from .runtime import checkpoint
 from .runtime.distributed import (
@@ -108,11 +108,14 @@ class PPOTrainer(LegacyMethods):
         self.sizes = RunSizes.of(config, self.accelerator.num_processes)
         self.resolved = resolve(config)  # what the run trains with, from the user's fields as given: once, read by all
         warn_unused_kl_coef(config, self.resolved)
+        self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``runtime.zero``)
+        device = self.accelerator.device.type
+        rollout = rollout_choice(config.rollout_dtype, config.rollout_correction, device,
+                                 device == "cuda" and torch.cuda.is_bf16_supported(), self._zero3)
         self.config = config = run_config(config, self.sizes, model.is_encoder_decoder, model.is_peft_model,
-                                          self.resolved)
+                                          self.resolved, rollout)
         self.is_distributed = self.accelerator.num_processes > 1
         self.is_deepspeed = self.accelerator.state.deepspeed_plugin is not None  # steps inside accelerator.backward
-        self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``runtime.zero``)
         if self._zero3 and config.rollout_dtype is not None:
             raise ValueError(f"PPOTrainer: rollout_dtype={config.rollout_dtype!r} copies the policy's whole weights "
                              "into a rollout copy, but under ZeRO-3 each process holds a shard of them; set "
@@ -201,6 +204,8 @@ class PPOTrainer(LegacyMethods):
         """
         generation_config = self.accelerator.unwrap_model(self.model).pretrained_model.generation_config
         check_group_sampling(self.config, generation_kwargs, generation_config)
+        copy_on_gpu = self._rollout is not None and self.accelerator.device.type == "cuda"
+        generation_kwargs = static_cache_by_default(generation_kwargs, copy_on_gpu)
         if length_sampler is None:  # a length limit the same for every step (one drawn per batch is not)
             self._generated_max_new_tokens = generation_kwargs.get("max_new_tokens",
                                                                    generation_config.max_new_tokens)

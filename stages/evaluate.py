@@ -22,7 +22,6 @@ stays as it is; off (the default), nothing more is drawn and metrics.json is as 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ppo_core import response_logprobs, set_seed
+from stages.shared import auto
 from stages.shared.accuracy import accuracy_table, policy_metrics, win_rate
 from stages.shared.artifacts import (
     EVAL_METRICS,
@@ -74,7 +74,7 @@ def compare_policies(params: Params, root: Path) -> str:
     policies = {name: load_float32(model_class, require_dir(root / path)).to(device()).eval()
                 for name, path in (("sft", SFT_MODEL), ("ppo", PPO_MODEL))}
     score = build_scorer(params, root)  # the reward PPO trained on
-    generation = {**dataclasses.asdict(params.generation), "pad_token_id": tokenizer.pad_token_id,
+    generation = {**auto.generation(params), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
     bs = params.evaluate.batch_size
     judges = judge_functions(params)

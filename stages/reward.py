@@ -47,7 +47,7 @@ from stages.shared.runtime import device, quiet_trainer, trainer_progress
 def run(params: Params, root: Path = Path(".")) -> str:
     if not needs_reward_model(params.scorer):
         return not_trained(root)
-    check_mixed_precision(params)
+    check_mixed_precision(params, "reward")
     set_seed(params.seed)
     pairs = read_table(root / RAW_PAIRS, ["prompt", "chosen", "rejected"])
     chosen = (pairs["prompt"] + pairs["chosen"]).tolist()
@@ -147,7 +147,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         # torch's fused AdamW (transformers' default from torch 2.8, named so that it stays): its sqrt is the CPU's
         # exact instruction, where the for-loop AdamW's torch.sqrt is MKL's, whose last bit differs between vendors
         optim="adamw_torch_fused",
-        **precision_args(params.model.mixed_precision),
+        **precision_args(params),
     )
 
 

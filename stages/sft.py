@@ -57,7 +57,7 @@ EOS, PAD = "<|endoftext|>", "<pad>"
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
-    check_mixed_precision(params)
+    check_mixed_precision(params, "sft")
     set_seed(params.seed)
     table = chat.read_sft(root / RAW_SFT)  # {text}, or {prompt, completion}: the loss on the completion only
     tokenizer, model = build(params.model, chat.tokenizer_texts(table))
@@ -152,7 +152,7 @@ def training_args(params: Params, output_dir: Path) -> TrainingArguments:
         # torch's fused AdamW (transformers' default from torch 2.8, named so that it stays): its sqrt is the CPU's
         # exact instruction, where the for-loop AdamW's torch.sqrt is MKL's, whose last bit differs between vendors
         optim="adamw_torch_fused",
-        **precision_args(params.model.mixed_precision),
+        **precision_args(params),
     )
 
 

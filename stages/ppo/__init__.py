@@ -41,7 +41,7 @@ from stages.shared.scoring import judge_functions
 def run(params: Params, root: Path = Path(".")) -> str:
     """Check what can be checked before the models load, build the loop, resume it if a checkpoint of the same run
     is there, run its steps (recording each, checkpointing some) and publish; returns the summary line."""
-    check_mixed_precision(params)
+    check_mixed_precision(params, "ppo")
     set_seed(params.seed)
     config = params.ppo_config
     prompts = read_prompts(root / TOKENIZED_TRAIN)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ppo_core.algo.registry import get_estimator
 from ppo_core.fields import ConfigError, check_range
+from stages.shared import auto
 from stages.shared.params import COLUMNS, SYNTHETIC, GenerationParams, Params
 from stages.shared.runtime import ParamsError
 
@@ -64,7 +65,8 @@ def ppo_config(params: Params) -> PPOConfig:
         kwargs["seed"] = params.seed
     if kwargs.get("max_completion_length") is None:
         kwargs["max_completion_length"] = params.generation.max_new_tokens
-    precision = params.model.mixed_precision
+    # model.mixed_precision auto resolved for this machine (stages/shared/auto.py); the rollout's auto is PPOConfig's
+    precision = auto.mixed_precision(params.model.mixed_precision, params.numerics.kernels, auto.machine())[0]
     if precision is not None:  # accelerate's autocast, as the legacy accelerator_kwargs would ask it
         given = (kwargs.get("accelerator_kwargs") or {}).get("mixed_precision", precision)
         if given != precision:

@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from stages.shared import auto
 from stages.shared.artifacts import loading, require_dir
 from stages.shared.runtime import StageError, device, reason, tf32_arg, to_host
 
@@ -54,18 +55,26 @@ def load_base(model_class, path, tokenizer):
         model.resize_token_embeddings(len(tokenizer))  # the pad row: masked out of attention wherever it pads
     return model.to(device()).eval()
 
-def check_mixed_precision(params) -> None:
+def check_mixed_precision(params, stage: str) -> None:
     """Refuse `model.mixed_precision: fp16` where no CUDA GPU is visible: autocast to float16 is a GPU's, and on a CPU
-    the stages would compute in float32, byte for byte what `null` gives, while the params say fp16."""
+    the stages would compute in float32, byte for byte what `null` gives, while the params say fp16. Then say what
+    `auto` chose, or warn of an emulated bf16 (stages/shared/auto.py)."""
     if params.model.mixed_precision == "fp16" and device() == "cpu":
         raise StageError(f"{params.path}: model.mixed_precision is fp16, which needs a CUDA GPU and none is visible: "
-                         "on a CPU the run would compute in float32 (the same as null); set bf16 or null")
+                         "on a CPU the run would compute in float32 (the same as null); set auto, bf16 or null")
+    auto.precision_note(stage, params.model.mixed_precision, params.numerics.kernels, auto.machine())
 
 
-def precision_args(mixed_precision: str | None) -> dict[str, bool | None]:
-    """`TrainingArguments`' precision for `model.mixed_precision`: its autocast flags (float32 weights, bf16 or fp16
-    compute) and TF32 matmuls on GPUs that have them (`tf32` None elsewhere: torch's setting)."""
-    return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16", "tf32": tf32_arg()}
+def mixed_precision(params) -> str | None:
+    """`model.mixed_precision` as this machine uses it: bf16, fp16 or None (float32); `auto` resolved."""
+    return auto.mixed_precision(params.model.mixed_precision, params.numerics.kernels, auto.machine())[0]
+
+
+def precision_args(params) -> dict[str, bool | None]:
+    """`TrainingArguments`' precision for `model.mixed_precision` (auto resolved): its autocast flags (float32
+    weights, bf16 or fp16 compute) and TF32 matmuls on GPUs that have them (`tf32` None elsewhere: torch's setting)."""
+    used = mixed_precision(params)
+    return {"bf16": used == "bf16", "fp16": used == "fp16", "tf32": tf32_arg()}
 
 
 def lora_config(spec, task_type: str):

@@ -105,9 +105,9 @@ class ModelParams:
     """From scratch only: context length; query plus response must fit."""
     lora: LoraParams | None
     """null: full fine-tuning; otherwise LoRA adapters (needs the `lora` extra: pip install -e '.[lora]')."""
-    mixed_precision: Literal["bf16", "fp16"] | None
-    """sft, reward and ppo compute in this dtype under autocast, over float32 weights (null: float32). bf16 pays on
-    CPUs with AVX-512 BF16 (1.3-2x here) and on GPUs; ppo takes it as accelerate's `mixed_precision`."""
+    mixed_precision: Literal["auto", "bf16", "fp16"] | None
+    """sft, reward and ppo compute in this dtype under autocast, over float32 weights (null: float32); auto: bf16 where
+    the hardware has it natively, float32 elsewhere (stages/shared/auto.py). ppo takes it as accelerate's."""
 
 
 @dataclass(frozen=True)
@@ -208,9 +208,9 @@ class GenerationParams:
     """1.0 disables nucleus filtering."""
     temperature: float
     """Softmax temperature."""
-    cache_implementation: Literal["dynamic", "static"]
+    cache_implementation: Literal["auto", "dynamic", "static"]
     """transformers' KV cache: dynamic (grows token by token) or static (preallocated; with a model in its own bf16
-    weights, e.g. ppo.rollout_dtype: bfloat16, transformers compiles the decoding step on a GPU)."""
+    weights, e.g. a rollout copy, transformers compiles the decoding step on a GPU); auto: static on a GPU only."""
 
 
 @dataclass(frozen=True)

@@ -123,11 +123,9 @@ def test_the_gpu_run_works_on_a_cpu_at_test_size(tmp_path):
                          capture_output=True, text=True, timeout=900)
     report, log = (out / "gpu_real.md").read_text(), (out / "gpu_real.log").read_text()
     assert run.returncode == 0, report + log[-3000:]
-    assert report.count("## ") == 6 and "failed" not in report and "no table" not in report
-    for label in ("ppo_core", "ppo_core, bf16 rollout copy + static cache",
-                  "ppo_core, grpo, bf16 rollout copy + static cache",
-                  "ppo_core, bf16 rollout copy + static cache, compiled layers"):
-        assert f"| tiny_qwen2 | {label} |" in report
+    assert report.count("## ") == 5 and "failed" not in report and "no table" not in report
+    for label in ("ppo_core", "ppo_core, sampling from the policy (rollout_dtype None)", "ppo_core, grpo"):
+        assert f"| tiny_qwen2 | {label} |" in report  # the defaults' rows: no flags
     if have_peers:
         assert "| tiny_qwen2 | trl | 4.46.3 |" in report  # TRL 0.11.4 on its own transformers
         assert "| tiny_qwen2 | TRL GRPOTrainer G=4 |" in report and "vs TRL GRPOTrainer G=4" in report
@@ -135,7 +133,7 @@ def test_the_gpu_run_works_on_a_cpu_at_test_size(tmp_path):
         assert "TRL rows skipped" in log and "| tiny_qwen2 | trl |" not in report, download.stderr[-500:]
     for engine in ("generate", "generate_bf16w", "static_bf16w", "compiled_bf16w"):
         assert f"| {engine} |" in report
-    assert "kind of work" in report and "bf16 weights, float32 master Adam" in report
+    assert "kind of work" in report
     with tarfile.open(out / "json.tar.gz") as tar:
-        assert sorted(tar.getnames()) == ["compare_big.json", "compare_compiled.json", "compare_main.json",
-                                          "compare_tiny_qwen2.json", "profile.json", "rollout.json"]
+        assert sorted(tar.getnames()) == ["compare_big.json", "compare_main.json", "compare_tiny_qwen2.json",
+                                          "profile.json", "rollout.json"]

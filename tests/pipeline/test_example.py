@@ -153,11 +153,16 @@ def test_the_example_params_have_the_root_s_keys_and_point_at_fetch_s_outputs(ex
     assert not params.data.is_synthetic
 
 
-def test_the_sentiment_params_judge_by_vader_and_minilm_under_bf16():
+def test_the_sentiment_params_judge_by_vader_and_minilm_in_the_precision_the_hardware_has():
+    """auto: bf16 autocast on a CPU with native bf16 (the example's kernels are native), float32 on one without."""
+    from stages.shared import auto
+
     params = load_params(SENTIMENT.dir / "params.yaml")
     assert params.evaluate.judges == {"gold": "rewards.sentiment:vader", "minilm": "rewards.sentiment:minilm"}
-    assert params.model.mixed_precision == "bf16"
-    assert params.ppo_config.accelerator_kwargs == {"mixed_precision": "bf16"}
+    assert params.model.mixed_precision == "auto" and params.numerics.kernels == "native"
+    used = auto.mixed_precision("auto", "native", auto.machine())[0]
+    assert used == ("bf16" if auto.machine().cpu_bf16 or auto.machine().cuda_bf16 else None)
+    assert params.ppo_config.accelerator_kwargs == ({"mixed_precision": used} if used else {})
 
 
 def test_the_verifiable_params_reward_the_kept_answer_and_report_accuracy():

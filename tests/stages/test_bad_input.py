@@ -477,7 +477,7 @@ CASES += [
 if not torch.cuda.is_available():  # fp16 autocast is a GPU's: on a CPU the run would be float32's, byte for byte
     CASES.append(("fp16-on-a-cpu", "sft", "sft", {"model.mixed_precision": "fp16"},
                   None, "params.yaml: model.mixed_precision is fp16, which needs a CUDA GPU and none is visible: on a "
-                        "CPU the run would compute in float32 (the same as null); set bf16 or null"))
+                        "CPU the run would compute in float32 (the same as null); set auto, bf16 or null"))
 if importlib.util.find_spec("wandb") is None:  # accelerate would only warn, and log nothing
     CASES.append(("tracker-not-installed", "prepare", None, {"ppo.log_with": "wandb"},
                   None, "params.yaml: ppo.log_with is 'wandb', but wandb is not installed (pip install wandb), so "

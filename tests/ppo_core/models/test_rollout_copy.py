@@ -41,10 +41,14 @@ def greedy(lm, queries, **kwargs) -> list[list[int]]:
 
 
 def rounded(model: torch.nn.Module, dtype=torch.bfloat16) -> torch.nn.Module:
-    """A plain LM with ``model``'s weights rounded to ``dtype``: what the copy should be, made the usual way."""
+    """A plain LM with ``model``'s weights rounded to ``dtype``: what the copy should be, made the usual way. Its
+    buffers stay float32 (rotary frequencies), as ``from_pretrained(dtype=...)`` keeps them: rounded too, they would
+    move near-ties of the greedy choice."""
     lm = tiny_causal_lm(model.config.model_type)  # the ARCHS are named as transformers' model types
     lm.load_state_dict(model.state_dict())
-    return lm.to(dtype).eval()
+    for p in lm.parameters():
+        p.data = p.data.to(dtype)
+    return lm.eval()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -108,9 +112,9 @@ def test_the_copy_syncs_only_when_the_weights_changed(monkeypatch):
 
 def test_step_computes_the_same_with_or_without_the_copy():
     """The step's log-probs are the policy's own passes whatever samples: the same inputs give the same stats and the
-    same weights, bit for bit (so the first ratio stays exactly 1)."""
+    same weights, bit for bit (so the first ratio stays exactly 1), where no correction weighs the loss."""
     batch = make_batch(4)
-    plain, copied = make_trainer(), make_trainer(rollout_dtype="bfloat16")
+    plain, copied = make_trainer(), make_trainer(rollout_dtype="bfloat16", rollout_correction=None)
     copied.generate(random_queries(4), **GREEDY)  # the copy exists and has sampled
     a, b = plain.step(*batch), copied.step(*batch)
     for key in a:
@@ -144,10 +148,10 @@ def test_a_lora_policy_copy_has_its_adapter_merged_and_does_not_drift(tmp_path):
 
 def test_rollout_dtype_is_checked_and_refused_under_zero3(monkeypatch):
     with pytest.raises(ConfigError, match="rollout_dtype"):
-        PPOConfig(rollout_dtype="float32")
+        PPOConfig(rollout_dtype="int8")
     monkeypatch.setattr("ppo_core.trainer.is_zero3", lambda accelerator: True)
     with pytest.raises(ValueError, match="rollout_dtype='bfloat16'.*ZeRO-3.*rollout_dtype=None"):
-        make_trainer(rollout_dtype="bfloat16")
+        make_trainer(rollout_dtype="bfloat16")  # the default, auto, is None there (rollout_choice)
 
 
 def test_the_static_cache_is_padded_to_a_few_widths_where_it_compiles():
@@ -261,9 +265,10 @@ def test_the_correction_needs_a_rollout_copy():
     from ppo_core.algo.choices import ROLLOUT_CORRECTIONS
     from ppo_core.config import _HINTS
 
-    assert typing.get_args(typing.get_args(_HINTS["rollout_correction"])[0]) == ROLLOUT_CORRECTIONS
+    assert typing.get_args(typing.get_args(_HINTS["rollout_correction"])[0]) == ("auto", *ROLLOUT_CORRECTIONS)
     with pytest.raises(ConfigError, match="rollout_correction must be unset without rollout_dtype"):
-        PPOConfig(rollout_correction="token_truncate")
+        PPOConfig(rollout_dtype=None, rollout_correction="token_truncate")
+    PPOConfig(rollout_dtype=None)  # auto: nothing to correct
     with pytest.raises(ConfigError, match="rollout_correction_cap must be > 0"):
         PPOConfig(rollout_dtype="bfloat16", rollout_correction="token_truncate", rollout_correction_cap=0)
 
@@ -284,3 +289,70 @@ def test_a_legacy_loss_override_beside_the_correction_is_warned_about_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         trainer.step(*make_batch(4, seed=1))
+
+
+def test_a_float32_copy_s_correction_is_exactly_1_and_the_step_is_the_copy_free_one():
+    """A float32 copy is the policy itself: every importance weight of the correction is exactly 1, and the step (stats
+    and weights) is bit for bit the step without a copy. A bf16 copy's weights differ from 1 and reach the update."""
+    queries = random_queries(4, seed=2)
+    setups = {"none": {}, "float32": {"rollout_dtype": "float32", "rollout_correction": "token_truncate"},
+              "bfloat16": {"rollout_dtype": "bfloat16", "rollout_correction": "token_truncate"},
+              "bfloat16 uncorrected": {"rollout_dtype": "bfloat16", "rollout_correction": None}}
+    stats, weights = {}, {}
+    for name, setup in setups.items():
+        trainer = make_trainer("llama", advantage_estimator="dr_grpo", num_generations=2, **setup)
+        torch.manual_seed(0)
+        trainer.generate(queries, return_prompt=False, max_new_tokens=5, do_sample=True, top_k=0)  # makes the copy
+        responses = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([9, 8, 7]), torch.tensor([4, 4, 4, 4]),
+                     torch.tensor([1, 2])]  # the same responses for every setup: only the correction differs
+        stats[name] = trainer.step([queries[0]] * 2 + [queries[1]] * 2, responses,
+                                   [torch.tensor(float(i)) for i in range(4)])
+        weights[name] = [p.detach().clone() for p in trainer.model.pretrained_model.parameters()]
+    ratio = "sampling/importance_sampling_ratio"
+    assert stats["float32"][f"{ratio}/min"] == stats["float32"][f"{ratio}/max"] == 1.0
+    assert stats["float32"]["sampling/sampling_logp_difference/max"] == 0.0
+    assert all(torch.equal(p, q) for p, q in zip(weights["float32"], weights["none"]))
+    for key in stats["none"]:
+        if not key.startswith("time/"):
+            np.testing.assert_array_equal(np.asarray(stats["float32"][key]), np.asarray(stats["none"][key]), key)
+    assert stats["bfloat16"][f"{ratio}/min"] != 1.0 or stats["bfloat16"][f"{ratio}/max"] != 1.0
+    assert any(not torch.equal(p, q) for p, q in zip(weights["bfloat16"], weights["bfloat16 uncorrected"]))
+
+
+@pytest.mark.parametrize(("dtype", "correction", "device", "bf16", "zero3", "expected"), [
+    ("auto", "auto", "cuda", True, False, ("bfloat16", "token_truncate")),  # the defaults on a GPU: the fast rollout
+    ("auto", "auto", "cuda", False, False, (None, None)),  # a GPU without bf16 (T4, V100): the policy samples
+    ("auto", "auto", "cuda", True, True, (None, None)),  # ZeRO-3: the weights are sharded, no whole copy to make
+    ("auto", "auto", "cpu", False, False, (None, None)),  # a CPU: the policy samples, as TRL 0.11 did
+    ("auto", "sequence_mask", "cuda", True, False, ("bfloat16", "sequence_mask")),  # an explicit value wins
+    ("auto", None, "cuda", True, False, ("bfloat16", None)),
+    ("float16", "auto", "cpu", False, False, ("float16", "token_truncate")),  # a copy samples: it is corrected
+    (None, "auto", "cuda", True, False, (None, None)),
+    ("auto", "token_mask", "cpu", False, False, (None, None)),  # no copy here: nothing to correct
+])
+def test_auto_rollout_is_a_corrected_bf16_copy_on_a_gpu_and_the_policy_elsewhere(dtype, correction, device, bf16,
+                                                                                 zero3, expected):
+    assert rollout_copy.rollout_choice(dtype, correction, device, bf16, zero3) == expected
+
+
+@pytest.mark.parametrize(("kwargs", "copy_on_gpu", "expected"), [
+    ({}, True, {"cache_implementation": "static"}),
+    ({"cache_implementation": "auto"}, True, {"cache_implementation": "static"}),
+    ({}, False, {}),  # transformers' default (dynamic)
+    ({"cache_implementation": "auto", "top_k": 0}, False, {"top_k": 0}),
+    ({"cache_implementation": "dynamic"}, True, {"cache_implementation": "dynamic"}),  # the user's wins
+])
+def test_generate_uses_the_static_cache_where_a_copy_samples_on_a_gpu(kwargs, copy_on_gpu, expected):
+    assert rollout_copy.static_cache_by_default(kwargs, copy_on_gpu) == expected
+
+
+def test_the_defaults_on_a_cpu_sample_from_the_policy_itself_as_trl_0_11_did():
+    """PPOConfig's defaults are "auto": on this CPU the run's config holds None for both (no copy, no correction), and
+    an explicit copy is what the run uses."""
+    assert (PPOConfig().rollout_dtype, PPOConfig().rollout_correction) == ("auto", "auto")
+    trainer = make_trainer()
+    assert (trainer.config.rollout_dtype, trainer.config.rollout_correction, trainer._rollout) == (None, None, None)
+    trainer = make_trainer(rollout_dtype="bfloat16")
+    assert (trainer.config.rollout_dtype, trainer.config.rollout_correction) == ("bfloat16", "token_truncate")
+    trainer = make_trainer(rollout_dtype="bfloat16", rollout_correction=None)
+    assert (trainer.config.rollout_dtype, trainer.config.rollout_correction) == ("bfloat16", None)
