@@ -204,20 +204,22 @@ class PPOTrainer(LegacyMethods):
         """
         generation_config = self.accelerator.unwrap_model(self.model).pretrained_model.generation_config
         check_group_sampling(self.config, generation_kwargs, generation_config)
-        copy_on_gpu = self._rollout is not None and self.accelerator.device.type == "cuda"
-        generation_kwargs = static_cache_by_default(generation_kwargs, copy_on_gpu)
         if length_sampler is None:  # a length limit the same for every step (one drawn per batch is not)
             self._generated_max_new_tokens = generation_kwargs.get("max_new_tokens",
                                                                    generation_config.max_new_tokens)
-        sample = functools.partial(self._sample, query_tensors=query_tensor, length_sampler=length_sampler,
-                                   batch_size=batch_size, return_prompt=return_prompt, **generation_kwargs)
+
+        def sample(lm, precision, copy: bool = False):  # the static cache by default for a copy on a GPU alone
+            kwargs = static_cache_by_default(generation_kwargs, copy and self.accelerator.device.type == "cuda")
+            return self._sample(lm, precision, query_tensors=query_tensor, length_sampler=length_sampler,
+                                batch_size=batch_size, return_prompt=return_prompt, **kwargs)
+
         if self._rollout is None:
             outputs = sample(*self._sampling(self.model))
         else:  # the copy: whole on this process, its weights already in the dtype it samples in
-            outputs = sample(self._rollout_lm(), contextlib.nullcontext())
+            outputs = sample(self._rollout_lm(), contextlib.nullcontext(), copy=True)
         if not generate_ref_response:
             return outputs
-        with self.reference_policy() as ref_model:
+        with self.reference_policy() as ref_model:  # float32 under autocast: the static cache would take its dtype
             return outputs, sample(*self._sampling(ref_model))
 
     def _sampling(self, model) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:

@@ -99,7 +99,8 @@ def one_step(loop: Loop, step: int, idx: list[int], root: Path) -> tuple[dict, d
         "response_ids": [r.tolist() for r in response_ids],
     } | ({"gold": gold} if gold else {}) | {f"reward_{name}": values for name, values in components.items()}
         | columns, trainer.accelerator)  # each function's rewards and the kept columns after the others
-    return stats | component_stats(components) | seconds, rollout_table(gathered, stats["objective/kl_dist"])
+    parts = {name: gathered[f"reward_{name}"] for name in components}  # every process's, as step()'s own stats are
+    return stats | component_stats(parts) | seconds, rollout_table(gathered, stats["objective/kl_dist"])
 
 
 # A score scale past which a non-finite loss is put down to the scores: far outside what a reward should be, on the

@@ -18,6 +18,7 @@ An explicit value is always what is used.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,8 +77,10 @@ def mixed_precision(given: str | None, kernels: str, at: Machine) -> tuple[str |
 
 def precision_note(stage: str, given: str | None, kernels: str, at: Machine) -> None:
     """auto: one note saying what it chose and why. An explicit bf16 on a CPU without native bf16: one warning with
-    its cost."""
+    its cost. The main process's alone."""
     used, why = mixed_precision(given, kernels, at)
+    if os.environ.get("RANK", "0") != "0":  # under `accelerate launch`: the main process says it, once
+        return
     if given == AUTO:
         note(f"{stage}: model.mixed_precision auto: {'bf16 autocast' if used else 'float32'} ({why})")
     elif given == "bf16" and at.device == "cpu" and not at.cpu_bf16:

@@ -79,3 +79,10 @@ def test_the_shipped_params_leave_the_rollout_to_ppo_core_and_evaluate_samples_w
         assert params.generation.cache_implementation == "auto"
         assert auto.generation(params)["cache_implementation"] == "dynamic"
     assert params.model.mixed_precision == "auto"  # what dvc.yaml tracks: the word
+
+
+def test_under_several_processes_the_main_one_alone_says_it(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    auto.precision_note("ppo", "auto", "native", AVX2_CPU)
+    auto.precision_note("ppo", "bf16", "native", AVX2_CPU)
+    assert capsys.readouterr().err == ""

@@ -186,7 +186,8 @@ def test_a_scorer_failing_on_one_process_ends_both(tiny_run, tmp_path):
 
 def test_kept_columns_reach_each_process_s_rewards_and_rollouts(tiny_run, tmp_path):
     """data.prompts.keep in 2 processes (issue 47): each process scores its own share of the batch against its own
-    prompts' answers (the scorer returns 1 only then), and the rollouts, gathered in process order, hold them."""
+    prompts' answers (the scorer returns 1 only then), and the rollouts, gathered in process order, hold them. With
+    several weighted functions, each function's stats are over both processes' rollouts, not the first's share."""
     from stages import prepare, tokenize
     from stages.shared.params import load_params
     from tests.stages.test_columns import WORDS, answer_of, write_prompts
@@ -196,11 +197,15 @@ def test_kept_columns_reach_each_process_s_rewards_and_rollouts(tiny_run, tmp_pa
     remove_outputs_as_dvc_does(root, "ppo")
     (root / "row_scorer.py").write_text(
         "def accuracy(completions, answer, prompts, **kwargs):\n"
-        "    return [float(a == sum(map(ord, p)) % 97) for p, a in zip(prompts, answer)]\n")
+        "    return [float(a == sum(map(ord, p)) % 97) for p, a in zip(prompts, answer)]\n"
+        "def length(completions, prompts, **kwargs):\n"
+        "    return [float(len(p)) for p in prompts]\n")
     source = root / "qa.jsonl"
     write_prompts(source, [f"{w} {i}" for i in range(4) for w in WORDS])
-    params = params_file(tmp_path, ppo__batch_size=4, ppo__mini_batch_size=2, ppo__steps=8, scorer__source="callable",
-                         scorer__name="row_scorer:accuracy", data__prompts__source=str(source),
+    functions = {"correct": {"name": "row_scorer:accuracy", "weight": 1.0},
+                 "length": {"name": "row_scorer:length", "weight": 0.01}}
+    params = params_file(tmp_path, ppo__batch_size=4, ppo__mini_batch_size=2, ppo__steps=8, scorer__source="combined",
+                         scorer__name=None, scorer__functions=functions, data__prompts__source=str(source),
                          data__prompts__columns={"query": "question"}, data__prompts__keep=["answer", "meta"],
                          data__n_eval_prompts=8, tokenize__max_query_tokens=None, tokenize__truncation="refuse")
     loaded = load_params(params)
@@ -211,4 +216,11 @@ def test_kept_columns_reach_each_process_s_rewards_and_rollouts(tiny_run, tmp_pa
     assert code == 0, output[-3000:]
     rollouts = pd.read_parquet(root / PPO_ROLLOUTS)
     assert rollouts.groupby("step").size().tolist() == [8, 8]  # both processes' shares
-    assert (rollouts["answer"] == rollouts["query"].map(answer_of)).all() and (rollouts["score"] == 1.0).all()
+    assert (rollouts["answer"] == rollouts["query"].map(answer_of)).all() and (rollouts["reward_correct"] == 1.0).all()
+    lengths = rollouts["query"].str.len()
+    assert rollouts["reward_length"].tolist() == lengths.astype(float).tolist()
+    assert rollouts["score"].tolist() == pytest.approx((1.0 + 0.01 * lengths).tolist())
+    stats = pd.read_parquet(root / PPO_STATS)
+    by_step = rollouts.groupby("step")["reward_length"]
+    assert stats["rewards/length/mean"].tolist() == pytest.approx(by_step.mean().tolist())  # all 8, not process 0's 4
+    assert stats["rewards/length/std"].tolist() == pytest.approx(by_step.std(ddof=1).tolist())
