@@ -58,7 +58,7 @@ from .models.reference import placed_reference
 from .models.weights import push_saved
 from .runtime.distributed import quiet_deepspeed_collectives
 from .runtime.precision import floating_dtype
-from .runtime.utils import timed
+from .runtime.utils import moved, timed
 from .runtime.zero import gathered
 from .step import data
 from .step.inputs import build_response_masks, checked_step_inputs
@@ -313,8 +313,10 @@ class LegacyMethods:
         """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``), with
         ``model`` in eval mode. Differentiable, as legacy's (a custom loop's training forward); under
         ``torch.no_grad()`` for a rollout pass. ``model_inputs`` is accepted for legacy's signature: the inputs are
-        built from the queries and responses."""
-        inputs = self._model_inputs(list(queries), list(responses))
+        built from the queries and responses, each moved to the trainer's device first (a loop's queries come from
+        the host, generate()'s responses from the GPU)."""
+        device = self.current_device
+        inputs = self._model_inputs(moved(list(queries), device), moved(list(responses), device))
         model.eval()
         with self._forward_precision():
             out = policy_outputs(model, inputs, keep_hidden=return_logits)
