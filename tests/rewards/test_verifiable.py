@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("reasoning_gym")
 
 from rewards import verifiable
-from rewards.verifiable import accuracy, accuracy_with_format, answer_format, stated_answer
+from rewards.verifiable import accuracy, answer_format, stated_answer
 from stages.shared.params import load_params
-from stages.shared.scoring import Row, judge_functions, load_callable, scored, takes_the_row
+from stages.shared.scoring import Combined, Row, build_scorer, scored, takes_the_row
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_PARAMS = ROOT / "examples" / "verifiable" / "params.yaml"
@@ -49,28 +49,21 @@ def test_the_format_is_the_answer_sentence_last():
     assert answer_format(completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
 
 
-def test_the_one_scorer_is_accuracy_plus_a_tenth_of_the_format():
-    completions = ["The answer is 7.", "The answer is 8.", "7, I think", "eight", "The answer is 7."]
-    answers = ["7", "7", "7", "7", None]
-    assert accuracy_with_format(completions, answer=answers) == [1.1, 0.1, 1.0, 0.0, None]
-    right, form = accuracy(completions, answers), answer_format(completions)
-    expected = [None if r is None else r + verifiable.FORMAT_WEIGHT * f for r, f in zip(right, form)]
-    assert accuracy_with_format(completions, answer=answers) == expected
-    assert verifiable.FORMAT_WEIGHT == 0.1
-
-
 def test_the_stages_call_them_by_keyword_each_response_against_its_own_prompt_s_answer():
-    """As ppo calls its scorer with num_generations 2: the two responses to one prompt both get that prompt's answer,
-    the next prompt's two theirs; evaluate's judges are the two parts. A None (no answer) counts 0."""
+    """The example's scorer combines accuracy (weight 1) and the format (weight 0.1), each called as ppo calls it with
+    num_generations 2: the two responses to one prompt both get that prompt's answer, the next prompt's two theirs. A
+    right answer earns 1.1, a wrong one in form 0.1; where a prompt has no answer, accuracy does not apply (None, left
+    out of the sum as TRL leaves it out) and the format alone counts."""
     params = load_params(EXAMPLE_PARAMS)
-    score = load_callable(params.scorer.name, "scorer.name", params)
-    assert score is accuracy_with_format and takes_the_row(score)
+    score = build_scorer(params, EXAMPLE_PARAMS.parent)
+    assert isinstance(score, Combined)
+    assert score.functions == {"correct": (accuracy, 1.0), "format": (answer_format, 0.1)}
+    assert takes_the_row(accuracy) and takes_the_row(answer_format)
     row = Row(prompts=["1 + 2 =", "1 + 2 =", "5 - 9 =", "5 - 9 ="],
               completions=["The answer is 3.", "The answer is -4.", "The answer is 3.", "5 - 9 = -4. The answer is -4"],
               columns={"answer": ["3", "3", "-4", "-4"]})
-    assert scored(score, row.completions, params.scorer, "PPO step 1", row=row) == [1.1, 0.1, 0.1, 1.1]
-    judges = judge_functions(params)
-    assert judges == {"correct": accuracy, "format": answer_format}
-    assert scored(judges["correct"], row.completions, params.scorer, "evaluate", row=row) == [1.0, 0.0, 0.0, 1.0]
+    assert scored(score, row.completions, params.scorer, "PPO step 1", row=row) == pytest.approx([1.1, 0.1, 0.1, 1.1])
+    assert score.last == {"correct": [1.0, 0.0, 0.0, 1.0], "format": [1.0, 1.0, 1.0, 1.0]}
     none = row._replace(columns={"answer": ["3", None, "-4", "-4"]})
-    assert scored(score, row.completions, params.scorer, "PPO step 1", row=none) == [1.1, 0.0, 0.1, 1.1]
+    assert scored(score, row.completions, params.scorer, "PPO step 1", row=none) == pytest.approx([1.1, 0.1, 0.1, 1.1])
+    assert score.last["correct"] == [1.0, None, 0.0, 1.0]
