@@ -52,13 +52,23 @@ def test_sft_and_reward_ask_transformers_for_tf32_only_on_gpus_that_have_it(tiny
 
 
 def test_mixed_precision_is_the_trainers_autocast(tiny_params, tmp_path, monkeypatch):
-    """model.mixed_precision: sft and reward train float32 weights under transformers' bf16 or fp16 autocast."""
+    """model.mixed_precision: sft and reward train float32 weights under transformers' bf16 or fp16 autocast; auto is
+    what the machine has (stages/shared/auto.py), here faked as a CPU with native bf16, then one without."""
     from stages import reward
+    from stages.shared import auto
     from stages.shared.models import precision_args
 
-    assert precision_args(None) == {"bf16": False, "fp16": False, "tf32": None}  # no TF32 on a CPU
-    assert precision_args("bf16") == {"bf16": True, "fp16": False, "tf32": None}
-    assert precision_args("fp16") == {"bf16": False, "fp16": True, "tf32": None}
+    def with_precision(precision, kernels="native"):
+        return dataclasses.replace(tiny_params, model=dataclasses.replace(tiny_params.model, mixed_precision=precision),
+                                   numerics=dataclasses.replace(tiny_params.numerics, kernels=kernels))
+
+    assert precision_args(with_precision(None)) == {"bf16": False, "fp16": False, "tf32": None}  # no TF32 on a CPU
+    assert precision_args(with_precision("bf16")) == {"bf16": True, "fp16": False, "tf32": None}
+    assert precision_args(with_precision("fp16")) == {"bf16": False, "fp16": True, "tf32": None}
+    for units, expected in (((("amx_bf16",)), True), ((), False)):
+        monkeypatch.setattr(auto, "machine", lambda units=units: auto.Machine("cpu", False, units))
+        assert precision_args(with_precision("auto"))["bf16"] is expected
+        assert precision_args(with_precision("auto", kernels="portable"))["bf16"] is False
     for stage in (sft, reward):
         monkeypatch.setattr(stage, "TrainingArguments", lambda **kwargs: kwargs)
         for precision in (None, "bf16", "fp16"):
