@@ -203,7 +203,7 @@ def test_kept_columns_reach_each_process_s_rewards_and_rollouts(tiny_run, tmp_pa
     source = root / "qa.jsonl"
     write_prompts(source, [f"{w} {i}" for i in range(4) for w in WORDS])
     functions = {"correct": {"name": "row_scorer:accuracy", "weight": 1.0},
-                 "length": {"name": "row_scorer:length", "weight": 0.01}}
+                 "size": {"name": "row_scorer:length", "weight": 0.01}}
     params = params_file(tmp_path, ppo__batch_size=4, ppo__mini_batch_size=2, ppo__steps=8, scorer__source="combined",
                          scorer__name=None, scorer__functions=functions, data__prompts__source=str(source),
                          data__prompts__columns={"query": "question"}, data__prompts__keep=["answer", "meta"],
@@ -218,9 +218,9 @@ def test_kept_columns_reach_each_process_s_rewards_and_rollouts(tiny_run, tmp_pa
     assert rollouts.groupby("step").size().tolist() == [8, 8]  # both processes' shares
     assert (rollouts["answer"] == rollouts["query"].map(answer_of)).all() and (rollouts["reward_correct"] == 1.0).all()
     lengths = rollouts["query"].str.len()
-    assert rollouts["reward_length"].tolist() == lengths.astype(float).tolist()
+    assert rollouts["reward_size"].tolist() == lengths.astype(float).tolist()
     assert rollouts["score"].tolist() == pytest.approx((1.0 + 0.01 * lengths).tolist())
     stats = pd.read_parquet(root / PPO_STATS)
-    by_step = rollouts.groupby("step")["reward_length"]
-    assert stats["rewards/length/mean"].tolist() == pytest.approx(by_step.mean().tolist())  # all 8, not process 0's 4
-    assert stats["rewards/length/std"].tolist() == pytest.approx(by_step.std(ddof=1).tolist())
+    by_step = rollouts.groupby("step")["reward_size"]
+    assert stats["rewards/size/mean"].tolist() == pytest.approx(by_step.mean().tolist())  # all 8, not process 0's 4
+    assert stats["rewards/size/std"].tolist() == pytest.approx(by_step.std(ddof=1).tolist())
