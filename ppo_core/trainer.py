@@ -33,7 +33,7 @@ from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacemen
 from .algo.ppo_math import Advantages, Divisors, ShapedRewards
 from .algo.registry import get_estimator
 from .algo.rollout_correction import sampling_stats, sampling_weights
-from .config import PPOConfig, RunSizes, resolve, run_config, warn_unused_kl_coef
+from .config import PPOConfig
 from .legacy import (
     LegacyMethods,
     check_arguments,
@@ -50,6 +50,7 @@ from .models.modeling import PreTrainedModelWrapper, decoder_start_token_id
 from .models.reference import frozen_reference, placed_reference, reference_policy
 from .models.rollout_copy import RolloutCopy, rollout_choice, static_cache_by_default
 from .models.training import prepare_for_training
+from .resolution import RunSizes, resolve, run_config, warn_unused_kl_coef
 from .runtime import checkpoint
 from .runtime.distributed import (
     accelerator_for,
@@ -82,10 +83,10 @@ class PPOTrainer(LegacyMethods):
     :class:`AutoModelForSeq2SeqLMWithValueHead`. Without ``ref_model``, the reference is the policy with its adapter
     disabled when it is a PEFT model (one copy of the base weights; only the adapter and the value head train), else
     a frozen copy sharing its first ``num_shared_layers`` layers. ``config`` is left as built: ``trainer.resolved`` is
-    what the run trains with (:class:`~ppo_core.config.ResolvedConfig`: the estimator's defaults applied to the fields
-    left None), ``trainer.config`` a copy with those and legacy's run fields filled (``world_size``,
-    ``is_peft_model``, ...), ``trainer.sizes`` the run's batch sizes (:class:`~ppo_core.config.RunSizes`), each worked
-    out once.
+    what the run trains with (:class:`~ppo_core.resolution.ResolvedConfig`: the estimator's defaults applied to the
+    fields left None), ``trainer.config`` a copy with those and legacy's run fields filled (``world_size``,
+    ``is_peft_model``, ...), ``trainer.sizes`` the run's batch sizes (:class:`~ppo_core.resolution.RunSizes`), each
+    worked out once.
 
     Process-wide effects: it seeds the global RNGs (legacy; ``seed + process_index`` under N processes); alone, it
     resets accelerate's process-wide state left by an earlier ``Accelerator`` (``runtime.distributed``); on the CPU

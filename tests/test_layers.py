@@ -4,7 +4,7 @@ layers still import.
     algo      the math                          imports nothing of ppo_core
     runtime   processes, ZeRO, precision, ...   imports nothing of ppo_core
     models    value-head models, sampling, ...  algo, runtime
-    config    PPOConfig and its field checks    algo
+    config    PPOConfig, checks, resolution     algo
     step      rollout passes, update, stats     algo, runtime, models, config
     top       trainer, legacy, core, __init__   anything
 """
@@ -31,7 +31,7 @@ ALLOWED = {
     "step": {"algo", "runtime", "models", "config"},
     "top": {"algo", "runtime", "models", "config", "step", "top"},
 }
-CONFIG = {"config", "fields"}  # the top-level modules of the config layer
+CONFIG = {"config", "fields", "resolution"}  # the top-level modules of the config layer
 
 
 def layer(module: str) -> str:

@@ -4,7 +4,7 @@ An :class:`Estimator` says in one place whether it uses the critic (the value he
 of a prompt (``num_generations >= 2``), where its KL to the reference goes (``kl_in``) and with which coefficient,
 how its loss averages tokens, which policy loss it takes (PPO's clip or CISPO's), its clip range and importance
 ratio level, and its advantage function. ``PPOConfig.resolved`` takes the fields a user leaves unset from the entry
-of ``advantage_estimator`` (``ppo_core.config.resolve``: the fields themselves stay as given); the trainer reads the
+of ``advantage_estimator`` (``ppo_core.resolution.resolve``: the fields themselves stay as given); the trainer reads the
 entry; no other module compares an estimator's name.
 
 A user's own estimator is one decorated function, selectable by name once its module is imported
