@@ -1,9 +1,10 @@
 """``PPOTrainer``: the legacy TRL user-loop API (``generate`` -> score anything -> ``step``) on accelerate.
 
-The loop itself: building the trainer, ``generate``, ``step`` in numbered steps, its PPO epochs over mini-batches
-(``_update_minibatch``: each ``Rollout`` mini-batch to ``step.update``) and the checkpoints. What they call lives in the
-layers below (docs/library.md, "ppo_core's layout"); the legacy methods are thin shims in ``legacy``, mapped on top of
-the engine: ``step`` calls one only where a user overrides it.
+The loop itself: building the trainer, ``step`` in numbered steps and its PPO epochs over mini-batches
+(``_update_minibatch``: each ``Rollout`` mini-batch to ``step.update``). ``generate`` and the views of the policy and
+the reference that the loop reads are mixed in from ``policy_views``, the checkpoints from ``checkpoints``. What they
+call lives in the layers below (docs/library.md, "ppo_core's layout"); the legacy methods are thin shims in
+``legacy``, mapped on top of the engine: ``step`` calls one only where a user overrides it.
 
 Under N processes (``accelerate launch``, DDP or DeepSpeed ZeRO-2/3) ``step`` on each process's ``batch_size``
 samples gives what one process gives on the global batch, process 0's first, up to float rounding, whenever the
@@ -15,7 +16,6 @@ process raises on all of them (``runtime.distributed`` says how; ``runtime.zero`
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -33,7 +33,8 @@ from .algo.kl_control import AdaptiveKLController, FixedKLController, KLPlacemen
 from .algo.ppo_math import Advantages, Divisors, ShapedRewards
 from .algo.registry import get_estimator
 from .algo.rollout_correction import sampling_stats, sampling_weights
-from .config import PPOConfig, RunSizes, resolve, run_config, warn_unused_kl_coef
+from .checkpoints import Checkpoints
+from .config import PPOConfig
 from .legacy import (
     LegacyMethods,
     check_arguments,
@@ -44,13 +45,12 @@ from .legacy import (
     overrides,
     push_to_hub_if_best,
 )
-from .models.cpu_attention import scoring_precision
-from .models.generation import check_group_sampling, generate_batched
 from .models.modeling import PreTrainedModelWrapper, decoder_start_token_id
-from .models.reference import frozen_reference, placed_reference, reference_policy
-from .models.rollout_copy import RolloutCopy, rollout_choice, static_cache_by_default
+from .models.reference import frozen_reference, placed_reference
+from .models.rollout_copy import RolloutCopy, rollout_choice
 from .models.training import prepare_for_training
-from .runtime import checkpoint
+from .policy_views import PolicyViews
+from .resolution import RunSizes, resolve, run_config, warn_unused_kl_coef
 from .runtime.distributed import (
     accelerator_for,
     deprecated_collectives_ignored,
@@ -61,7 +61,7 @@ from .runtime.distributed import (
 )
 from .runtime.precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
 from .runtime.utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
-from .runtime.zero import configure_engine, gathered, gathered_for_generation, is_zero3
+from .runtime.zero import configure_engine, is_zero3
 from .step.data import dataloader, warn_no_dataset
 from .step.inputs import (
     ModelInputs,
@@ -75,17 +75,17 @@ from .step.stats import lengths, step_stats, step_summary, warn_if_negative_kl
 from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss, window_divisors, window_mean
 
 
-class PPOTrainer(LegacyMethods):
+class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
     """Proximal Policy Optimisation for language models, with TRL's legacy ``PPOTrainer`` API.
 
     Args: as the legacy class. ``model`` is an :class:`AutoModelForCausalLMWithValueHead` or an
     :class:`AutoModelForSeq2SeqLMWithValueHead`. Without ``ref_model``, the reference is the policy with its adapter
     disabled when it is a PEFT model (one copy of the base weights; only the adapter and the value head train), else
     a frozen copy sharing its first ``num_shared_layers`` layers. ``config`` is left as built: ``trainer.resolved`` is
-    what the run trains with (:class:`~ppo_core.config.ResolvedConfig`: the estimator's defaults applied to the fields
-    left None), ``trainer.config`` a copy with those and legacy's run fields filled (``world_size``,
-    ``is_peft_model``, ...), ``trainer.sizes`` the run's batch sizes (:class:`~ppo_core.config.RunSizes`), each worked
-    out once.
+    what the run trains with (:class:`~ppo_core.resolution.ResolvedConfig`: the estimator's defaults applied to the
+    fields left None), ``trainer.config`` a copy with those and legacy's run fields filled (``world_size``,
+    ``is_peft_model``, ...), ``trainer.sizes`` the run's batch sizes (:class:`~ppo_core.resolution.RunSizes`), each
+    worked out once.
 
     Process-wide effects: it seeds the global RNGs (legacy; ``seed + process_index`` under N processes); alone, it
     resets accelerate's process-wide state left by an earlier ``Accelerator`` (``runtime.distributed``); on the CPU
@@ -190,84 +190,6 @@ class PPOTrainer(LegacyMethods):
         ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
         prepare_dtypes(self.accelerator, model, ref_model)  # frozen weights in the autocast dtype; half weights warned
         return ref_model
-
-    # ---- generation --------------------------------------------------------------------------------------------
-    def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
-                 return_prompt: bool = True, generate_ref_response: bool = False, **generation_kwargs):
-        """Sample responses: a 1-D query tensor gives a ``(1, L)`` tensor; a list gives a list of 1-D tensors.
-
-        Lists are generated ``batch_size`` at a time, left-padded, with the KV cache; padding is
-        stripped and each response is cut after its first EOS (the EOS kept). An encoder-decoder gets
-        right-padded queries and returns the response alone (whatever ``return_prompt``), without the
-        decoder start token. ``generate_ref_response`` also samples from the reference (for a PEFT
-        policy without ``ref_model``: the adapter-disabled model) and returns both.
-        """
-        generation_config = self.accelerator.unwrap_model(self.model).pretrained_model.generation_config
-        check_group_sampling(self.config, generation_kwargs, generation_config)
-        if length_sampler is None:  # a length limit the same for every step (one drawn per batch is not)
-            self._generated_max_new_tokens = generation_kwargs.get("max_new_tokens",
-                                                                   generation_config.max_new_tokens)
-
-        def sample(lm, precision, copy: bool = False):  # the static cache by default for a copy on a GPU alone
-            kwargs = static_cache_by_default(generation_kwargs, copy and self.accelerator.device.type == "cuda")
-            return self._sample(lm, precision, query_tensors=query_tensor, length_sampler=length_sampler,
-                                batch_size=batch_size, return_prompt=return_prompt, **kwargs)
-
-        if self._rollout is None:
-            outputs = sample(*self._sampling(self.model))
-        else:  # the copy: whole on this process, its weights already in the dtype it samples in
-            outputs = sample(self._rollout_lm(), contextlib.nullcontext(), copy=True)
-        if not generate_ref_response:
-            return outputs
-        with self.reference_policy() as ref_model:  # float32 under autocast: the static cache would take its dtype
-            return outputs, sample(*self._sampling(ref_model))
-
-    def _sampling(self, model) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:
-        """The ``transformers`` LM of ``model`` (the policy or the reference, value-head models) and the context it
-        samples in: the run's autocast, and under ZeRO-3 its weights gathered once for the whole call, not per layer
-        and token."""
-        model.eval()  # sample from the distribution step() scores (no dropout), even after a train pass
-        precision = contextlib.ExitStack()
-        precision.enter_context(gathered_for_generation(model))
-        precision.enter_context(self.accelerator.autocast())
-        return self.accelerator.unwrap_model(model).pretrained_model, precision
-
-    def _rollout_lm(self) -> torch.nn.Module:
-        """The policy's rollout copy (``config.rollout_dtype``), its weights the policy's as they are now."""
-        return self._rollout.current(self.accelerator.unwrap_model(self.model).pretrained_model, self.step_count)
-
-    @quiet_deepspeed_collectives
-    @with_tf32
-    def _sample(self, lm: torch.nn.Module, precision: contextlib.AbstractContextManager, query_tensors,
-                length_sampler: Callable[[], int] | None = None, batch_size: int = 4, return_prompt: bool = True,
-                **generation_kwargs):
-        """``generate`` for ``lm`` in the context ``precision`` (``_sampling``'s): ``batch_size`` queries at a time,
-        each response cut after its first EOS. ``lm`` is in eval mode already (``_sampling`` sets it; the rollout
-        copy is made in it)."""
-        with precision:
-            return generate_batched(lm, self.tokenizer, query_tensors, self.current_device, length_sampler,
-                                    batch_size, return_prompt, generation_kwargs, self.config.is_encoder_decoder)
-
-    @contextlib.contextmanager
-    def whole_policy(self):
-        """The policy (unwrapped: the value-head model) with every weight whole on this process, for the block, e.g.
-        to save it; read-only. Under ZeRO-3 the shards are gathered from every process: every process must enter
-        the block, even where only one of them saves."""
-        model = self.accelerator.unwrap_model(self.model)
-        with deprecated_collectives_ignored(self.is_deepspeed), gathered(model.parameters()):
-            yield model
-
-    def _forward_precision(self) -> contextlib.AbstractContextManager:
-        """The scoring passes' precision (``models.cpu_attention.scoring_precision``): the rollout and loss passes
-        both run in it, so that the first ratio of a step stays exactly 1."""
-        return scoring_precision(self.accelerator.autocast(), self.current_device)
-
-    def reference_policy(self):
-        """The reference policy, for a block: ``with trainer.reference_policy() as ref: ...``. The frozen copy
-        (``ref_model``), or for a PEFT policy without one the policy itself with its adapters disabled inside the
-        block (see ``models.reference``); e.g. to score held-out samples against the reference between steps."""
-        return reference_policy(self.model, self.ref_model, self.accelerator.unwrap_model)
-
 
     def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:
         """``query + response`` sequences, or for an encoder-decoder the queries and ``start + response``."""
@@ -471,38 +393,3 @@ class PPOTrainer(LegacyMethods):
             self.optimizer.zero_grad()  # bare, as legacy's (see Updates.step)
             return True
         return False
-
-    # ---- checkpoints (not in legacy TRL: resume was its most requested missing feature) ----------------
-    @quiet_deepspeed_collectives
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        """Write the whole training state to the directory ``path`` atomically (what it holds and its layout:
-        ``runtime.checkpoint``), with ``extra`` as given (plain Python values or tensors, e.g. the caller's data
-        position); see ``load_checkpoint``. Every process calls it, and returns once the directory is in place."""
-        self.accelerator.wait_for_everyone()
-        processes = self._group.gather_object({"shuffle": self._shuffle.get_state(), "rng": checkpoint.rng_state()})
-        state = {"kl_ctl": self.kl_ctl.state_dict(), "running": self.running.state_dict(),
-                 "current_step": self.current_step, "step_count": self.step_count,
-                 "config": flatten_dict(self.config.to_dict()), "resolved": self.resolved.to_dict(),
-                 "extra": extra or {}, "processes": processes,
-                 "overflows": self._updates.overflows.state_dict()}
-        checkpoint.save(path, state, self._checkpointed_engine(), self.accelerator, tag=str(self.step_count))
-
-    @quiet_deepspeed_collectives
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Restore what ``save_checkpoint`` wrote (each process its own shuffling and RNG states); return its
-        ``extra`` dict. Every process calls it; the number of processes, and DeepSpeed and its ZeRO stage (or their
-        absence), must be the checkpoint's (a ValueError says what to do otherwise)."""
-        state = checkpoint.load(path, self._checkpointed_engine(), self.accelerator.num_processes)
-        own = state["processes"][self.accelerator.process_index]
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.running.load_state_dict(state["running"])
-        self._shuffle.set_state(own["shuffle"])
-        self.current_step, self.step_count = state["current_step"], state["step_count"]
-        self._updates.overflows.load_state_dict(state.get("overflows", {"in_a_row": 0}))
-        checkpoint.set_rng_state(own["rng"])
-        return state["extra"]
-
-    def _checkpointed_engine(self):
-        return checkpoint.engine_state(self.accelerator, self.model, self.optimizer, self.lr_scheduler,
-                                       self.accelerator.scaler)
-

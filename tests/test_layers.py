@@ -1,10 +1,10 @@
 """ppo_core's layers import only downwards (docs/library.md, "ppo_core's layout"), and the module paths from before the
-layers still import.
+layers still import. Each of its modules stays within 400 lines, and no two of the project's modules import each other.
 
     algo      the math                          imports nothing of ppo_core
     runtime   processes, ZeRO, precision, ...   imports nothing of ppo_core
     models    value-head models, sampling, ...  algo, runtime
-    config    PPOConfig and its field checks    algo
+    config    PPOConfig, checks, resolution     algo
     step      rollout passes, update, stats     algo, runtime, models, config
     top       trainer, legacy, core, __init__   anything
 """
@@ -31,7 +31,7 @@ ALLOWED = {
     "step": {"algo", "runtime", "models", "config"},
     "top": {"algo", "runtime", "models", "config", "step", "top"},
 }
-CONFIG = {"config", "fields"}  # the top-level modules of the config layer
+CONFIG = {"config", "fields", "resolution"}  # the top-level modules of the config layer
 
 
 def layer(module: str) -> str:
@@ -129,10 +129,23 @@ def test_the_old_paths_work_in_a_fresh_process_without_importing_the_others():
 
 
 def legacy_method_names() -> set[str]:
-    """The methods and properties of ``legacy.LegacyMethods``: the legacy surface ``PPOTrainer`` inherits."""
-    tree = ast.parse((PACKAGE / "legacy.py").read_text())
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LegacyMethods"]
-    return {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    """The methods and properties of ``legacy.LegacyMethods`` and its bases: the legacy surface ``PPOTrainer``
+    inherits."""
+    return class_methods(PACKAGE / "legacy.py", "LegacyMethods")
+
+
+def class_methods(file: Path, name: str) -> set[str]:
+    """The methods and properties of the class ``name`` of ``file``, with those of its bases that a relative import
+    brings from ppo_core's top modules (``from .legacy_hub import LegacyHub``)."""
+    tree = ast.parse(file.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    found = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    sources = {alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.level == 1
+               for alias in node.names}
+    for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id in sources:
+            found |= class_methods(PACKAGE / f"{sources[base.id]}.py", base.id)
+    return found
 
 
 def self_attributes(source: str) -> set[str]:
@@ -141,13 +154,95 @@ def self_attributes(source: str) -> set[str]:
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"}
 
 
+# The loop and the methods mixed into PPOTrainer beside the legacy ones
+ENGINE = ("trainer.py", "policy_views.py", "checkpoints.py")
+
+
 def test_the_engine_names_no_legacy_method():
-    """The legacy surface is mapped on top of the engine, not threaded through it: ``trainer.py`` (the loop) never
-    names a ``LegacyMethods`` method. A user's override is called by ``legacy``'s dispatchers (``hooked_advantages``,
-    ``legacy_train_minibatch``, ``legacy_loss``), only where ``legacy.overrides`` finds one."""
+    """The legacy surface is mapped on top of the engine, not threaded through it: ``trainer.py`` (the loop) and the
+    engine's methods mixed in beside it never name a ``LegacyMethods`` method. A user's override is called by
+    ``legacy``'s dispatchers (``hooked_advantages``, ``legacy_train_minibatch``, ``legacy_loss``), only where
+    ``legacy.overrides`` finds one."""
     names = legacy_method_names()
-    assert {"train_minibatch", "loss", "batched_forward_pass", "compute_rewards"} <= names
-    used = self_attributes((PACKAGE / "trainer.py").read_text()) & names
-    assert not used, f"trainer.py calls the legacy surface: {sorted(used)}"
+    assert {"train_minibatch", "loss", "batched_forward_pass", "compute_rewards", "log_stats", "push_to_hub"} <= names
+    for module in ENGINE:
+        used = self_attributes((PACKAGE / module).read_text()) & names
+        assert not used, f"{module} calls the legacy surface: {sorted(used)}"
     # the check sees a call threaded through the loop, as the step called its mini-batches before
     assert self_attributes("def f(self):\n    return self.train_minibatch(1, 2)\n") & names == {"train_minibatch"}
+
+
+# ---- sizes and cycles ------------------------------------------------------------------------------------------------
+
+LINE_LIMIT = 400  # docs/development.md, "Style": a module over it holds more than one concern
+ROOT = PACKAGE.parent
+PROJECT = ("ppo_core", "stages", "rewards")  # the project's packages (tests/pipeline/test_dvcyaml.py's PACKAGES)
+PROJECT_FILES = sorted(f for name in PROJECT for f in (ROOT / name).rglob("*.py") if "__pycache__" not in f.parts)
+
+
+@pytest.mark.parametrize("file", MODULES, ids=lambda f: str(f.relative_to(PACKAGE)))
+def test_each_module_stays_within_the_line_limit(file):
+    lines = len(file.read_text().splitlines())
+    assert lines <= LINE_LIMIT, f"{file.relative_to(PACKAGE)} has {lines} lines, over {LINE_LIMIT}: split it by concern"
+
+
+def project_file(module: str) -> Path | None:
+    """The file a project module runs from (``ppo_core.ppo_math``, a path from before the layers: the module it
+    names now), or None (a name inside a module, or no project module)."""
+    parts = module.split(".")
+    if parts[0] == "ppo_core" and len(parts) == 2 and parts[1] in ppo_core._MOVED:
+        parts = ["ppo_core", *ppo_core._MOVED[parts[1]].split(".")]
+    path = ROOT.joinpath(*parts)
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def lazy_exports(init: Path) -> dict[str, str]:
+    """A package's names imported on first use (``ppo_core.__init__._EXPORTS``): name -> its module, relative."""
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def imported_files(file: Path, text: str | None = None) -> set[Path]:
+    """The project files that ``file`` (its source ``text``, where given) imports when it runs: each statement's
+    module, each imported name that is a module, and a name its package exports lazily as that name's module; in
+    functions too, but not under ``if TYPE_CHECKING:`` (annotations only: never run)."""
+    text = file.read_text() if text is None else text
+    found = set()
+    for module, names in import_statements(text, list(file.relative_to(ROOT).parts[:-1])):
+        if module.split(".")[0] not in PROJECT:
+            continue
+        init = project_file(module)
+        exports = lazy_exports(init) if init is not None and init.name == "__init__.py" else {}
+        found |= {module} | {f"{module}.{exports.get(name, name)}" for name in names}
+    return {f for f in map(project_file, found) if f is not None and f != file}
+
+
+def mutual_imports(graph: dict[Path, set[Path]]) -> list[tuple[str, str]]:
+    """The pairs of files of ``graph`` (file -> the files it imports) that import each other."""
+    return sorted((str(a.relative_to(ROOT)), str(b.relative_to(ROOT))) for a, imported in graph.items()
+                  for b in imported if a in graph.get(b, ()) and str(a) < str(b))
+
+
+def test_no_two_modules_import_each_other():
+    """Imports between the project's modules go one way: no two import each other, at module level or inside a
+    function (a cycle there is a cycle too, deferred until the function runs). A piece both need goes in a module
+    below both (``algo.surrogates`` below ``ppo_math`` and the registry; ``stages.shared.param_sections`` below the
+    checks and the loader)."""
+    cycles = mutual_imports({file: imported_files(file) for file in PROJECT_FILES})
+    assert not cycles, f"modules that import each other: {cycles}"
+
+
+def test_the_cycle_check_sees_an_import_back_inside_a_function():
+    ppo_math, registry = PACKAGE / "algo" / "ppo_math.py", PACKAGE / "algo" / "registry.py"
+    graph = {ppo_math: imported_files(ppo_math), registry: imported_files(registry)}
+    assert registry in graph[ppo_math] and mutual_imports(graph) == []
+    edited = registry.read_text() + "\n\ndef f():\n    from .ppo_math import aggregate\n"
+    graph[registry] = imported_files(registry, edited)
+    assert mutual_imports(graph) == [("ppo_core/algo/ppo_math.py", "ppo_core/algo/registry.py")]
+    # a name exported lazily counts as its module: ``from ppo_core import PPOConfig`` imports ppo_core/config.py
+    assert PACKAGE / "config.py" in imported_files(registry, "def f():\n    from ppo_core import PPOConfig\n")

@@ -15,7 +15,9 @@ import torch
 
 from .choices import IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_AGGREGATIONS
 from .functional import SumAcross, clip_by_value, masked_whiten
-from .registry import get_policy_loss  # torch-free: it names the surrogates below by path
+from .outputs import Advantages, ShapedRewards
+from .registry import get_policy_loss  # torch-free: it names the surrogates by path
+from .surrogates import cispo_surrogate, clipped_surrogate  # noqa: F401 (imported from here, as before they moved)
 
 K3_MAX = 10.0  # the cap on the k3 estimate of one token's KL
 
@@ -56,14 +58,6 @@ def full_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch
     return (logprobs.exp() * (logprobs - ref_logprobs)).sum(-1)
 
 
-class ShapedRewards(NamedTuple):
-    """Per-token rewards, all ``(B, R)``, zero at masked positions."""
-
-    rewards: torch.Tensor  # non_score_rewards plus the score on the last valid token
-    non_score_rewards: torch.Tensor  # -kl_coef * kl
-    kls: torch.Tensor  # the per-token KL estimate that was penalised
-
-
 def shape_rewards(scores: torch.Tensor, kls: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> ShapedRewards:
     """KL-penalised per-token rewards with the sequence score added on the last valid response token.
 
@@ -94,13 +88,6 @@ def discount_matrix(length: int, discount: float, dtype: torch.dtype, device: to
     power = (idx[:, None] - idx[None, :]).to(dtype)  # s - t
     return torch.where(power >= 0, torch.as_tensor(discount, dtype=dtype, device=device) ** power.clamp(min=0),
                        torch.zeros((), dtype=dtype, device=device))
-
-
-class Advantages(NamedTuple):
-    """An estimator's results, all ``(B, R)``, zero at masked positions."""
-
-    advantages: torch.Tensor  # GAE's: whitened over the mask
-    returns: torch.Tensor  # GAE's: raw (un-whitened) advantages + values, the value-function target
 
 
 def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
@@ -228,30 +215,6 @@ def importance_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mas
         per_sequence = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (B,)
         return per_sequence[:, None].expand_as(log_ratio)
     raise ValueError(f"importance_log_ratio: level must be one of {IMPORTANCE_SAMPLING_LEVELS} (got {level!r}).")
-
-
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor, low: float,
-                      high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate per token, ``(b, R)``, and where the clip took over (DAPO's decoupled clip with
-    ``high != low``; GSPO's with the sequence-level ratio).
-
-    # L_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - low, 1 + high))
-    """
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    return torch.max(unclipped, clipped), clipped > unclipped
-
-
-def cispo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor, low: float, high: float,
-                    cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CISPO's loss per token (MiniMax-M1 2025), ``(b, R)``, and where the cap took over: the importance weight capped
-    at ``cap`` (its own parameter, 5.0 as TRL's; None: ``high``, as a direct call of older versions passed it) with its
-    gradient stopped, so every token keeps a REINFORCE gradient.
-
-    # L_t = -sg(min(ratio_t, cap)) * A_t * log p_t
-    """
-    cap = high if cap is None else cap
-    return -ratio.clamp(max=cap).detach() * advantages * logprobs, ratio > cap
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -4,7 +4,7 @@ An :class:`Estimator` says in one place whether it uses the critic (the value he
 of a prompt (``num_generations >= 2``), where its KL to the reference goes (``kl_in``) and with which coefficient,
 how its loss averages tokens, which policy loss it takes (PPO's clip or CISPO's), its clip range and importance
 ratio level, and its advantage function. ``PPOConfig.resolved`` takes the fields a user leaves unset from the entry
-of ``advantage_estimator`` (``ppo_core.config.resolve``: the fields themselves stay as given); the trainer reads the
+of ``advantage_estimator`` (``ppo_core.resolution.resolve``: the fields themselves stay as given); the trainer reads the
 entry; no other module compares an estimator's name.
 
 A user's own estimator is one decorated function, selectable by name once its module is imported
@@ -46,7 +46,7 @@ from .choices import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
 if TYPE_CHECKING:  # annotations only: checking a config loads neither torch nor the math
     import torch
 
-    from .ppo_math import Advantages, ShapedRewards
+    from .outputs import Advantages, ShapedRewards
 
 
 class StepBatch(NamedTuple):
@@ -233,7 +233,7 @@ _builtin("gspo", "group_normalized_advantages", needs_groups=True, kl_in="loss",
          policy_loss="gspo", cliprange=3e-4, epsilon_high=4e-4, importance_sampling_level="sequence")
 _builtin("cispo", "group_normalized_advantages", needs_groups=True, kl_in="loss", policy_loss="cispo")
 
-# The built-in policy losses (ppo_math's surrogates): PPO's clip (DAPO's decoupled clip with epsilon_high), GSPO's (the
+# The built-in policy losses (algo.surrogates): PPO's clip (DAPO's decoupled clip with epsilon_high), GSPO's (the
 # clip of the sequence-level ratio, at its paper's 3e-4 / 4e-4), CISPO's (a stop-gradient weight capped at `cap`: 5.0,
 # TRL's; its own parameter, not the clip's epsilon_high).
 for _name, _function, _settings in (
@@ -241,4 +241,4 @@ for _name, _function, _settings in (
         ("gspo", "clipped_surrogate",
          {"cliprange": 3e-4, "epsilon_high": 4e-4, "importance_sampling_level": "sequence"}),
         ("cispo", "cispo_surrogate", {"params": {"cap": 5.0}})):
-    POLICY_LOSS_REGISTRY[_name] = PolicyLoss(name=_name, per_token=f"ppo_core.algo.ppo_math:{_function}", **_settings)
+    POLICY_LOSS_REGISTRY[_name] = PolicyLoss(name=_name, per_token=f"ppo_core.algo.surrogates:{_function}", **_settings)

@@ -6,6 +6,8 @@ that tensor dominates the step. Here the LM head is applied chunk by chunk to th
 positions only, the log-softmax is reduced on the fly, and the backward pass works chunk by chunk too,
 so peak extra memory is ``chunk_size x V`` (as in fused linear cross-entropy kernels).
 
+The head itself is an :class:`LMHead`: an architecture's projection and logit transforms (:func:`lm_head_of`).
+
 Notation: ``N`` selected positions, ``H`` hidden size, ``V`` vocabulary, ``C`` chunk size.
 """
 
@@ -38,6 +40,35 @@ class LMHead:
         """``(..., H)`` -> ``(..., V)`` float32 logits."""
         out = _project(hidden, self.weight, self.bias)
         return _transform(out, self.scale, self.softcap)
+
+
+def lm_head_of(model) -> LMHead:
+    """The output projection of a transformers LM ``model`` and the logit transforms its architecture applies after
+    it: Cohere's logit scale, Granite's logits scaling, Gemma-2's soft cap, a BART-style ``final_logits_bias``."""
+    head, config = model.get_output_embeddings(), model.config
+    scale = float(getattr(config, "logit_scale", None) or 1.0)  # Cohere multiplies
+    if getattr(config, "logits_scaling", None):  # Granite divides
+        scale /= float(config.logits_scaling)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    bias = getattr(head, "bias", None)
+    final_bias = getattr(model, "final_logits_bias", None)  # BART-style encoder-decoders add a (1, V) buffer
+    if final_bias is not None:
+        bias = final_bias[0] if bias is None else bias + final_bias[0]
+    return LMHead(head.weight, bias, scale, softcap)
+
+
+def lm_head_parameters(model) -> list[torch.nn.Parameter]:
+    """The parameters :func:`lm_head_of` reads of ``model``: the head's weight, and its bias if a parameter."""
+    head = model.get_output_embeddings()
+    return [p for p in (head.weight, getattr(head, "bias", None)) if isinstance(p, torch.nn.Parameter)]
+
+
+def decoder_output_scale(config) -> float:
+    """T5-family models multiply the decoder output by ``d_model ** -0.5`` before the (tied) LM head."""
+    flag = getattr(config, "scale_decoder_outputs", None)  # T5, LongT5, Pop2Piano (transformers 5)
+    if flag is None and config.model_type in ("umt5", "switch_transformers"):
+        flag = config.tie_word_embeddings
+    return float(config.d_model) ** -0.5 if flag else 1.0
 
 
 def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -21,8 +21,15 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from . import adapters, reward_adapter, weights
-from .logprobs import LMHead, selected_logprobs, selected_logprobs_and_entropy
-from .weights import VALUE_HEAD_FILE
+from .logprobs import (
+    LMHead,
+    decoder_output_scale,
+    lm_head_of,
+    lm_head_parameters,
+    selected_logprobs,
+    selected_logprobs_and_entropy,
+)
+from .weights import VALUE_HEAD_FILE  # noqa: F401 (imported from here, as before weights saved the value head)
 
 logger = logging.getLogger(__name__)
 
@@ -183,15 +190,12 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         transformers model with the adapter merged into a copy of the base weights (loadable without
         peft; the model in memory is unchanged, the copy costs a second set of weights while saving).
         """
-        from safetensors.torch import save_file
-
         if merge_adapter and not self.is_peft_model:
             raise ValueError("save_pretrained: merge_adapter=True needs a PEFT policy; this model has no adapter.")
         lm = adapters.merged_copy(self.pretrained_model) if merge_adapter else self.pretrained_model
         lm.save_pretrained(save_directory, **kwargs)
         adapters.canonical_adapter_configs(save_directory)  # the same adapter, the same bytes, in every process
-        state = {f"v_head.{k}": v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
-        save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
+        weights.save_value_head(self.v_head, save_directory)
 
     compute_reward_score = reward_adapter.compute_reward_score  # with from_pretrained(..., reward_adapter=DIR)
 
@@ -234,25 +238,14 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         return self.transformers_model.get_output_embeddings() is not None
 
     def lm_head(self) -> LMHead:
-        """The output projection and the logit transforms this architecture applies after it."""
-        model = self.transformers_model
-        head, config = model.get_output_embeddings(), model.config
-        scale = float(getattr(config, "logit_scale", None) or 1.0)  # Cohere multiplies
-        if getattr(config, "logits_scaling", None):  # Granite divides
-            scale /= float(config.logits_scaling)
-        softcap = getattr(config, "final_logit_softcapping", None)
-        bias = getattr(head, "bias", None)
-        final_bias = getattr(model, "final_logits_bias", None)  # BART-style encoder-decoders add a (1, V) buffer
-        if final_bias is not None:
-            bias = final_bias[0] if bias is None else bias + final_bias[0]
-        return LMHead(head.weight, bias, scale, softcap)
+        """The output projection and the logit transforms this architecture applies after it (``lm_head_of``)."""
+        return lm_head_of(self.transformers_model)
 
     def lm_head_parameters(self) -> list[nn.Parameter]:
         """The parameters ``lm_head()`` reads (its weight, and its bias if a parameter): what ZeRO-3 must gather
         for the scoring forward, which uses them outside the head module's own forward (``final_logits_bias``
         is a buffer, never sharded)."""
-        head = self.transformers_model.get_output_embeddings()
-        return [p for p in (head.weight, getattr(head, "bias", None)) if isinstance(p, nn.Parameter)]
+        return lm_head_parameters(self.transformers_model)
 
     def _values(self, hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``(B, T, H) -> (B, T)`` on ``device``. With the model across GPUs (``device_map``) the hidden states come
@@ -372,7 +365,7 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
         """As the base class, plus T5's rescaling of the decoder output (folded into the logit scale:
         the head has no bias, so ``W (s h) = s (W h)``)."""
         head = super().lm_head()
-        scale = _decoder_output_scale(self.config)
+        scale = decoder_output_scale(self.config)
         return head if scale == 1.0 else dataclasses.replace(head, scale=head.scale * scale)
 
 
@@ -388,14 +381,6 @@ def scoring_view(lm: nn.Module) -> PreTrainedModelWrapper:
         model = wrapper(lm, summary_dropout_prob=None).eval()
     model.v_head.to(lm.device)
     return model
-
-
-def _decoder_output_scale(config) -> float:
-    """T5-family models multiply the decoder output by ``d_model ** -0.5`` before the (tied) LM head."""
-    flag = getattr(config, "scale_decoder_outputs", None)  # T5, LongT5, Pop2Piano (transformers 5)
-    if flag is None and config.model_type in ("umt5", "switch_transformers"):
-        flag = config.tie_word_embeddings
-    return float(config.d_model) ** -0.5 if flag else 1.0
 
 
 def decoder_start_token_id(model: PreTrainedModelWrapper) -> int:

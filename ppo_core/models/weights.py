@@ -8,8 +8,8 @@ head is saved, and pushing what ``save_pretrained`` writes.
   :func:`prefixed`): legacy TRL's ``state_dict`` held the wrapped transformers model's own keys plus ``v_head.*``,
   where ``nn.Module`` would put ``pretrained_model.`` before the model's. The value-head models give the legacy keys
   and load either form.
-* **The value head on disk** (:data:`VALUE_HEAD_FILE`, :func:`load_value_head_state`): ours beside the model's
-  weights, legacy TRL's inside them.
+* **The value head on disk** (:data:`VALUE_HEAD_FILE`, :func:`save_value_head`, :func:`load_value_head_state`): ours
+  beside the model's weights, legacy TRL's inside them.
 """
 
 from __future__ import annotations
@@ -176,6 +176,15 @@ def load_value_head_state(path: str) -> dict[str, torch.Tensor] | None:
         if state:
             return {k[len(HEAD):]: v for k, v in state.items()}
     return None
+
+
+def save_value_head(v_head: torch.nn.Module, directory: str) -> None:
+    """``v_head``'s weights as :data:`VALUE_HEAD_FILE` in ``directory``, under legacy's keys (``v_head.summary.*``),
+    on the CPU: what :func:`load_value_head_state` reads back."""
+    from safetensors.torch import save_file
+
+    state = {f"{HEAD}{k}": v.detach().contiguous().cpu() for k, v in v_head.state_dict().items()}
+    save_file(state, os.path.join(directory, VALUE_HEAD_FILE))
 
 
 def push_saved(save: Callable[[str], Any], repo_id: str, upload: bool = True, **kwargs) -> Any:

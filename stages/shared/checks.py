@@ -1,20 +1,17 @@
-"""The params' checks beyond their types: ranges and agreement across sections (``check_values``, at load), and
-the `ppo` section made into ppo_core's PPOConfig (``ppo_config``: the labels the pipeline fills, the seed, the
-precision). A problem is a ConfigError or ParamsError naming the file and key, as everywhere in the params."""
+"""The params' checks beyond their types: ranges and agreement across sections (``check_values``, at load), a group
+estimator's sampling (``check_group_sampling``), and the `ppo` keys a file leaves to PPOConfig's defaults
+(``defaulted_ppo_keys``). A problem is a ConfigError or ParamsError naming the file and key, as everywhere in the
+params. The `ppo` section itself becomes a PPOConfig in ``Params.ppo_config`` (stages/shared/typed_params.py)."""
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ppo_core.algo.registry import get_estimator
-from ppo_core.fields import ConfigError, check_range
-from stages.shared import auto
-from stages.shared.params import COLUMNS, SYNTHETIC, GenerationParams, Params
+from ppo_core.fields import check_range
+from stages.shared.param_sections import COLUMNS, SYNTHETIC, GenerationParams
 from stages.shared.runtime import ParamsError
-
-if TYPE_CHECKING:
-    from ppo_core.config import PPOConfig
+from stages.shared.typed_params import PIPELINE_LABELS, Params
 
 # Columns of the tokenized prompts, the rollouts and evaluate's samples, and the names a reward function is called with:
 # a kept prompts column must not take one (stages/ppo/tables.py's ROLLOUT_COLUMNS; stages/shared/scoring.py)
@@ -23,17 +20,6 @@ RESERVED_COLUMNS = ("query", "input_ids", "step", "response", "score", "kl", "qu
 # data/eval/metrics.json's own keys
 RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft", "heldout", "accuracy")
 MIN_VOCAB = 256 + 2  # a tokenizer trained from scratch: every byte, plus EOS and PAD (stages/sft.py)
-# Legacy PPOConfig fields that only label a run: the pipeline decides what they name, so a value of a user's own
-# would read as if it acted. Each: the artifact the ppo stage reads, the param that picks what it holds (a label
-# naming either is right), and what the stage does.
-PIPELINE_LABELS = {
-    "model_name": ("data/models/sft", "model.name_or_path", "starts from the sft stage's model (model.name_or_path "
-                   "picks what sft starts from)"),
-    "reward_model": ("data/models/reward", "scorer.name", "scores with scorer.source (its reward model is the "
-                     "reward stage's)"),
-    "query_dataset": ("data/tokenized/train.parquet", "data.prompts.source", "draws its prompts from the tokenize "
-                      "stage's (data.prompts.source picks them)"),
-}
 
 
 def defaulted_ppo_keys(params: Params) -> dict[str, Any]:
@@ -44,39 +30,6 @@ def defaulted_ppo_keys(params: Params) -> dict[str, Any]:
     filled = {"seed", "max_completion_length", *PIPELINE_LABELS}
     config = params.ppo_config
     return {key: getattr(config, key) for key in SETTABLE if key not in params.ppo and key not in filled}
-
-
-def ppo_config(params: Params) -> PPOConfig:
-    """`Params.ppo_config`'s value (see there)."""
-    from ppo_core.config import DERIVED, PPOConfig
-
-    derived = next((key for key in params.ppo if key in DERIVED), None)
-    if derived is not None:
-        raise ParamsError(f"{params.path}: ppo.{derived} is derived ({DERIVED[derived]}), not set; remove it")
-    kwargs = dict(params.ppo)
-    for key, (path, picker, what) in PIPELINE_LABELS.items():
-        given, picked = kwargs.get(key), functools.reduce(getattr, picker.split("."), params)
-        if given is None:
-            kwargs[key] = path
-        elif str(given) not in (path, str(picked)):
-            raise ParamsError(f"{params.path}: ppo.{key} is {given!r}, but the ppo stage {what}; remove ppo.{key} "
-                              f"or set it to {path}")
-    if kwargs.get("seed") is None:
-        kwargs["seed"] = params.seed
-    if kwargs.get("max_completion_length") is None:
-        kwargs["max_completion_length"] = params.generation.max_new_tokens
-    # model.mixed_precision auto resolved for this machine (stages/shared/auto.py); the rollout's auto is PPOConfig's
-    precision = auto.mixed_precision(params.model.mixed_precision, params.numerics.kernels, auto.machine())[0]
-    if precision is not None:  # accelerate's autocast, as the legacy accelerator_kwargs would ask it
-        given = (kwargs.get("accelerator_kwargs") or {}).get("mixed_precision", precision)
-        if given != precision:
-            raise ParamsError(f"{params.path}: ppo.accelerator_kwargs.mixed_precision ({given}) differs from "
-                              f"model.mixed_precision ({precision}); set one of them")
-        kwargs["accelerator_kwargs"] = {**(kwargs.get("accelerator_kwargs") or {}), "mixed_precision": precision}
-    try:
-        return PPOConfig(**kwargs)
-    except ConfigError as err:
-        raise ParamsError(f"{params.path}: {err.message('ppo.')}") from None
 
 
 def check_values(p: Params) -> None:

@@ -253,7 +253,7 @@ def test_checking_a_config_loads_neither_torch_nor_the_math():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('ppo_core.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == ("['ppo_core.algo', 'ppo_core.algo.choices', 'ppo_core.algo.registry', 'ppo_core.config', "
-                           "'ppo_core.fields']")
+                           "'ppo_core.fields', 'ppo_core.resolution']")
 
 
 def test_a_direct_loss_call_uses_its_own_sizes_never_the_last_step_s():
