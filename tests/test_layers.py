@@ -21,6 +21,7 @@ import pytest
 
 import ppo_core
 from tests.imports import import_statements
+from tests.pipeline.test_dvcyaml import lazy_exports
 
 PACKAGE = Path(ppo_core.__file__).parent
 ALLOWED = {
@@ -197,14 +198,6 @@ def project_file(module: str) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
-
-
-def lazy_exports(init: Path) -> dict[str, str]:
-    """A package's names imported on first use (``ppo_core.__init__._EXPORTS``): name -> its module, relative."""
-    for node in ast.parse(init.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
-            return ast.literal_eval(node.value)
-    return {}
 
 
 def imported_files(file: Path, text: str | None = None) -> set[Path]:
