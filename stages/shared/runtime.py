@@ -184,7 +184,10 @@ def terminate_as_interrupt() -> Iterator[None]:
         else:
             swallowed(unraisable)
 
-    signals = [signal.SIGTERM, signal.SIGINT]
+    # Ctrl-C's too where Python's own handler has it (not where the process was started with SIGINT ignored, as a
+    # background job is: that choice stays)
+    signals = [signal.SIGTERM, *([signal.SIGINT] if signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                                 else [])]
     try:
         previous = {sig: signal.signal(sig, interrupt) for sig in signals}
     except ValueError:
