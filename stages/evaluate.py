@@ -16,8 +16,8 @@ the `scorer` params section, which dvc.yaml tracks for this stage.
 With `evaluate.samples_per_prompt` > 1 or `evaluate.pass_at_k` set, a last group, ``accuracy``: per reward (``reward``,
 the scorer's, ``reward_NAME`` for each function of a combined scorer, then each judge's), each policy's mean over n
 samples per prompt, greedy accuracy and pass@k, and the paired standard errors of PPO - SFT (stages/shared/accuracy.py);
-with a pretrained `model.name_or_path`, that base model's too. Its extra samples are drawn after everything above, which
-stays as it is; off (the default), nothing more is drawn and metrics.json is as it was.
+with a pretrained `model.name_or_path`, that base model's too (`evaluate.base`). Its extra samples are drawn after
+everything above, which stays as it is; off (the default), nothing more is drawn and metrics.json is as it was.
 """
 
 from __future__ import annotations
@@ -126,20 +126,21 @@ def sampled_accuracy(params: Params, policies: dict, tokenizer, prompts: tuple[l
     """metrics.json's ``accuracy`` group (stages/shared/accuracy.py) over ``prompts`` (queries, their token ids): each
     policy's n = `evaluate.samples_per_prompt` samples per prompt (``first``'s rewards where it has that policy's, of
     the samples above, then the rest drawn after both policies' first, so those stay as they are; then the base
-    model's, where `model.name_or_path` names one, loaded after SFT's and PPO's draws) and one greedy
+    model's, where `model.name_or_path` names one, loaded after SFT's and PPO's draws: `evaluate.base`) and one greedy
     response per prompt, each scored by every function of ``scorers`` (``reward``: the scorer, each of a combined
     scorer's functions, then the judges; one that sees the row gets each prompt's ``kept`` columns)."""
     kept, n, n_prompts = kept or {}, params.evaluate.samples_per_prompt, len(prompts[0])
     greedy_generation = generation | {"do_sample": False}
     sampled, greedy, base = {}, {}, params.model.name_or_path  # base: the pretrained model SFT started from, if any
-    for name in [*policies, *(["base"] if base is not None else [])]:
+    for name in [*policies, *(["base"] if base is not None and params.evaluate.base != "none" else [])]:
         policy = policies[name] if name in policies else load_base(type(policies["sft"]), base, tokenizer)
         drawn = [first[name]] if name in first else []  # the base model has no samples above
         copies = n - len(drawn)
-        more = rewards_of(params, name, policy, tokenizer, tuple(repeated(x, copies) for x in prompts), generation,
-                          scorers, {key: repeated(values, copies) for key, values in kept.items()})
-        sampled[name] = {fn: np.concatenate([np.reshape(d[fn], (n_prompts, 1)) for d in drawn]
-                                            + [np.reshape(more[fn], (n_prompts, copies))], axis=1) for fn in more}
+        if name in policies or params.evaluate.base == "sampled":
+            more = rewards_of(params, name, policy, tokenizer, tuple(repeated(x, copies) for x in prompts),
+                              generation, scorers, {key: repeated(values, copies) for key, values in kept.items()})
+            sampled[name] = {fn: np.concatenate([np.reshape(d[fn], (n_prompts, 1)) for d in drawn]
+                                                + [np.reshape(more[fn], (n_prompts, copies))], axis=1) for fn in more}
         greedy[name] = rewards_of(params, name, policy, tokenizer, prompts, greedy_generation, scorers, kept)
     return accuracy_table(sampled, greedy, params.evaluate.pass_at_k, params.evaluate.success_threshold)
 

@@ -16,8 +16,8 @@ ACROSS_THE_RUN = ('<p class="note">Across the run: the held-out evaluations of t
 
 
 def accuracy_section(metrics: dict, evaluate: EvaluateParams, scorer: str) -> str:
-    """Rows of (reward, statistic): the base model (where evaluate had one), SFT, PPO, PPO - SFT, the paired standard
-    error of PPO - SFT over the prompts.
+    """Rows of (reward, statistic): the base model (where evaluate had one: `evaluate.base`), SFT, PPO, PPO - SFT, the
+    paired standard error of PPO - SFT over the prompts.
     ``scorer``: the title of the scorer whose rewards are ``reward``. Empty where evaluate made no table (off)."""
     if "accuracy" not in metrics:
         return ""
@@ -29,7 +29,8 @@ def accuracy_section(metrics: dict, evaluate: EvaluateParams, scorer: str) -> st
             name, f"scorer function {name.removeprefix('reward_')}" if name.startswith("reward_") else f"judge {name}")
         for statistic, sft in entry["sft"].items():
             se = entry["paired_se"][statistic]
-            rows.append([reward, statistic_words(statistic, n, passes), *([entry["base"][statistic]] if base else []),
+            rows.append([reward, statistic_words(statistic, n, passes),  # a greedy-only base: its greedy row
+                         *([entry["base"].get(statistic, "")] if base else []),
                          sft, entry["ppo"][statistic], entry["ppo"][statistic] - sft,
                          "n/a (one prompt)" if se is None else se])
     header = ["reward", "over the held-out prompts", *(["base model"] if base else []), "SFT", "PPO", "PPO - SFT",

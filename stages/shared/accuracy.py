@@ -56,18 +56,20 @@ def passed(rewards: np.ndarray, threshold: float | None, name: str, policy: str)
     return rewards == 1
 
 
-def per_prompt(sampled: np.ndarray, greedy: np.ndarray, ks: list[int], threshold: float | None, name: str,
+def per_prompt(sampled: np.ndarray | None, greedy: np.ndarray, ks: list[int], threshold: float | None, name: str,
                policy: str) -> dict[str, np.ndarray]:
     """One policy's statistics of one reward, per prompt: ``mean`` (over its n samples), ``greedy`` (1 if its greedy
-    response passed) and ``pass@k`` for each k of ``ks``.
+    response passed) and ``pass@k`` for each k of ``ks``; ``greedy`` alone where it has no samples.
 
     Args:
-        sampled: (P, n) rewards of the sampled responses.
+        sampled: (P, n) rewards of the sampled responses, or None (a greedy-only policy: `evaluate.base: greedy`).
         greedy: (P,) rewards of the greedy responses.
     Returns:
         {statistic: (P,) float64}; the table's figures are their means over the prompts.
     """
-    passes = passed(sampled, threshold, name, policy)
+    if sampled is None:
+        return {"greedy": passed(greedy, threshold, name, policy).astype(np.float64)}
+    passes = passed(sampled, threshold, name, policy)  # the samples checked first, as they were drawn
     return {"mean": sampled.mean(axis=1, dtype=np.float64),
             "greedy": passed(greedy, threshold, name, policy).astype(np.float64),
             **{f"pass@{k}": pass_at_k(passes, k) for k in ks}}
@@ -89,17 +91,19 @@ def accuracy_table(sampled: dict[str, dict[str, np.ndarray]], greedy: dict[str, 
     standard error of PPO - SFT for each.
 
     Args:
-        sampled: {policy ("sft", "ppo", and "base" where evaluate had a pretrained model): {reward name: (P, n)
+        sampled: {policy ("sft", "ppo", and "base" where evaluate sampled a pretrained model): {reward name: (P, n)
             rewards}}.
-        greedy: {policy: {reward name: (P,) rewards of the greedy responses}}.
+        greedy: {policy (those of ``sampled``, and "base" where evaluate had a pretrained model): {reward name: (P,)
+            rewards of the greedy responses}}; a policy here without samples has the ``greedy`` statistic only.
         ks: the k of pass@k; threshold: see `passed`.
     Returns:
         {reward name: {"base": {statistic: mean} (where given), "sft": {...}, "ppo": {...},
         "paired_se": {statistic: SE of PPO - SFT, or None}}}.
     """
-    out, policies = {}, [p for p in POLICIES if p in sampled]
+    out, policies = {}, [p for p in POLICIES if p in greedy]
     for name in sampled["ppo"]:
-        stats = {p: per_prompt(sampled[p][name], greedy[p][name], ks, threshold, name, p) for p in policies}
+        stats = {p: per_prompt(sampled[p][name] if p in sampled else None, greedy[p][name], ks, threshold, name, p)
+                 for p in policies}
         out[name] = {p: {s: float(v.mean()) for s, v in stats[p].items()} for p in policies}
         out[name]["paired_se"] = {s: paired_se(stats["ppo"][s], stats["sft"][s]) for s in stats["ppo"]}
     return out

@@ -212,6 +212,10 @@ class EvaluateParams:
     per reward, each policy's mean, greedy accuracy and pass@k (Chen et al. 2021), and PPO - SFT's paired SEs."""
     success_threshold: float | None
     """A reward >= this is a pass (accuracy, pass@k); null: a reward must be 0 or 1 (else one line, evaluate stops)."""
+    base: Literal["sampled", "greedy", "none"] = "sampled"
+    """The pretrained model in the accuracy table, where `model.name_or_path` names one: its sampled and greedy
+    responses (sampled, as SFT's and PPO's), its greedy ones only (greedy: a fifth of the cost with 4 samples), or
+    none."""
 
 
 @dataclass(frozen=True)

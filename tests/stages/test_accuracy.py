@@ -107,9 +107,17 @@ def test_the_base_model_is_a_column_where_given_and_the_paired_error_stays_ppo_m
     table = accuracy_table(sampled, greedy, [2], None)
     assert list(table["correct"]) == ["base", "sft", "ppo", "paired_se"]
     assert table["correct"]["base"] == {"mean": 0.25, "greedy": 0.0, "pass@2": 0.5}
-    without = accuracy_table({p: sampled[p] for p in ("sft", "ppo")}, greedy, [2], None)
+    without = accuracy_table({p: sampled[p] for p in ("sft", "ppo")}, {p: greedy[p] for p in ("sft", "ppo")}, [2],
+                             None)
+    assert list(without["correct"]) == ["sft", "ppo", "paired_se"]
     assert without["correct"]["paired_se"] == table["correct"]["paired_se"]
     assert without["correct"]["paired_se"]["greedy"] == pytest.approx(0.5, abs=1e-15)
+    # evaluate.base: greedy: the base model answered greedily only, so it has greedy accuracy and nothing else
+    greedy_only = accuracy_table({p: sampled[p] for p in ("sft", "ppo")}, greedy, [2], None)
+    assert list(greedy_only["correct"]) == ["base", "sft", "ppo", "paired_se"]
+    assert greedy_only["correct"]["base"] == {"greedy": 0.0}
+    assert {p: greedy_only["correct"][p] for p in ("sft", "ppo", "paired_se")} == \
+        {p: table["correct"][p] for p in ("sft", "ppo", "paired_se")}
 
 
 def test_a_reward_not_0_or_1_with_a_null_threshold_is_one_line_naming_it():

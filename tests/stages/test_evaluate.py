@@ -239,6 +239,48 @@ def test_evaluate_reports_accuracy_and_pass_at_k_beside_what_it_reported(tiny_ru
     assert "<td>judge thirds</td><td>greedy accuracy" in page and "data/ppo/eval.csv" in page
 
 
+@pytest.mark.parametrize("base", ["sampled", "greedy", "none"])
+def test_the_base_model_is_sampled_greedy_only_or_left_out_as_evaluate_base_says(base, tiny_run, tiny_params, tmp_path,
+                                                                                 monkeypatch):
+    """evaluate.base with a pretrained model.name_or_path (here the tiny SFT model itself, so the base model's greedy
+    answers are SFT's): sampled, the base model has every statistic; greedy, its greedy accuracy only (no sample
+    drawn), a blank in the report's other rows; none, no base column. SFT's and PPO's figures are the same in all
+    three: the base model is drawn after them."""
+    from stages import evaluate, report
+    from tests.conftest import params_per_stage
+
+    (tmp_path / "zero_one.py").write_text(ZERO_ONE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "eval", "report", "logs"))
+    scorer = dataclasses.replace(tiny_params.scorer, source="callable", name="zero_one:even_length", input="response")
+    params = dataclasses.replace(
+        tiny_params, scorer=scorer, model=dataclasses.replace(tiny_params.model, name_or_path=str(tiny_run / SFT_MODEL)),
+        evaluate=dataclasses.replace(tiny_params.evaluate, samples_per_prompt=2, pass_at_k=[2], base=base))
+    drawn, sample = [], evaluate.sample_responses  # each draw's progress label: which policy, sampled or greedy
+    monkeypatch.setattr(evaluate, "sample_responses",
+                        lambda *args, desc, **kw: drawn.append(desc) or sample(*args, desc=desc, **kw))
+    evaluate.run(params_per_stage(params)["evaluate"], root)
+
+    accuracy = json.loads((root / EVAL_METRICS).read_text())["accuracy"]
+    base_draws = [desc for desc in drawn if desc.startswith("evaluate base")]
+    if base == "none":
+        assert all(list(entry) == ["sft", "ppo", "paired_se"] for entry in accuracy.values()) and not base_draws
+    else:
+        assert all(list(entry) == ["base", "sft", "ppo", "paired_se"] for entry in accuracy.values())
+        # the base model is the SFT model: greedy decoding gives SFT's answers, so the same greedy accuracy
+        assert all(entry["base"]["greedy"] == entry["sft"]["greedy"] for entry in accuracy.values())
+        expected = ["greedy"] if base == "greedy" else ["mean", "greedy", "pass@2"]
+        assert all(list(entry["base"]) == expected for entry in accuracy.values())
+        assert base_draws == (["evaluate base, greedy"] if base == "greedy"
+                              else ["evaluate base, sampled", "evaluate base, greedy"])
+    report.run(params_per_stage(params)["report"], root)
+    page = (root / "data" / "report" / "index.html").read_text()
+    assert ("<th>base model</th>" in page) == (base != "none")
+    mean_row = page.split("<td>mean reward of 2 sampled responses per prompt</td>")[1].split("</tr>")[0]
+    assert mean_row.startswith("<td></td>") == (base == "greedy")  # no samples: a blank, not a zero
+
+
 def test_a_null_success_threshold_refuses_a_reward_that_is_not_0_or_1(tiny_run, tiny_params, tmp_path, monkeypatch):
     """evaluate.success_threshold: null says the rewards are 0/1: a judge's count of characters is not, and evaluate
     stops with one line naming it, before it writes anything."""

@@ -200,6 +200,7 @@ def test_a_bad_judge_is_one_line_at_load(tmp_path, judges, expected):
     ({"pass_at_k": ["4"]}, "evaluate.pass_at_k must be a list of integers, got ['4'] (list)"),
     ({"pass_at_k": 4}, "evaluate.pass_at_k must be a list of integers, got 4 (int)"),
     ({"success_threshold": "high"}, "evaluate.success_threshold must be a number, got 'high' (str)"),
+    ({"base": "always"}, "evaluate.base must be one of ['sampled', 'greedy', 'none'], got 'always' (str)"),
 ])
 def test_bad_accuracy_params_are_one_line_at_load(tmp_path, values, expected):
     """evaluate's accuracy table: k samples per prompt, the k of pass@k (none past the samples drawn), a numeric
