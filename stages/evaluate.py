@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ppo_core import response_logprobs, set_seed
-from stages.shared import auto
+from stages.shared import auto, scoring
 from stages.shared.accuracy import accuracy_table, policy_metrics, win_rate
 from stages.shared.artifacts import (
     EVAL_METRICS,
@@ -91,7 +91,7 @@ def compare_policies(params: Params, root: Path) -> str:
         else:
             kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
                              logprob_sums(policies["sft"], query_ids, response_ids, bs))
-        seen = Row(queries, responses, kept)
+        seen = Row(queries, responses, kept, response_ids, scoring.trained_state(params))
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
                 "score": scores_of(score, scorer_texts(params.scorer, queries, responses), params, name, row=seen),
                 "kl_to_sft": kl.tolist(), "response_tokens": [len(r) for r in response_ids]}
@@ -160,7 +160,7 @@ def rewards_of(params: Params, name: str, policy, tokenizer, prompts: tuple[list
                                     desc=f"evaluate {name}, {mode}")
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     texts = {"reward": scorer_texts(params.scorer, queries, responses)}
-    seen = Row(queries, responses, kept or {})
+    seen = Row(queries, responses, kept or {}, response_ids, scoring.trained_state(params))
     out = {fn: np.array(scores_of(score, texts.get(fn, [q + r for q, r in zip(queries, responses)]), params,
                                   f"{name} ({mode})", who=None if fn == "reward" else f"judge {fn}", row=seen),
                         dtype=np.float64)
@@ -178,8 +178,7 @@ def scores_of(score, texts: list[str], params: Params, policy: str, who: str | N
     for start in range(0, len(texts), size):
         batch = texts[start:start + size]
         at = f"the {policy} policy's samples {start + 1}-{start + len(batch)}"
-        part = None if row is None else Row(row.prompts[start:start + size], row.completions[start:start + size],
-                                            {k: v[start:start + size] for k, v in row.columns.items()})
+        part = None if row is None else row.sliced(start, start + size)
         out += scored(score, batch, params.scorer, at, who, part)
         for name, values in (score.last.items() if isinstance(score, Combined) else ()):
             parts.setdefault(name, []).extend(values)  # a Combined's functions' rewards, over every batch

@@ -20,7 +20,16 @@ from stages.shared.artifacts import PPO_CHECKPOINTS, SFT_MODEL, loading
 from stages.shared.models import lora_config
 from stages.shared.params import Params, ScorerParams
 from stages.shared.runtime import StageError, to_host, warning
-from stages.shared.scoring import Combined, Row, build_scorer, component_stats, reward_adapter, scored, scorer_texts
+from stages.shared.scoring import (
+    Combined,
+    Row,
+    build_scorer,
+    component_stats,
+    reward_adapter,
+    scored,
+    scorer_texts,
+    trainer_state,
+)
 from stages.shared.synthetic import gold_score
 
 
@@ -80,7 +89,8 @@ def one_step(loop: Loop, step: int, idx: list[int], root: Path) -> tuple[dict, d
     texts = [q + r for q, r in zip(queries, responses)]
     columns = {name: [values[i] for i in idx] for name, values in loop.columns.items()}
     scores = scored(loop.score, scorer_texts(loop.scorer, queries, responses), loop.scorer, f"PPO step {step + 1}",
-                    row=Row(queries, responses, columns))
+                    row=Row(queries, responses, columns, [r.tolist() for r in response_ids],
+                            trainer_state(step, trainer.config.total_ppo_epochs)))
     seconds = {"time/generate": generated - started, "time/score": time.perf_counter() - generated}
     components = loop.score.last if isinstance(loop.score, Combined) else {}  # scorer.source combined: each function's
     # 3. optimise

@@ -23,8 +23,8 @@ import torch
 
 from stages.ppo.checkpoints import save_best
 from stages.shared.params import AlertParams, WatchParams
-from stages.shared.runtime import warning
-from stages.shared.scoring import Combined, Row, component_stats, scored, scorer_texts
+from stages.shared.runtime import to_host, warning
+from stages.shared.scoring import Combined, Row, component_stats, scored, scorer_texts, trainer_state
 
 EVAL_SEED_OFFSET = 7919  # the held-out evaluation's stream: seed + this, apart from every stream the run draws from
 
@@ -52,9 +52,11 @@ def heldout_row(loop, prompts, judges: dict, step: int) -> dict[str, float]:
         logprobs, _, _, masks = trainer.batched_forward_pass(trainer.model, query_tensors, responses)
         with trainer.reference_policy() as ref_model:
             ref_logprobs, _, _, _ = trainer.batched_forward_pass(ref_model, query_tensors, responses)
-    texts = tokenizer.batch_decode([r.cpu() for r in responses], skip_special_tokens=True)
+    response_ids = to_host(responses)  # in one copy
+    texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     at = f"the held-out evaluation at step {step + 1}"
-    seen = Row(queries, texts, {name: prompts[name].tolist() for name in loop.columns})  # data.prompts.keep's
+    seen = Row(queries, texts, {name: prompts[name].tolist() for name in loop.columns},  # data.prompts.keep's
+               [r.tolist() for r in response_ids], trainer_state(step + 1, trainer.config.total_ppo_epochs))
     row = {"step": step}
     for name, judge in judges.items():
         row[name] = float(np.mean(scored(judge, [q + t for q, t in zip(queries, texts)], loop.scorer, at,

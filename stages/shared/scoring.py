@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -98,24 +99,49 @@ def load_callable(name: str, key: str, params: Params) -> Callable[[list[str]], 
     return fn
 
 
-# The keyword arguments a reward function that sees the row is called with, beside each kept prompts column (TRL's
-# GRPOTrainer calls its reward functions so): the prompts and the completions, each a list over the batch.
-ROW_ARGUMENTS = ("prompts", "completions")
+# The keyword arguments a reward function that sees the row is called with, beside each kept prompts column, as TRL's
+# GRPOTrainer calls its reward functions: the prompts, the completions and the completions' token ids, each a list
+# over the batch, and the trainer's state (a transformers TrainerState: its global_step, max_steps).
+ROW_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
 class Row(NamedTuple):
-    """What a reward function that sees the row may take of a batch: each sample's prompt (its query) and completion
-    (its response) and each `data.prompts.keep` column's value for its prompt, all lists of one length (with
-    ppo.num_generations G, a prompt's G samples each hold its values)."""
+    """What a reward function that sees the row may take of a batch: each sample's prompt (its query), completion (its
+    response) and the completion's token ids (EOS kept, no padding), each `data.prompts.keep` column's value for its
+    prompt, all lists of one length (with ppo.num_generations G, a prompt's G samples each hold its values), and the
+    run's progress (``trainer_state``: `trainer_state`'s TrainerState, or None where unknown)."""
 
     prompts: list[str]
     completions: list[str]
     columns: dict[str, list]
+    completion_ids: list[list[int]] | None = None
+    trainer_state: object | None = None
+
+    def sliced(self, start: int, stop: int) -> Row:
+        """The samples ``start:stop`` of the batch (the same trainer state)."""
+        ids = None if self.completion_ids is None else self.completion_ids[start:stop]
+        return Row(self.prompts[start:stop], self.completions[start:stop],
+                   {k: v[start:stop] for k, v in self.columns.items()}, ids, self.trainer_state)
+
+
+def trainer_state(global_step: int, max_steps: int):
+    """TRL's ``trainer_state`` argument of a reward function, for rewards shaped by the run's progress: a transformers
+    ``TrainerState`` with ``global_step`` (the ppo steps done: 0 while the first step's rollouts are scored) and
+    ``max_steps`` (the run's steps, ceil(ppo.steps / ppo.batch_size))."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=global_step, max_steps=max_steps)
+
+
+def trained_state(params: Params):
+    """:func:`trainer_state` at the end of the ppo run, as evaluate scores every policy: all its steps done."""
+    steps = math.ceil(params.ppo["steps"] / params.ppo["batch_size"])  # PPOConfig.total_ppo_epochs
+    return trainer_state(steps, steps)
 
 
 def takes_the_row(fn: Callable) -> bool:
     """Whether ``fn`` is a reward function that sees the row, called by keyword as TRL's GRPOTrainer calls them
-    (``def accuracy(completions, answer, **kwargs)``): it names a parameter ``prompts`` or ``completions``. Any other
+    (``def accuracy(completions, answer, **kwargs)``): it names a parameter of ``ROW_ARGUMENTS``. Any other
     function is called with the list of texts alone, as every scorer was (``def score(texts)``)."""
     try:
         parameters = inspect.signature(fn).parameters
@@ -125,9 +151,10 @@ def takes_the_row(fn: Callable) -> bool:
 
 
 def row_arguments(fn: Callable, row: Row) -> dict[str, list]:
-    """The keyword arguments ``fn`` is called with: ``prompts``, ``completions`` and each kept column, all of them
-    where it takes ``**kwargs``, else those it names."""
-    available = {"prompts": row.prompts, "completions": row.completions, **row.columns}
+    """The keyword arguments ``fn`` is called with: ``ROW_ARGUMENTS`` and each kept column, all of them where it takes
+    ``**kwargs``, else those it names."""
+    available = {"prompts": row.prompts, "completions": row.completions, "completion_ids": row.completion_ids,
+                 "trainer_state": row.trainer_state, **row.columns}
     parameters = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return available
@@ -136,7 +163,7 @@ def row_arguments(fn: Callable, row: Row) -> dict[str, list]:
 
 def check_takes_the_row(fn: Callable, where: str, kept: list[str]) -> None:
     """Refuse, where it is loaded, a reward function that sees the row but needs an argument the stages do not have:
-    a parameter without a default that is neither ``prompts``, ``completions`` nor a kept prompts column
+    a parameter without a default that is neither one of ``ROW_ARGUMENTS`` nor a kept prompts column
     (`data.prompts.keep`), or one it can only take by position."""
     known = {*ROW_ARGUMENTS, *kept}
     for name, parameter in inspect.signature(fn).parameters.items():
@@ -150,7 +177,8 @@ def check_takes_the_row(fn: Callable, where: str, kept: list[str]) -> None:
                              "give it a default")
         if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
             raise StageError(f"{where}: its parameter '{name}' is positional-only; a reward function that sees the row "
-                             "is called by keyword (prompts=, completions=, and each kept column)")
+                             "is called by keyword (prompts=, completions=, completion_ids=, trainer_state=, and each "
+                             "kept column)")
 
 
 def check_takes_the_texts(fn: Callable, where: str) -> None:

@@ -55,6 +55,14 @@ def wants_missing(completions, label):
 
 def sometimes(completions, **kwargs):
     return [None if i % 2 else 2.0 for i in range(len(completions))]
+
+CALLS = []
+
+def trl_style(prompts, completions, completion_ids, trainer_state, **kwargs):
+    """TRL's GRPOTrainer's other two arguments: each completion's token ids and the trainer's state."""
+    CALLS.append((list(completions), [list(ids) for ids in completion_ids], trainer_state.global_step,
+                  trainer_state.max_steps))
+    return [float(len(ids)) for ids in completion_ids]
 '''
 
 
@@ -149,6 +157,39 @@ def test_each_response_is_scored_against_its_own_prompt_s_answer_through_ppo_and
     assert {"answer", "meta"} <= set(samples.columns)
     assert (samples["score"] == 1.0).all() and (samples["accuracy"] == 1.0).all()
 
+
+
+def test_a_trl_reward_function_gets_the_completions_token_ids_and_the_trainer_state(tiny_run, tiny_params, tmp_path,
+                                                                                    rewards_module):
+    """``f(prompts, completions, completion_ids, trainer_state, **kwargs)``, as TRL's GRPOTrainer calls it: each
+    completion's token ids (EOS kept, no padding: they decode to the completion) and a transformers TrainerState whose
+    global_step is the ppo steps done (0 for the first step's rollouts, k + 1 at the held-out watch after step k, all
+    of them in evaluate) and max_steps the run's."""
+    from transformers import AutoTokenizer
+
+    from stages.shared.artifacts import SFT_MODEL
+
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "ppo", "eval", "report", "logs"))
+    params = dataclasses.replace(tiny_params, scorer=dataclasses.replace(
+        tiny_params.scorer, source="callable", name="row_rewards:trl_style", input="response"),
+        watch=dataclasses.replace(tiny_params.watch, eval_prompts=4))  # told apart from a step's 8 by their count
+    steps = params.ppo_config.total_ppo_epochs
+    ppo.run(params, root)
+    tokenizer = AutoTokenizer.from_pretrained(root / SFT_MODEL)
+    calls = rewards_module.CALLS
+    for completions, ids, _, max_steps in calls:
+        assert max_steps == steps and len(ids) == len(completions)
+        assert tokenizer.batch_decode(ids, skip_special_tokens=True) == completions
+    trained = [step for _, ids, step, _ in calls if len(ids) == params.ppo["batch_size"]]
+    watched = [step for _, ids, step, _ in calls if len(ids) == params.watch.eval_prompts]
+    assert trained == list(range(steps))
+    assert watched == list(range(params.watch.eval_every, steps + 1, params.watch.eval_every))
+    rollouts = pd.concat(pd.read_parquet(p) for p in sorted((root / "data" / "ppo" / "rollouts").glob("*.parquet")))
+    assert rollouts["score"].tolist() == [float(len(ids)) for ids in rollouts["response_ids"]]
+    del calls[:]
+    evaluate.run(params, root)
+    assert calls and all(step == steps for _, _, step, _ in calls)
 
 
 def test_the_shipped_answer_rewards_check_the_last_number_and_load_as_row_functions(tiny_params):

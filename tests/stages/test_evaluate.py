@@ -254,8 +254,9 @@ def test_the_base_model_is_sampled_greedy_only_or_left_out_as_evaluate_base_says
     root = tmp_path / "project"
     shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "eval", "report", "logs"))
     scorer = dataclasses.replace(tiny_params.scorer, source="callable", name="zero_one:even_length", input="response")
+    base_model = dataclasses.replace(tiny_params.model, name_or_path=str(tiny_run / SFT_MODEL))
     params = dataclasses.replace(
-        tiny_params, scorer=scorer, model=dataclasses.replace(tiny_params.model, name_or_path=str(tiny_run / SFT_MODEL)),
+        tiny_params, scorer=scorer, model=base_model,
         evaluate=dataclasses.replace(tiny_params.evaluate, samples_per_prompt=2, pass_at_k=[2], base=base))
     drawn, sample = [], evaluate.sample_responses  # each draw's progress label: which policy, sampled or greedy
     monkeypatch.setattr(evaluate, "sample_responses",
