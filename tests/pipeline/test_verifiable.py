@@ -128,7 +128,9 @@ def test_evaluate_reports_accuracy_and_pass_at_k_for_the_scorer_and_each_part(ti
     assert list(metrics["accuracy"]) == ["reward", "reward_correct", "reward_format"]
     for table in metrics["accuracy"].values():
         assert list(table) == ["base", "sft", "ppo", "paired_se"]  # base: the fetched model, before SFT
-        for policy in ("base", "sft", "ppo", "paired_se"):
+        assert list(table["base"]) == ["greedy"]  # the example's evaluate.base: greedy (its answers drawn greedily)
+        assert 0 <= table["base"]["greedy"] <= 1
+        for policy in ("sft", "ppo", "paired_se"):
             assert set(table[policy]) == {"mean", "greedy", "pass@1", "pass@2"}
-        for policy in ("base", "sft", "ppo"):
+        for policy in ("sft", "ppo"):
             assert 0 <= table[policy]["pass@1"] <= table[policy]["pass@2"] <= 1
