@@ -244,8 +244,7 @@ def test_the_base_model_is_sampled_greedy_only_or_left_out_as_evaluate_base_says
                                                                                  monkeypatch):
     """evaluate.base with a pretrained model.name_or_path (here the tiny SFT model itself, so the base model's greedy
     answers are SFT's): sampled, the base model has every statistic; greedy, its greedy accuracy only (no sample
-    drawn), a blank in the report's other rows; none, no base column. SFT's and PPO's figures are the same in all
-    three: the base model is drawn after them."""
+    drawn), a blank in the report's other rows; none, no base column and no base draw."""
     from stages import evaluate, report
     from tests.conftest import params_per_stage
 
