@@ -71,9 +71,19 @@ def problem_tables(seed: int) -> dict[Path, dict[str, list[str]]]:
 
 
 def describe(config: dict) -> str:
-    """``{"min_terms": 2, "max_terms": 3, ...}`` -> "2-3 terms of 1-2 digits"."""
-    return (f"{config['min_terms']}-{config['max_terms']} terms of {config['min_digits']}-{config['max_digits']} "
-            "digits")
+    """A `chain_sum` config in words.
+
+    >>> describe({"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2})
+    '2-3 terms of 1-2 digits'
+    >>> describe({"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1})
+    '3 terms of 1 digit'
+    """
+    def span(low: int, high: int) -> str:
+        return str(low) if low == high else f"{low}-{high}"
+
+    digits = "digit" if config["max_digits"] == 1 else "digits"
+    return (f"{span(config['min_terms'], config['max_terms'])} terms of "
+            f"{span(config['min_digits'], config['max_digits'])} {digits}")
 
 
 # ---- the problems -------------------------------------------------------------------------------------------------
