@@ -231,6 +231,13 @@ class PPOConfig:
     token_truncate wherever a copy samples"""
     rollout_correction_cap: float = 2.0
     """(ppo_core) the largest importance weight of rollout_correction"""
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
+    """(ppo_core; TRL GRPOConfig's name, transformers' schedules) the learning rate over the run's
+    ``ceil(steps / batch_size)`` step() calls: "constant" (legacy TRL's: it never moves), or after warmup_ratio of
+    them rising from 0, "constant_with_warmup", or down to 0 at the end, "linear" or "cosine". An ``lr_scheduler``
+    passed to PPOTrainer replaces it (set "constant" then)"""
+    warmup_ratio: float = 0.0
+    """(ppo_core) the share of the step() calls over which the learning rate rises from 0 (lr_scheduler_type's)"""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -317,7 +324,7 @@ _POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradien
              "score_clip", "target", "horizon", "world_size", "dataset_num_proc", "max_consecutive_overflows",
              "num_generations", "epsilon_high", "max_completion_length", "rollout_correction_cap"]
 _NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed", "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor"]
-_UNIT_INTERVAL = ["gamma", "lam"]
+_UNIT_INTERVAL = ["gamma", "lam", "warmup_ratio"]
 
 
 # The Accelerator arguments the trainer passes from PPOConfig's own fields (``runtime.distributed.accelerator_for``)
@@ -355,6 +362,9 @@ def _check_ranges(config: PPOConfig) -> None:
     for name in _UNIT_INTERVAL:
         value = getattr(config, name)
         check_range(name, value, "in [0, 1]", 0 <= value <= 1)
+    check_range("warmup_ratio", config.warmup_ratio, "0 with lr_scheduler_type 'constant', which has no warmup",
+                config.warmup_ratio == 0 or config.lr_scheduler_type != "constant",
+                "set lr_scheduler_type to 'constant_with_warmup' (or 'linear', 'cosine')")
     for name in ("target", "horizon"):
         check_range(name, None, "set for the adaptive KL controller (or adap_kl_ctrl: false)",
                     not config.adap_kl_ctrl or getattr(config, name) is not None)

@@ -133,7 +133,8 @@ FIXED_IN_A_RUN = frozenset(RESOLVED_FIELDS + (
     "num_generations", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "backward_batch_size",
     "world_size", "global_batch_size", "global_backward_batch_size", "seed", "learning_rate", "adap_kl_ctrl", "target",
     "horizon", "max_grad_norm", "max_consecutive_overflows", "accelerator_kwargs", "project_kwargs",
-    "gradient_checkpointing", "disable_dropout", "rollout_dtype", "is_encoder_decoder", "is_peft_model"))
+    "gradient_checkpointing", "disable_dropout", "rollout_dtype", "is_encoder_decoder", "is_peft_model",
+    "lr_scheduler_type", "warmup_ratio"))
 
 
 def resolve(config: PPOConfig) -> ResolvedConfig:

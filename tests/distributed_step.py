@@ -62,6 +62,9 @@ CONFIGS = {  # per-config options; batch sizes are set per process below
     "reinforce_baseline": dict(ppo_epochs=2, advantage_estimator="reinforce_plus_plus_baseline", num_generations=2),
     # the rollout correction: importance weights per sample, their sampling/* stats over every process's tokens
     "rollout_correction": dict(ppo_epochs=2, rollout_dtype="bfloat16", rollout_correction="token_truncate"),
+    # a schedule over the run's STEPS calls (ppo/learning_rate 1, 2/3, 1/3 of the rate), not over N times as many
+    # (accelerate steps a prepared scheduler once per process)
+    "linear_lr": dict(ppo_epochs=2, lr_scheduler_type="linear"),
 }
 
 # Windows of 2 mini-batches of 2 (batch 8); the ratio threshold skips some mini-batches, some of them at the end
@@ -81,7 +84,7 @@ def global_batch(step: int, group_size: int = 1):
 def make_trainer(num_processes: int, mini_batches: int = 1, sgd: bool = False, model=None, **options) -> PPOTrainer:
     batch_size = GLOBAL_BATCH // num_processes
     config = PPOConfig(**{"batch_size": batch_size, "mini_batch_size": batch_size // mini_batches,
-                          "learning_rate": 1e-3, "seed": 0, **options})
+                          "steps": batch_size * STEPS, "learning_rate": 1e-3, "seed": 0, **options})
     model = model if model is not None else tiny_value_model("gpt2", seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR) if sgd else None
     return PPOTrainer(config, model, tokenizer=tiny_tokenizer(), optimizer=optimizer)

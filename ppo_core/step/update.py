@@ -43,6 +43,48 @@ def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.
         return torch.optim.Adam(params, lr=lr)
 
 
+def run_scheduler(given, optimizer: torch.optim.Optimizer, config, deepspeed: bool, num_processes: int):
+    """The run's lr scheduler: ``given`` (PPOTrainer's ``lr_scheduler``), else ``config.lr_scheduler_type``'s, None
+    for "constant" (legacy: none); a ValueError where both set one."""
+    if given is not None:
+        if config.lr_scheduler_type != "constant":
+            raise ValueError(f"PPOTrainer: an lr_scheduler was passed and PPOConfig.lr_scheduler_type is "
+                             f"{config.lr_scheduler_type!r}: two schedules for one rate; pass one of them (set "
+                             "lr_scheduler_type='constant' to keep yours).")
+        return given
+    # accelerate steps a prepared scheduler once per process in each call; DeepSpeed at every optimizer step
+    ticks = config.ppo_epochs * config.batch_size // config.backward_batch_size if deepspeed else num_processes
+    return default_scheduler(optimizer, config, ticks)
+
+
+def default_scheduler(optimizer: torch.optim.Optimizer, config, ticks_per_step: int):
+    """The schedule of ``config.lr_scheduler_type`` (transformers' ``get_scheduler``) over the run's
+    ``config.total_ppo_epochs`` step() calls, its warmup ``ceil(warmup_ratio * that)`` of them; None for "constant".
+    ``ticks_per_step``: how often the prepared scheduler is stepped in one step() call, so that the schedule spans the
+    run however many processes or mini-batches it has."""
+    if config.lr_scheduler_type == "constant":
+        return None
+    from transformers import get_scheduler
+
+    steps = config.total_ppo_epochs
+    return get_scheduler(config.lr_scheduler_type, optimizer,
+                         num_warmup_steps=math.ceil(config.warmup_ratio * steps) * ticks_per_step,
+                         num_training_steps=steps * ticks_per_step)
+
+
+DECAYING = ("linear", "cosine")
+
+
+def warn_if_schedule_ended(config, steps_done: int) -> None:
+    """Warn once, after the run's last scheduled step() call, that a decaying schedule has reached 0 (further calls
+    would not train: linear stays at 0 and cosine would rise again)."""
+    if steps_done == config.total_ppo_epochs + 1 and config.lr_scheduler_type in DECAYING:
+        warnings.warn(f"PPOTrainer: {steps_done} step() calls, past the {config.total_ppo_epochs} that "
+                      f"lr_scheduler_type {config.lr_scheduler_type!r} spans (ceil(steps / batch_size)): the "
+                      "learning rate has run its schedule; set PPOConfig.steps to the rollouts you train on.",
+                      UserWarning, stacklevel=4)
+
+
 def window_divisors(mask: torch.Tensor, group, accumulation_steps: int) -> Divisors:
     """The :class:`~ppo_core.algo.ppo_math.Divisors` of the mini-batches of one accumulation window, from the mask
     ``(w, R)`` of this process's samples in it: the window's global counts of tokens and of sequences with a token,

@@ -519,6 +519,43 @@ def test_lr_scheduler_is_stepped_once_per_step():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4)
 
 
+@pytest.mark.parametrize("schedule, rates", [
+    ("linear", [1e-3, 0.75e-3, 0.5e-3, 0.25e-3]),  # down to 0 over the 4 calls: the last trains at a quarter
+    ("cosine", [1e-3, 0.5e-3 * (1 + math.cos(math.pi / 4)), 0.5e-3, 0.5e-3 * (1 + math.cos(3 * math.pi / 4))]),
+])
+def test_lr_scheduler_type_spans_the_runs_step_calls(schedule, rates):
+    # steps=16 rollouts of batch_size 4: 4 step() calls, whatever the mini-batches and epochs in each
+    trainer = make_trainer(lr_scheduler_type=schedule, steps=16)
+    seen = [trainer.step(*make_batch(4, seed=i))["ppo/learning_rate"] for i in range(4)]
+    assert seen == pytest.approx(rates)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    with pytest.warns(UserWarning, match="has run its schedule"):  # a fifth call trains at rate 0: said
+        trainer.step(*make_batch(4))
+
+
+def test_warmup_ratio_rises_from_zero_then_holds():
+    trainer = make_trainer(lr_scheduler_type="constant_with_warmup", warmup_ratio=0.5, steps=16)  # 2 of 4 calls
+    seen = [trainer.step(*make_batch(4, seed=i))["ppo/learning_rate"] for i in range(4)]
+    assert seen == pytest.approx([0.0, 0.5e-3, 1e-3, 1e-3])
+
+
+def test_the_constant_schedule_builds_no_scheduler_and_refuses_a_warmup():
+    assert make_trainer().lr_scheduler is None  # legacy: the rate never moves
+    with pytest.raises(ValueError, match=r"warmup_ratio must be 0 with lr_scheduler_type 'constant'.*"
+                                         r"constant_with_warmup"):
+        PPOConfig(warmup_ratio=0.1)
+    with pytest.raises(ValueError, match=r"warmup_ratio must be in \[0, 1\]"):
+        PPOConfig(lr_scheduler_type="linear", warmup_ratio=1.5)
+
+
+def test_a_passed_lr_scheduler_and_a_schedule_in_the_config_are_refused_together():
+    model = tiny_value_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with pytest.raises(ValueError, match="two schedules for one rate"):
+        make_trainer(model=model, optimizer=optimizer, lr_scheduler=scheduler, lr_scheduler_type="linear")
+
+
 def test_step_with_response_masks_and_whitened_rewards():
     trainer = make_trainer(whiten_rewards=True)
     queries, responses, scores = make_batch(4, max_response=6)

@@ -309,6 +309,7 @@ def test_two_processes_equal_one_process_over_the_global_batch(two_process_run):
     # the scenarios did what they are named for
     assert sum(s["ppo/policy/skipped_minibatches"] for s in one["skip"]["stats"]) > 0
     assert min(s["ppo/epochs"] for s in one["early_stop"]["stats"]) < 4
+    assert [s["ppo/learning_rate"] for s in one["linear_lr"]["stats"]] == pytest.approx([1.0, 2 / 3, 1 / 3])
 
 
 @pytest.mark.slow
