@@ -319,6 +319,12 @@ CASES += [
     ("rollout-correction-without-a-rollout-copy", "ppo", "ppo", {"ppo.rollout_correction": "token_truncate"},
      None, "params.yaml: ppo.rollout_correction must be unset without rollout_dtype (without a rollout copy the policy "
            "samples itself: every weight would be 1), got 'token_truncate'; set rollout_dtype"),
+    ("warmup-without-a-schedule", "ppo", "ppo", {"ppo.warmup_ratio": 0.1},
+     None, "params.yaml: ppo.warmup_ratio must be 0 with lr_scheduler_type 'constant', which has no warmup, got 0.1; "
+           "set lr_scheduler_type to 'constant_with_warmup' (or 'linear', 'cosine')"),
+    ("lr-scheduler-type-unknown", "ppo", "ppo", {"ppo.lr_scheduler_type": "cosine_with_restarts"},
+     None, "params.yaml: ppo.lr_scheduler_type must be one of ['constant', 'constant_with_warmup', 'linear', "
+           "'cosine'], got 'cosine_with_restarts' (str)"),
     ("group-estimator-decoding-greedily", "ppo", "ppo",
      {"ppo.advantage_estimator": "grpo", "ppo.num_generations": 4, "generation.do_sample": False},
      None, "params.yaml: generation.do_sample is false, but ppo.advantage_estimator grpo compares "

@@ -49,6 +49,21 @@ def test_resume_reproduces_the_uninterrupted_run_on_cpu(tmp_path):
     assert got["ppo/loss/total"] == expected["ppo/loss/total"]
 
 
+def test_a_resumed_run_goes_on_along_the_configs_schedule(tmp_path):
+    def scheduled():  # the schedule built from the config (lr_scheduler_type), over 5 step() calls
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm("gpt2"))
+        config = PPOConfig(batch_size=8, mini_batch_size=4, learning_rate=1e-3, seed=0, steps=40,
+                           lr_scheduler_type="linear")
+        return PPOTrainer(config, model, None, tiny_tokenizer())
+
+    first = scheduled()
+    run(first, range(2))
+    first.save_checkpoint(str(tmp_path / "ckpt.pt"))
+    resumed = scheduled()
+    resumed.load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert run(resumed, [2])["ppo/learning_rate"] == pytest.approx(1e-3 * 3 / 5)  # not the fresh 1e-3
+
+
 def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
     bad = tmp_path / "ckpt.pt"
     bad.write_bytes(b"truncated")
