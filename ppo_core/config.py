@@ -234,8 +234,8 @@ class PPOConfig:
     lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     """(ppo_core; TRL GRPOConfig's name, transformers' schedules) the learning rate over the run's
     ``ceil(steps / batch_size)`` step() calls: "constant" (legacy TRL's: it never moves), or after warmup_ratio of
-    them rising from 0, "constant_with_warmup", or down to 0 at the end, "linear" or "cosine". An ``lr_scheduler``
-    passed to PPOTrainer replaces it (set "constant" then)"""
+    them rising from 0, "constant_with_warmup", or down to 0 at the end, "linear" or "cosine". With an
+    ``lr_scheduler`` passed to PPOTrainer (legacy's way) it must stay "constant": two schedules are refused"""
     warmup_ratio: float = 0.0
     """(ppo_core) the share of the step() calls over which the learning rate rises from 0 (lr_scheduler_type's)"""
 
