@@ -62,6 +62,7 @@ from .runtime.distributed import (
 from .runtime.precision import floating_dtype, loss_scale, prepare_dtypes, with_tf32
 from .runtime.utils import free_device_cache, keep_freed_memory_for_reuse, set_seed, timed
 from .runtime.zero import configure_engine, is_zero3
+from .step import update
 from .step.data import dataloader, warn_no_dataset
 from .step.inputs import (
     ModelInputs,
@@ -72,8 +73,7 @@ from .step.inputs import (
 )
 from .step.rollout import PolicyOutputs, Rollout, chunked_outputs, kl_per_token, policy_outputs, rollout_passes
 from .step.stats import lengths, step_stats, step_summary, warn_if_negative_kl
-from .step.update import (Updates, default_optimizer, minibatch_failure, ppo_loss, run_scheduler, warn_if_schedule_ended,
-                          window_divisors, window_mean)
+from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss, window_divisors, window_mean
 
 
 class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
@@ -140,7 +140,8 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
         if dataset is None:
             warn_no_dataset(config.batch_size, self.accelerator.num_processes)
         optimizer = optimizer if optimizer is not None else default_optimizer(model.parameters(), config.learning_rate)
-        lr_scheduler = run_scheduler(lr_scheduler, optimizer, config, self.is_deepspeed, self.accelerator.num_processes)
+        lr_scheduler = update.run_scheduler(lr_scheduler, optimizer, config, self.is_deepspeed,
+                                            self.accelerator.num_processes)
         self.kl_ctl = (AdaptiveKLController(config.init_kl_coef, config.target, config.horizon) if config.adap_kl_ctrl
                        else FixedKLController(config.init_kl_coef))
         self.running = RunningMoments()
@@ -332,7 +333,7 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
-        warn_if_schedule_ended(self.config, self.step_count)
+        update.warn_if_schedule_ended(self.config, self.step_count)
         if self.config.optimize_device_cache:
             free_device_cache()
 
