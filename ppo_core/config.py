@@ -238,6 +238,12 @@ class PPOConfig:
     ``lr_scheduler`` passed to PPOTrainer (legacy's way) it must stay "constant": two schedules are refused"""
     warmup_ratio: float = 0.0
     """(ppo_core) the share of the step() calls over which the learning rate rises from 0 (lr_scheduler_type's)"""
+    temperature: float | None = None
+    """(ppo_core; TRL GRPOConfig's name and meaning) the temperature the responses were sampled at: every pass of
+    step() (policy, reference, rollout copy, update) divides the logits by it, so the log-probabilities, the ratio,
+    the KL and the entropy are those of the distribution the responses were drawn from, as TRL's GRPOTrainer and its
+    later PPOTrainer compute them. None is 1.0, legacy TRL's raw logits whatever generate() sampled at (generate()
+    warns once where its temperature differs); the pipeline fills it from generation.temperature"""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -322,7 +328,7 @@ PPOConfig.__init__ = _reject_unknown_keys(PPOConfig.__init__)
 _POSITIVE = ["steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
              "cliprange", "cliprange_value", "target_kl", "compare_steps", "ratio_threshold", "max_grad_norm",
              "score_clip", "target", "horizon", "world_size", "dataset_num_proc", "max_consecutive_overflows",
-             "num_generations", "epsilon_high", "max_completion_length", "rollout_correction_cap"]
+             "num_generations", "epsilon_high", "max_completion_length", "rollout_correction_cap", "temperature"]
 _NON_NEGATIVE = ["init_kl_coef", "vf_coef", "seed", "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor"]
 _UNIT_INTERVAL = ["gamma", "lam", "warmup_ratio"]
 

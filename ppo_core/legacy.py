@@ -298,21 +298,21 @@ class LegacyMethods(LegacyHub):
     def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
                              response_masks=None):
         """``(logprobs, logits or None, values, masks)``, all response-aligned ``(B, R)`` (logits ``(B, R, V)``), with
-        ``model`` in eval mode. Differentiable, as legacy's (a custom loop's training forward); under
-        ``torch.no_grad()`` for a rollout pass. ``model_inputs`` is accepted for legacy's signature: the inputs are
-        built from the queries and responses, each moved to the trainer's device first (a loop's queries come from
-        the host, generate()'s responses from the GPU)."""
+        ``model`` in eval mode, at ``config.temperature`` (the logits divided by it). Differentiable, as legacy's (a
+        custom loop's training forward); under ``torch.no_grad()`` for a rollout pass. ``model_inputs`` is accepted
+        for legacy's signature: the inputs are built from the queries and responses, each moved to the trainer's
+        device first (a loop's queries come from the host, generate()'s responses from the GPU)."""
         device = self.current_device
         inputs = self._model_inputs(moved(list(queries), device), moved(list(responses), device))
         model.eval()
         with self._forward_precision():
-            out = policy_outputs(model, inputs, keep_hidden=return_logits)
+            out = policy_outputs(model, inputs, keep_hidden=return_logits, temperature=self.config.temperature)
         logits = None
         if return_logits:
             valid = inputs.response_mask()
             unwrapped = self.accelerator.unwrap_model(model)
             with gathered(unwrapped.lm_head_parameters()):  # under ZeRO-3: read outside any forward
-                head = unwrapped.lm_head()
+                head = unwrapped.lm_head(self.config.temperature)
                 logits = torch.zeros(*valid.shape, head.weight.shape[0], device=valid.device)
                 logits[valid] = head.logits(out.hidden)
         return out.logprobs, logits, out.values, build_response_masks(response_masks, inputs)

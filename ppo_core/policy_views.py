@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .config import PPOConfig
 from .models.cpu_attention import scoring_precision
-from .models.generation import check_group_sampling, generate_batched
+from .models.generation import check_group_sampling, generate_batched, warn_if_temperature_differs
 from .models.reference import reference_policy
 from .models.rollout_copy import RolloutCopy, static_cache_by_default
 from .runtime.distributed import deprecated_collectives_ignored, quiet_deepspeed_collectives
@@ -41,6 +41,7 @@ class PolicyViews:
     step_count: int
     _rollout: RolloutCopy | None
     _generated_max_new_tokens: int | None
+    _warned_temperature = False  # generate() at another temperature than the config's, said once
 
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
                  return_prompt: bool = True, generate_ref_response: bool = False, **generation_kwargs):
@@ -54,6 +55,8 @@ class PolicyViews:
         """
         generation_config = self.accelerator.unwrap_model(self.model).pretrained_model.generation_config
         check_group_sampling(self.config, generation_kwargs, generation_config)
+        if not self._warned_temperature:
+            self._warned_temperature = warn_if_temperature_differs(self.config, generation_kwargs, generation_config)
         if length_sampler is None:  # a length limit the same for every step (one drawn per batch is not)
             self._generated_max_new_tokens = generation_kwargs.get("max_new_tokens",
                                                                    generation_config.max_new_tokens)

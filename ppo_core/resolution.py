@@ -56,10 +56,10 @@ class RunSizes:
 def run_config(config: PPOConfig, sizes: RunSizes, is_encoder_decoder: bool, is_peft_model: bool,
                resolved: ResolvedConfig | None = None, rollout: tuple[str | None, ...] | None = None) -> PPOConfig:
     """A copy of ``config`` with the legacy fields of the run filled (``world_size``, ``global_batch_size``,
-    ``global_backward_batch_size``, ``is_encoder_decoder``, ``is_peft_model``) and the estimator's settings resolved
-    into the fields left None (``RESOLVED_FIELDS``): what ``trainer.config`` holds, as legacy user code reads them
-    there (``trainer.config.init_kl_coef`` is 0.2 for PPO, as legacy TRL's). The caller's ``config`` is left as it was
-    built, so ``dataclasses.replace`` on it still means what it says.
+    ``global_backward_batch_size``, ``is_encoder_decoder``, ``is_peft_model``; ``temperature`` 1.0 for None) and the
+    estimator's settings resolved into the fields left None (``RESOLVED_FIELDS``): what ``trainer.config`` holds, as
+    legacy user code reads them there (``trainer.config.init_kl_coef`` is 0.2 for PPO, as legacy TRL's). The caller's
+    ``config`` is left as it was built, so ``dataclasses.replace`` on it still means what it says.
 
     ``rollout``: ``rollout_dtype`` and ``rollout_correction`` as this machine runs them ("auto" resolved by the trainer:
     ``models.rollout_copy.rollout_choice``). The copy holds ``resolved`` (what every part of the run reads as
@@ -71,6 +71,7 @@ def run_config(config: PPOConfig, sizes: RunSizes, is_encoder_decoder: bool, is_
     run.global_batch_size = sizes.global_batch_size
     run.global_backward_batch_size = sizes.global_backward_batch_size
     run.is_encoder_decoder, run.is_peft_model = is_encoder_decoder, is_peft_model
+    run.temperature = 1.0 if config.temperature is None else config.temperature  # None: legacy's raw logits
     if rollout is not None:  # rollout_dtype and rollout_correction as this machine runs them ("auto" resolved)
         run.rollout_dtype, run.rollout_correction = rollout
     resolved = resolve(config) if resolved is None else resolved

@@ -72,7 +72,7 @@ from .step.inputs import (
     warn_if_start_token_included,
 )
 from .step.rollout import PolicyOutputs, Rollout, chunked_outputs, kl_per_token, policy_outputs, rollout_passes
-from .step.stats import lengths, step_stats, step_summary, warn_if_negative_kl
+from .step.stats import lengths, step_stats, step_summary, warn_if_negative_kl, warn_if_nothing_trained
 from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss, window_divisors, window_mean
 
 
@@ -225,7 +225,8 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
         with_reference = self._reference_in_use()
         with timed(timing, "time/ppo/forward_pass"):
             old, ref = rollout_passes(self.model, self.reference_policy, inputs, cfg.mini_batch_size,
-                                      self._forward_precision, self._kl.estimator == "full", with_reference)
+                                      self._forward_precision, self._kl.estimator == "full", with_reference,
+                                      cfg.temperature)
         # 4-5. per-token KL, KL-shaped rewards, advantages and returns (GAE, or a critic-free estimator)
         # DAPO's overlong shaping of the scores, where set: by the responses' lengths, whatever the masks leave out
         penalties = overlong_penalties(cfg, lengths(responses).to(mask.device))
@@ -243,10 +244,7 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
         with timed(timing, "time/ppo/calc_stats"):
             stats = self._step_stats(rollout, mask, scores, scores_in, shaped, penalties, queries, responses,
                                      train_stats, with_reference) | sampling
-        if stats["ppo/policy/empty_minibatches"] == len(train_stats):  # said where it happens: nothing trained
-            warnings.warn(f"PPOTrainer: step {self.step_count + 1}: no mini-batch had a token to train on "
-                          "(mask_truncated_completions, dynamic_sampling or response_masks left none out of the "
-                          "loss): the weights did not move.")
+        warn_if_nothing_trained(stats, len(train_stats), self.step_count + 1)
         # 8. KL controller, scheduler, step counter
         # the controller moves only where it sets the coefficient in effect, from a KL that was measured
         self._end_step(float(stats["objective/kl"]) if with_reference and not self._kl.in_loss else None)
@@ -265,7 +263,8 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
             return None, {}
         with timed(timing, "time/ppo/sampling_pass"), torch.no_grad():
             self._rollout_lm()  # the copy synced first: its scorer is a view of it
-            sampling = chunked_outputs(self._rollout.scorer(), inputs, cfg.mini_batch_size).logprobs.float()
+            sampling = chunked_outputs(self._rollout.scorer(), inputs, cfg.mini_batch_size,
+                                       temperature=cfg.temperature).logprobs.float()
         weights = sampling_weights(old_logprobs, sampling, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
         if not self._warned_unweighted_loss and (overrides(self, "loss") or overrides(self, "train_minibatch")):
             self._warned_unweighted_loss = True
@@ -304,8 +303,8 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
         if self._step_hooks:  # its compute_rewards / _kl_penalty / compute_advantages, in legacy's order
             return hooked_advantages(self, scores, old.logprobs, ref.logprobs, old.values, mask, timing)
         with timed(timing, "time/ppo/compute_rewards"):  # in the reward, or, with kl_in "loss", in the loss instead
-            kls = (kl_per_token(self._kl.estimator, self.model, self.reference_policy, inputs, old, ref)
-                   if with_reference else torch.zeros_like(old.logprobs))
+            kls = (kl_per_token(self._kl.estimator, self.model, self.reference_policy, inputs, old, ref,
+                                self.config.temperature) if with_reference else torch.zeros_like(old.logprobs))
         with timed(timing, "time/ppo/compute_advantages"):
             return step_advantages(self.config, scores, kls, old.values, mask, self._reward_kl_coef(), self._group)
 
@@ -364,7 +363,7 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
                 with self.accelerator.accumulate(self.model):
                     self.model.train()
                     with self._forward_precision():
-                        out = policy_outputs(self.model, mb.inputs, with_entropy=True)
+                        out = policy_outputs(self.model, mb.inputs, with_entropy=True, temperature=cfg.temperature)
                     if overrides(self, "train_minibatch"):  # a user's, called in legacy's argument order
                         stats = legacy_train_minibatch(self, mb, out, len(all_stats), divisors)
                     else:

@@ -2,10 +2,10 @@
 
 Per policy: the mean score of the scorer PPO trained on (`scorer.source`: the reward model, a text-classification
 pipeline or the user's callable, built and checked as the ppo stage does: stages/shared/scoring.py), the mean gold score
-(default synthetic data only), KL to the SFT policy (sum over response tokens of log pi(y_t) - log pi_sft(y_t),
-averaged over the policy's own samples, a Monte Carlo estimate of KL(pi || pi_sft)), and mean response length in
-tokens. Win rate: the fraction of prompts where that scorer scores the PPO response above the SFT one (ties count
-half). Both policies are loaded with plain transformers and sampled with the `generation` kwargs of the PPO rollouts.
+(default synthetic data only), KL to the SFT policy (sum over response tokens of log pi(y_t) - log pi_sft(y_t) at the
+sampling temperature, over the policy's own samples: a Monte Carlo estimate of KL(pi || pi_sft)), and mean response
+length. Win rate: the fraction of prompts where that scorer scores the PPO response above the SFT one (ties count half).
+Both policies are loaded with plain transformers and sampled with the `generation` kwargs of the PPO rollouts.
 
 data/eval/metrics.json puts what a sweep compares at the top (`dvc exp show --only-changed` in 100 columns), the SFT
 baseline in a group: ``{"win_rate", "gold", "reward", "kl", "length", "sft": {"gold", "reward", "length"},
@@ -51,6 +51,7 @@ from stages.shared.models import is_encoder_decoder, load_base, load_float32, sa
 from stages.shared.params import Params
 from stages.shared.runtime import device, note, tf32_on_gpu
 from stages.shared.scoring import Combined, Row, build_scorer, function_rewards, judge_functions, scored, scorer_texts
+from stages.shared.typed_params import sampled_temperature
 
 
 def run(params: Params, root: Path = Path(".")) -> str:
@@ -76,7 +77,7 @@ def compare_policies(params: Params, root: Path) -> str:
     score = build_scorer(params, root)  # the reward PPO trained on
     generation = {**auto.generation(params), "pad_token_id": tokenizer.pad_token_id,
                   "eos_token_id": tokenizer.eos_token_id}
-    bs = params.evaluate.batch_size
+    bs, t = params.evaluate.batch_size, sampled_temperature(params.generation)  # t: the KL of what was sampled
     judges = judge_functions(params)
     columns = {"policy": [], "query": [], "response": [], "score": [], "kl_to_sft": [], "response_tokens": []}
     parts = [f"reward_{name}" for name in params.scorer.functions]  # scorer.source combined: each function's
@@ -89,8 +90,8 @@ def compare_policies(params: Params, root: Path) -> str:
         if name == "sft":
             kl = np.zeros(len(texts))  # KL(sft || sft)
         else:
-            kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs),
-                             logprob_sums(policies["sft"], query_ids, response_ids, bs))
+            kl = np.subtract(logprob_sums(policy, query_ids, response_ids, bs, t),
+                             logprob_sums(policies["sft"], query_ids, response_ids, bs, t))
         seen = Row(queries, responses, kept, response_ids, scoring.trained_state(params))
         rows = {"policy": [name] * len(texts), "query": queries, "response": responses,
                 "score": scores_of(score, scorer_texts(params.scorer, queries, responses), params, name, row=seen),
@@ -187,13 +188,13 @@ def scores_of(score, texts: list[str], params: Params, policy: str, who: str | N
     return out
 
 
-def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]], batch_size: int) -> list[float]:
-    """sum_t log pi(response_t | query, response_<t) per sample, ``batch_size`` samples at a time: ppo_core's scoring
-    pass (``ppo_core.response_logprobs``), as in the PPO step. For an encoder-decoder the query goes to the encoder,
-    start + response to the decoder."""
+def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]], batch_size: int,
+                 temperature: float) -> list[float]:
+    """sum_t log pi(response_t | query, response_<t) per sample at ``temperature``, ``batch_size`` at a time: the PPO
+    step's scoring pass (``ppo_core.response_logprobs``, which gives an encoder-decoder's encoder the query)."""
     sums = []
     for i in range(0, len(query_ids), batch_size):
         queries, responses = ([torch.tensor(x, device=model.device) for x in ids[i:i + batch_size]]
                               for ids in (query_ids, response_ids))
-        sums += response_logprobs(model, queries, responses).sum(-1).tolist()  # (B, R), 0 at padding
+        sums += response_logprobs(model, queries, responses, temperature).sum(-1).tolist()  # (B, R), 0 at padding
     return sums

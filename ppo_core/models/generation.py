@@ -9,6 +9,7 @@ one copy, for the cuts after EOS (a copy or a read per response would be a host 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -171,3 +172,17 @@ def check_group_sampling(config, generation_kwargs: dict, generation_config) -> 
         raise ValueError(f"generate: greedy decoding (do_sample=False) gives num_generations={config.num_generations} "
                          f"identical responses to each prompt, so {config.advantage_estimator}'s advantages are all 0; "
                          "pass do_sample=True.")
+
+
+def warn_if_temperature_differs(config, generation_kwargs: dict, generation_config) -> bool:
+    """Warn, and return True, where ``generate`` samples at another temperature than ``config.temperature``, the one
+    ``step`` divides the logits by: its log-probabilities, ratios and KL would not be those of the distribution the
+    responses were drawn from (legacy TRL's way at its default of 1.0)."""
+    do_sample = generation_kwargs.get("do_sample", getattr(generation_config, "do_sample", False))
+    sampled = generation_kwargs.get("temperature", getattr(generation_config, "temperature", None) or 1.0)
+    if not do_sample or float(sampled) == config.temperature:
+        return False
+    warnings.warn(f"generate: sampling at temperature {sampled}, and PPOConfig.temperature is {config.temperature}: "
+                  f"step() scores the responses at {config.temperature} (their log-probabilities, the ratio, the KL), "
+                  f"not at the temperature they were drawn at; set PPOConfig(temperature={sampled}).", stacklevel=3)
+    return True

@@ -13,6 +13,7 @@ Notation: ``N`` selected positions, ``H`` hidden size, ``V`` vocabulary, ``C`` c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,18 +29,21 @@ _SAVE_PROBS_ELEMENTS = 1 << 26
 class LMHead:
     """The output projection of a causal LM, with the logit transforms some architectures apply.
 
-    # logits = softcap * tanh(scale * (h @ W^T + b) / softcap)   (softcap optional, scale default 1)
+    # logits = softcap * tanh(scale * (h @ W^T + b) / softcap) / temperature
+    #   (softcap optional; scale and temperature default 1: the temperature divides what the model outputs, as
+    #    sampling's logits processor does, so the log-probabilities are those of the distribution sampled)
     """
 
     weight: torch.Tensor  # (V, H)
     bias: torch.Tensor | None = None  # (V,)
     scale: float = 1.0  # e.g. Cohere's logit_scale
     softcap: float | None = None  # e.g. Gemma-2's final_logit_softcapping
+    temperature: float = 1.0  # the sampling temperature (PPOConfig.temperature)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(..., H)`` -> ``(..., V)`` float32 logits."""
         out = _project(hidden, self.weight, self.bias)
-        return _transform(out, self.scale, self.softcap)
+        return _transform(out, self.scale, self.softcap, self.temperature)
 
 
 def lm_head_of(model) -> LMHead:
@@ -83,11 +87,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _transform(logits: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+def _transform(logits: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
     if scale != 1.0:
         logits = logits * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:  # skipped at 1: the legacy bytes
+        logits = logits / temperature
     return logits
 
 
@@ -107,17 +113,17 @@ class _LinearLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, softcap, chunk, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, temperature, chunk, with_entropy):
         n, vocab = hidden.shape[0], weight.shape[0]
         if softcap is None and n * vocab <= _SAVE_PROBS_ELEMENTS:
             logprobs, entropy, lse, exps, sums = _forward_keeping_exps(hidden, weight, bias, targets, scale,
-                                                                       with_entropy)
+                                                                       temperature, with_entropy)
         else:
-            logprobs, entropy, lse = _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk,
-                                                      with_entropy)
+            logprobs, entropy, lse = _forward_chunked(hidden, weight, bias, targets, scale, softcap, temperature,
+                                                      chunk, with_entropy)
             exps = sums = None
         ctx.save_for_backward(hidden, weight, bias, targets, lse, exps, sums)
-        ctx.scale, ctx.softcap, ctx.chunk = scale, softcap, chunk
+        ctx.scale, ctx.softcap, ctx.temperature, ctx.chunk = scale, softcap, temperature, chunk
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -125,8 +131,8 @@ class _LinearLogProb(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_entropy):
         hidden, weight, bias, targets, lse, exps, sums = ctx.saved_tensors
         grads = _linear_logprob_backward(hidden, weight, bias, targets, lse, exps, sums, grad_out.to(lse.dtype),
-                                         ctx.scale, ctx.softcap, ctx.chunk, ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None, None)
+                                         ctx.scale, ctx.softcap, ctx.temperature, ctx.chunk, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None, None, None)
 
 
 def _row_log_softmax(z, targets, with_entropy):
@@ -150,33 +156,37 @@ def _row_log_softmax(z, targets, with_entropy):
     return logprobs, entropy, m.squeeze(1) + log_s, e, s
 
 
-def _forward_keeping_exps(hidden, weight, bias, targets, scale, with_entropy):
+def _forward_keeping_exps(hidden, weight, bias, targets, scale, temperature, with_entropy):
     """All ``N`` rows at once, keeping what the backward needs: ``e = exp(z - m)`` ``(N, V)`` and its row
     sums ``s`` ``(N,)`` (the probabilities are ``e / s``; the division is folded into the backward)."""
     z = _project(hidden, weight, bias)  # (N, V)
     if scale != 1.0:
         z.mul_(scale)
+    if temperature != 1.0:
+        z.div_(temperature)
     logprobs, entropy, lse, e, s = _row_log_softmax(z, targets, with_entropy)
     del z
     return logprobs, entropy, lse, e, s
 
 
-def _forward_chunked(hidden, weight, bias, targets, scale, softcap, chunk, with_entropy):
+def _forward_chunked(hidden, weight, bias, targets, scale, softcap, temperature, chunk, with_entropy):
     """``(C, V)`` logits at a time: bounded memory for large ``N * V``, and the no-grad passes."""
     n = hidden.shape[0]
     logprobs = torch.empty(n, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
     lse, entropy = torch.empty_like(logprobs), torch.zeros_like(logprobs)
     for start in range(0, n, chunk):
         sl = slice(start, start + chunk)
-        logits = _transform(_project(hidden[sl], weight, bias), scale, softcap)  # (C, V)
+        logits = _transform(_project(hidden[sl], weight, bias), scale, softcap, temperature)  # (C, V)
         logprobs[sl], entropy[sl], lse[sl], _, _ = _row_log_softmax(logits, targets[sl], with_entropy)
     return logprobs, entropy, lse
 
 
-def _linear_logprob_backward(hidden, weight, bias, targets, lse, exps, sums, grad_out, scale, softcap, chunk, needs):
+def _linear_logprob_backward(hidden, weight, bias, targets, lse, exps, sums, grad_out, scale, softcap, temperature,
+                             chunk, needs):
     need_h, need_w, need_b = needs
-    if exps is not None:  # one shot over all rows; the saved exponentials become the gradient in place
-        return _grads_from_logit_grad(_logit_grad(exps, targets, grad_out, scale, sums), hidden, weight, needs)
+    if exps is not None:  # one shot over all rows (no softcap); the saved exponentials become the gradient in place
+        grad_z = _logit_grad(exps, targets, grad_out, scale / temperature, sums)
+        return _grads_from_logit_grad(grad_z, hidden, weight, needs)
     acc = lse.dtype
     grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -185,13 +195,13 @@ def _linear_logprob_backward(hidden, weight, bias, targets, lse, exps, sums, gra
         sl = slice(start, start + chunk)
         h = hidden[sl]
         raw = _project(h, weight, bias)  # recomputed (C, V)
-        logits = _transform(raw, scale, softcap)
+        logits = _transform(raw, scale, softcap, temperature)
         probs_chunk = torch.exp(logits - lse[sl, None])
         grad_z = _logit_grad(probs_chunk, targets[sl], grad_out[sl], 1.0)
-        if softcap is not None:  # d/dx [c * tanh(x / c)] = 1 - tanh^2
-            grad_z.mul_(1.0 - (logits / softcap).square())
-        if scale != 1.0:
-            grad_z.mul_(scale)
+        if softcap is not None:  # d/dx [c * tanh(x / c)] = 1 - tanh^2, tanh = logits * temperature / c
+            grad_z.mul_(1.0 - (logits * temperature / softcap).square())
+        if scale / temperature != 1.0:
+            grad_z.mul_(scale / temperature)
         g_h, g_w, g_b = _grads_from_logit_grad(grad_z, h, weight, needs)
         if need_h:
             grad_h[sl] = g_h.to(acc)
@@ -238,12 +248,12 @@ def _apply(hidden, head: LMHead, targets, chunk_size, with_entropy):
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight, bias = (_autocast_input(t, dtype) for t in (hidden, weight, bias))
         with torch.autocast(device_type, enabled=False):
-            return _apply(hidden, LMHead(weight, bias, head.scale, head.softcap), targets, chunk, with_entropy)
+            return _apply(hidden, dataclasses.replace(head, weight=weight, bias=bias), targets, chunk, with_entropy)
     if bias is not None and bias.dtype != weight.dtype:
         bias = bias.to(weight.dtype)
     if hidden.dtype != weight.dtype:  # e.g. a float32 value-head trunk over a half LM head: match the head
         hidden = hidden.to(weight.dtype)
-    args = (hidden, weight, bias, targets, head.scale, head.softcap, chunk, with_entropy)
+    args = (hidden, weight, bias, targets, head.scale, head.softcap, head.temperature, chunk, with_entropy)
     differentiable = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not (torch.is_grad_enabled() and differentiable):  # no backward will come: bounded chunks, nothing kept
         return _forward_chunked(*args)[:2]

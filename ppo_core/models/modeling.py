@@ -237,9 +237,10 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         """Whether the wrapped model has an output projection (legacy: a module named in ``lm_head_namings``)."""
         return self.transformers_model.get_output_embeddings() is not None
 
-    def lm_head(self) -> LMHead:
-        """The output projection and the logit transforms this architecture applies after it (``lm_head_of``)."""
-        return lm_head_of(self.transformers_model)
+    def lm_head(self, temperature: float = 1.0) -> LMHead:
+        """The output projection and the logit transforms this architecture applies after it (``lm_head_of``), the
+        logits divided by ``temperature`` (the sampling's: ``PPOConfig.temperature``)."""
+        return dataclasses.replace(lm_head_of(self.transformers_model), temperature=temperature)
 
     def lm_head_parameters(self) -> list[nn.Parameter]:
         """The parameters ``lm_head()`` reads (its weight, and its bias if a parameter): what ZeRO-3 must gather
@@ -254,7 +255,7 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
 
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False, *,
                 score_positions=None, score_targets=None, score_entropy=False, score_hidden=False,
-                score_chunk_size=None, **kwargs):
+                score_chunk_size=None, score_temperature=1.0, **kwargs):
         """Legacy forward: ``(lm_logits float32 (B, T, V), loss or None, values (B, T))`` (plus the past key values
         with ``return_past_key_values``); for an encoder-decoder ``T`` is the decoder's length.
 
@@ -262,12 +263,12 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         ``score_positions`` (``(N, 2)``: row and position of each scored token) and ``score_targets`` (``(N,)``: the
         token whose log-probability is wanted there, the next one in the sequence) it skips the full logits and
         returns :class:`TokenScores` instead; ``score_entropy`` adds the entropies, ``score_hidden`` the hidden
-        states, ``score_chunk_size`` bounds the rows per LM-head chunk.
+        states, ``score_chunk_size`` bounds the rows per LM-head chunk, ``score_temperature`` divides the logits.
         """
         if score_positions is not None:
             hidden = self.last_hidden_states(input_ids, attention_mask, **kwargs)
             return self._token_scores(hidden, score_positions, score_targets, score_entropy, score_hidden,
-                                      score_chunk_size)
+                                      score_chunk_size, score_temperature)
         kwargs["output_hidden_states"] = True
         if past_key_values is not None:  # passed only when given: transformers 5 deprecates the name, even as None
             kwargs["past_key_values"] = past_key_values
@@ -284,7 +285,8 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         raise NotImplementedError
 
     def _token_scores(self, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                      with_entropy: bool, keep_hidden: bool, chunk_size: int | None) -> TokenScores:
+                      with_entropy: bool, keep_hidden: bool, chunk_size: int | None,
+                      temperature: float = 1.0) -> TokenScores:
         """``hidden (B, T, H)`` -> :class:`TokenScores` at ``positions`` ``(N, 2)`` (row, position) for ``targets``
         ``(N,)``, on the device of ``positions`` (the inputs').
 
@@ -295,7 +297,7 @@ class PreTrainedModelWrapper(weights.LegacyStateDict, nn.Module):
         device = positions.device
         values = self._values(hidden, device)  # (B, T)
         selected = hidden[positions[:, 0].to(hidden.device), positions[:, 1].to(hidden.device)]  # (N, H)
-        head = self.lm_head()
+        head = self.lm_head(temperature)
         selected, targets = selected.to(head.weight.device), targets.to(head.weight.device)
         if with_entropy:
             logprobs, entropy = selected_logprobs_and_entropy(selected, head, targets, chunk_size)
@@ -361,10 +363,10 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
                                   use_cache=False)
         return out[0]
 
-    def lm_head(self) -> LMHead:
+    def lm_head(self, temperature: float = 1.0) -> LMHead:
         """As the base class, plus T5's rescaling of the decoder output (folded into the logit scale:
         the head has no bias, so ``W (s h) = s (W h)``)."""
-        head = super().lm_head()
+        head = super().lm_head(temperature)
         scale = decoder_output_scale(self.config)
         return head if scale == 1.0 else dataclasses.replace(head, scale=head.scale * scale)
 

@@ -29,8 +29,9 @@ class PolicyOutputs(NamedTuple):
 
 
 def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_hidden: bool = False,
-                   chunk_size: int | None = None) -> PolicyOutputs:
-    """Log-probabilities of the response tokens, values, and optionally the entropies, in one pass.
+                   chunk_size: int | None = None, temperature: float = 1.0) -> PolicyOutputs:
+    """Log-probabilities of the response tokens, values, and optionally the entropies, in one pass, of the
+    distribution at ``temperature`` (the logits divided by it: the sampling's, ``PPOConfig.temperature``).
 
     ``model`` is a value-head model, causal or encoder-decoder, possibly wrapped (DDP, a DeepSpeed engine): the
     per-token outputs come out of its ``forward`` (``score_positions``, see ``modeling``), so a wrapper sees
@@ -47,7 +48,8 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
     src = positions[rows, cols]
     score = dict(score_positions=torch.stack([rows, src], dim=1),  # (N, 2)
                  score_targets=input_ids[rows, src + 1],  # (N,)
-                 score_entropy=with_entropy, score_hidden=keep_hidden, score_chunk_size=chunk_size)
+                 score_entropy=with_entropy, score_hidden=keep_hidden, score_chunk_size=chunk_size,
+                 score_temperature=temperature)
     # An all-ones mask is exact here (right padding, causal attention) and lets attention use its
     # causal fast path; passing one also tells transformers we did not forget the padding.
     if inputs.encoder_input_ids is None:
@@ -68,7 +70,8 @@ def policy_outputs(model, inputs: ModelInputs, with_entropy: bool = False, keep_
 
 
 @torch.no_grad()
-def response_logprobs(model, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> torch.Tensor:
+def response_logprobs(model, queries: list[torch.Tensor], responses: list[torch.Tensor],
+                      temperature: float = 1.0) -> torch.Tensor:
     """``log pi(response_t | query, response_<t)`` of every response token, in one no-grad pass: ``(B, R)``, R the
     longest response, 0 past each response's end. The pass ``step()`` scores rollouts with (the LM head at the
     response positions only, chunk by chunk: no ``(B, T, V)`` float32 logits), so a sum over a row is the sequence's
@@ -78,13 +81,14 @@ def response_logprobs(model, queries: list[torch.Tensor], responses: list[torch.
     ``model``: a ppo_core value-head model, or a plain transformers LM (causal or encoder-decoder), which is wrapped in
     its value-head class for the pass (``models.modeling.scoring_view``: the head it adds is never read). ``queries``,
     ``responses``: 1-D token tensors on the model's device, as ``step()`` takes them; an encoder-decoder's responses
-    without the decoder start token (it is prepended here).
+    without the decoder start token (it is prepended here). ``temperature``: the logits divided by it.
     """
     if not hasattr(model, "v_head"):
         model = scoring_view(model)
     config = model.pretrained_model.config
     start = config.decoder_start_token_id if config.is_encoder_decoder else None
-    return policy_outputs(model, model_inputs(queries, responses, config.pad_token_id, start)).logprobs
+    inputs = model_inputs(queries, responses, config.pad_token_id, start)
+    return policy_outputs(model, inputs, temperature=temperature).logprobs
 
 
 def concat_outputs(parts: list[PolicyOutputs], inputs: ModelInputs) -> PolicyOutputs:
@@ -102,11 +106,13 @@ def concat_outputs(parts: list[PolicyOutputs], inputs: ModelInputs) -> PolicyOut
     return PolicyOutputs(cat("logprobs"), cat("values"), cat("entropy"), hidden)
 
 
-def chunked_outputs(model, inputs: ModelInputs, chunk_size: int, keep_hidden: bool = False) -> PolicyOutputs:
+def chunked_outputs(model, inputs: ModelInputs, chunk_size: int, keep_hidden: bool = False,
+                    temperature: float = 1.0) -> PolicyOutputs:
     """:func:`policy_outputs` of ``inputs``, ``chunk_size`` samples at a time (the activations of one chunk alive at
     once), concatenated: ``(B, R)`` each."""
     starts = range(0, len(inputs.query_lens), chunk_size)
-    parts = [policy_outputs(model, inputs.rows(s, s + chunk_size), keep_hidden=keep_hidden) for s in starts]
+    parts = [policy_outputs(model, inputs.rows(s, s + chunk_size), keep_hidden=keep_hidden, temperature=temperature)
+             for s in starts]
     return concat_outputs(parts, inputs)
 
 
@@ -139,8 +145,9 @@ class Rollout(NamedTuple):
 
 
 def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.Tensor,
-                      inputs: ModelInputs) -> torch.Tensor:
-    """``(B, R)`` whole-vocabulary ``KL(policy || ref)`` at each real response token (zero at padding).
+                      inputs: ModelInputs, temperature: float = 1.0) -> torch.Tensor:
+    """``(B, R)`` whole-vocabulary ``KL(policy || ref)`` at each real response token (zero at padding), both
+    distributions at ``temperature``.
 
     No gradient, outside any forward: under ZeRO-3 both LM heads are gathered for it (every process calls it).
     """
@@ -148,7 +155,8 @@ def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.
     valid = inputs.response_mask()  # a boolean mask: one device read (once per step, with the whole-vocabulary KL)
     kl = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
     with gathered(policy.lm_head_parameters() + ref.lm_head_parameters()):
-        head, ref_head = policy.lm_head(), ref.lm_head()  # (hidden states from each model's forward, on its head)
+        # each model's hidden states on its own head, both at the temperature sampled
+        head, ref_head = policy.lm_head(temperature), ref.lm_head(temperature)
         kl[valid] = full_kl(hidden, head, ref_hidden.to(hidden.device), ref_head).float().to(kl.device)
     return kl
 
@@ -156,16 +164,16 @@ def full_kl_per_token(model, hidden: torch.Tensor, ref_model, ref_hidden: torch.
 @torch.no_grad()
 def rollout_passes(model, reference: Callable[[], AbstractContextManager], inputs: ModelInputs, chunk_size: int,
                    precision: Callable[[], AbstractContextManager], keep_hidden: bool = False,
-                   with_reference: bool = True) -> tuple[PolicyOutputs, PolicyOutputs]:
-    """The policy's and the reference's outputs on ``inputs``, in eval mode, ``chunk_size`` samples at a time, each
-    within ``precision()`` (with the hidden states for the whole-vocabulary KL). ``reference()`` gives the reference
-    model for a block. Without the reference, the policy's outputs stand in for it: a KL of exactly 0, which its
-    coefficient of 0 multiplies anyway."""
+                   with_reference: bool = True, temperature: float = 1.0) -> tuple[PolicyOutputs, PolicyOutputs]:
+    """The policy's and the reference's outputs on ``inputs`` at ``temperature``, in eval mode, ``chunk_size`` samples
+    at a time, each within ``precision()`` (with the hidden states for the whole-vocabulary KL). ``reference()`` gives
+    the reference model for a block. Without the reference, the policy's outputs stand in for it: a KL of exactly 0,
+    which its coefficient of 0 multiplies anyway."""
     model.eval()
 
     def outputs(scored):
         with precision():
-            return chunked_outputs(scored, inputs, chunk_size, keep_hidden)
+            return chunked_outputs(scored, inputs, chunk_size, keep_hidden, temperature)
 
     old = outputs(model)
     if not with_reference:
@@ -175,10 +183,10 @@ def rollout_passes(model, reference: Callable[[], AbstractContextManager], input
 
 
 def kl_per_token(kind: str, model, reference: Callable[[], AbstractContextManager], inputs: ModelInputs,
-                 old: PolicyOutputs, ref: PolicyOutputs) -> torch.Tensor:
+                 old: PolicyOutputs, ref: PolicyOutputs, temperature: float = 1.0) -> torch.Tensor:
     """``(B, R)`` the KL penalty ``kind`` (``config.kl_penalty``) of each response token: from the sampled tokens'
     log-probabilities, or (``"full"``) over the whole vocabulary from the passes' hidden states."""
     if kind != "full":
         return kl_penalty(old.logprobs, ref.logprobs, kind)
     with reference() as ref_model:
-        return full_kl_per_token(model, old.hidden, ref_model, ref.hidden, inputs)
+        return full_kl_per_token(model, old.hidden, ref_model, ref.hidden, inputs, temperature)

@@ -259,6 +259,13 @@ def warn_if_negative_kl(stats: dict[str, Any], warned: bool) -> bool:
     return warned
 
 
+def warn_if_nothing_trained(stats: dict[str, Any], n_minibatches: int, step: int) -> None:
+    """Warn where every mini-batch of step ``step`` (1-based) was empty: said where it happens, as nothing trained."""
+    if stats["ppo/policy/empty_minibatches"] == n_minibatches:
+        warnings.warn(f"PPOTrainer: step {step}: no mini-batch had a token to train on (mask_truncated_completions, "
+                      "dynamic_sampling or response_masks left none out of the loss): the weights did not move.")
+
+
 def step_summary(stats: dict[str, Any], config, group, with_reference: bool, needs_groups: bool, mask: torch.Tensor,
                  trained: torch.Tensor, scores: torch.Tensor, penalties: torch.Tensor | None) -> dict[str, Any]:
     """A step's :func:`step_stats`, averaged over processes and on the host, with what the critic-free family adds:

@@ -28,7 +28,7 @@ def defaulted_ppo_keys(params: Params) -> dict[str, Any]:
     pipeline fills itself, and the derived ones, aside)."""
     from ppo_core.config import SETTABLE
 
-    filled = {"seed", "max_completion_length", *PIPELINE_LABELS}
+    filled = {"seed", "max_completion_length", "temperature", *PIPELINE_LABELS}
     config = params.ppo_config
     return {key: getattr(config, key) for key in SETTABLE if key not in params.ppo and key not in filled}
 

@@ -88,7 +88,8 @@ class Params:
     def ppo_config(self) -> PPOConfig:
         """The `ppo` section as ppo_core's PPOConfig, built and checked once (by `load_params`, for a loaded file):
         `ppo.seed: null` is the top-level seed, `ppo.max_completion_length: null` generation.max_new_tokens (DAPO's
-        L_max: the responses' length limit), and model.mixed_precision accelerate's `mixed_precision`. The fields
+        L_max: the responses' length limit), `ppo.temperature: null` generation.temperature (another is refused: the
+        stage samples at that one), and model.mixed_precision accelerate's `mixed_precision`. The fields
         PPOConfig derives (`DERIVED`) are refused: the trainer would overwrite them. A ParamsError names the file."""
         return ppo_config(self)
 
@@ -112,6 +113,13 @@ def ppo_config(params: Params) -> PPOConfig:
         kwargs["seed"] = params.seed
     if kwargs.get("max_completion_length") is None:
         kwargs["max_completion_length"] = params.generation.max_new_tokens
+    sampled = sampled_temperature(params.generation)
+    if kwargs.get("temperature") is None:  # step() scores at the temperature the stage samples at
+        kwargs["temperature"] = sampled
+    elif kwargs["temperature"] != sampled:
+        raise ParamsError(f"{params.path}: ppo.temperature is {kwargs['temperature']}, but the ppo stage samples at "
+                          f"{sampled} (generation.temperature, do_sample {params.generation.do_sample}); remove "
+                          f"ppo.temperature or set it to {sampled}")
     # model.mixed_precision auto resolved for this machine (stages/shared/auto.py); the rollout's auto is PPOConfig's
     precision = auto.mixed_precision(params.model.mixed_precision, params.numerics.kernels, auto.machine())[0]
     if precision is not None:  # accelerate's autocast, as the legacy accelerator_kwargs would ask it
@@ -124,3 +132,8 @@ def ppo_config(params: Params) -> PPOConfig:
         return PPOConfig(**kwargs)
     except ConfigError as err:
         raise ParamsError(f"{params.path}: {err.message('ppo.')}") from None
+
+
+def sampled_temperature(generation: GenerationParams) -> float:
+    """The temperature the stages sample at, what their log-probabilities divide the logits by: 1.0 when greedy."""
+    return generation.temperature if generation.do_sample else 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -374,6 +375,78 @@ def test_first_minibatch_has_ratio_one_on_cpu(arch, dropout, precision):
     assert abs(stats["ppo/policy/policykl"]) < 1e-6
     assert stats["ppo/policy/clipfrac"] == 0
     assert stats["ppo/policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("kl_penalty", ["kl", "full"])
+def test_temperature_scores_every_pass_at_the_distribution_sampled(kl_penalty):
+    """``PPOConfig.temperature`` T: the policy's and the reference's log-probabilities and the KL between them (the
+    sampled tokens' or the whole vocabulary's) are those of ``softmax(logits / T)``, and the loss pass divides by T
+    too, so the first ratio is still exactly 1. At T = 1 the numbers are legacy's, bit for bit."""
+    t = 0.7
+
+    def first_step(**config):
+        ref = tiny_value_model(seed=5)  # another model: a KL that is not 0
+        trainer = make_trainer(ppo_epochs=1, mini_batch_size=4, init_kl_coef=0.2, kl_penalty=kl_penalty,
+                               ref_model=ref, **config)
+        queries, responses, scores = make_batch(4)
+        policy = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
+        return trainer.step(queries, responses, scores), policy, ref, queries, responses
+
+    stats, policy, ref, queries, responses = first_step(temperature=t)
+
+    def logits(model, q, r):  # (len(r), V): the model's own logits at the response's positions, divided by T
+        with torch.no_grad():
+            return model.pretrained_model(torch.cat([q, r])[None]).logits[0, len(q) - 1:-1].float() / t
+
+    logp = [torch.log_softmax(logits(policy, q, r), -1) for q, r in zip(queries, responses)]
+    ref_logp = [torch.log_softmax(logits(ref, q, r), -1) for q, r in zip(queries, responses)]
+    picked = [lp.gather(-1, r[:, None])[:, 0] for lp, r in zip(logp, responses)]
+    ref_picked = [lp.gather(-1, r[:, None])[:, 0] for lp, r in zip(ref_logp, responses)]
+    torch.testing.assert_close(torch.as_tensor(stats["objective/logprobs"]), torch.cat(picked), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.as_tensor(stats["objective/ref_logprobs"]), torch.cat(ref_picked), atol=1e-5,
+                               rtol=0)
+    if kl_penalty == "kl":  # log p - log q of the sampled tokens, summed over each response
+        kl = [(a - b).sum() for a, b in zip(picked, ref_picked)]
+    else:  # sum_v p_v (log p_v - log q_v) at each token
+        kl = [(lp.exp() * (lp - lq)).sum() for lp, lq in zip(logp, ref_logp)]
+    assert stats["objective/kl"] == pytest.approx(float(torch.stack(kl).mean()), abs=1e-5)
+    assert stats["ppo/policy/approxkl"] < 1e-12 and stats["ppo/policy/clipfrac"] == 0
+
+    legacy, explicit = first_step()[0], first_step(temperature=1.0)[0]
+    assert not np.allclose(np.asarray(legacy["objective/logprobs"]), np.asarray(stats["objective/logprobs"]))
+    for key in ("objective/logprobs", "objective/kl", "ppo/loss/total", "ppo/policy/entropy"):
+        assert np.array_equal(np.asarray(legacy[key]), np.asarray(explicit[key])), key
+
+
+def test_batched_forward_pass_scores_at_the_config_temperature():
+    """The legacy method a custom loop scores with (and the pipeline's held-out watch): the log-probabilities and the
+    logits it returns are the temperature's, as step()'s."""
+    trainer = make_trainer(temperature=0.5)
+    queries, responses, _ = make_batch(4)
+    with torch.no_grad():
+        logprobs, logits, _, masks = trainer.batched_forward_pass(trainer.model, queries, responses, return_logits=True)
+    for i, (q, r) in enumerate(zip(queries, responses)):
+        with torch.no_grad():
+            want = trainer.model.pretrained_model(torch.cat([q, r])[None]).logits[0, len(q) - 1:-1].float() / 0.5
+        torch.testing.assert_close(logits[i, :len(r)], want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logprobs[i, :len(r)], torch.log_softmax(want, -1).gather(-1, r[:, None])[:, 0],
+                                   atol=1e-5, rtol=0)
+
+
+def test_generate_warns_once_where_it_samples_at_another_temperature_than_the_config():
+    trainer = make_trainer(temperature=0.7)
+    queries = random_queries(2, seed=0)
+    kwargs = dict(do_sample=True, max_new_tokens=3, pad_token_id=PAD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.generate(queries, temperature=0.7, **kwargs)  # the same temperature: nothing said
+    with pytest.warns(UserWarning, match=r"sampling at temperature 1.0, and PPOConfig.temperature is 0.7.*"
+                                         r"PPOConfig\(temperature=1.0\)"):
+        trainer.generate(queries, **kwargs)  # the model's generation config: 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.generate(queries, temperature=1.3, **kwargs)  # said once
+        trainer.generate(queries, do_sample=False, max_new_tokens=3, pad_token_id=PAD)  # greedy: no temperature
 
 
 def test_padding_does_not_leak_into_the_stats():

@@ -325,6 +325,9 @@ CASES += [
     ("lr-scheduler-type-unknown", "ppo", "ppo", {"ppo.lr_scheduler_type": "cosine_with_restarts"},
      None, "params.yaml: ppo.lr_scheduler_type must be one of ['constant', 'constant_with_warmup', 'linear', "
            "'cosine'], got 'cosine_with_restarts' (str)"),
+    ("ppo-temperature-not-the-sampled-one", "ppo", "ppo", {"ppo.temperature": 0.7},
+     None, "params.yaml: ppo.temperature is 0.7, but the ppo stage samples at 1.0 (generation.temperature, do_sample "
+           "True); remove ppo.temperature or set it to 1.0"),
     ("group-estimator-decoding-greedily", "ppo", "ppo",
      {"ppo.advantage_estimator": "grpo", "ppo.num_generations": 4, "generation.do_sample": False},
      None, "params.yaml: generation.do_sample is false, but ppo.advantage_estimator grpo compares "

@@ -19,21 +19,29 @@ torch.set_num_threads(1)  # tiny tensors: extra threads only add spin-up cost
 f64 = torch.float64
 
 
-def naive_logprobs(hidden, weight, bias, targets, scale=1.0, softcap=None):
-    # logits = softcap * tanh(scale * (h @ W^T + b) / softcap)
+def naive_logits(hidden, weight, bias, scale=1.0, softcap=None, temperature=1.0):
+    # logits = softcap * tanh(scale * (h @ W^T + b) / softcap) / temperature  (the sampling's logits processor last)
     logits = scale * (hidden @ weight.T + (bias if bias is not None else 0.0))
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    return logits / temperature
+
+
+def naive_logprobs(hidden, weight, bias, targets, scale=1.0, softcap=None, temperature=1.0):
+    logits = naive_logits(hidden, weight, bias, scale, softcap, temperature)
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-HEAD_CASES = [  # (scale, softcap, bias?, chunk size)
-    (1.0, None, True, None),
-    (1.0, None, False, 3),  # 3 does not divide N = 11
-    (0.25, None, True, 4),
-    (1.0, 2.0, True, 5),
-    (2.0, 1.5, False, 1),
-    (1.0, None, True, 64),  # one chunk larger than N
+HEAD_CASES = [  # (scale, softcap, temperature, bias?, chunk size)
+    (1.0, None, 1.0, True, None),
+    (1.0, None, 1.0, False, 3),  # 3 does not divide N = 11
+    (0.25, None, 1.0, True, 4),
+    (1.0, 2.0, 1.0, True, 5),
+    (2.0, 1.5, 1.0, False, 1),
+    (1.0, None, 1.0, True, 64),  # one chunk larger than N
+    (1.0, None, 0.7, True, 3),  # a sampling temperature: below 1 sharpens, above flattens
+    (0.25, None, 1.6, False, None),
+    (2.0, 1.5, 0.5, True, 4),  # after the soft cap, as the logits processor divides what the model outputs
 ]
 
 
@@ -46,9 +54,9 @@ def backward_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("scale,softcap,with_bias,chunk", HEAD_CASES)
-def test_selected_logprobs_values_and_grads_match_log_softmax(dtype, atol, scale, softcap, with_bias, chunk,
-                                                              backward_path):
+@pytest.mark.parametrize("scale,softcap,temperature,with_bias,chunk", HEAD_CASES)
+def test_selected_logprobs_values_and_grads_match_log_softmax(dtype, atol, scale, softcap, temperature, with_bias,
+                                                              chunk, backward_path):
     gen = torch.Generator().manual_seed(0)
     n, hidden_size, vocab = 11, 8, 23
     hidden = torch.randn(n, hidden_size, generator=gen, dtype=dtype).requires_grad_()
@@ -58,8 +66,8 @@ def test_selected_logprobs_values_and_grads_match_log_softmax(dtype, atol, scale
     upstream = torch.randn(n, generator=gen, dtype=dtype)
     leaves = [hidden, weight] + ([bias] if with_bias else [])
 
-    got = selected_logprobs(hidden, LMHead(weight, bias, scale, softcap), targets, chunk_size=chunk)
-    want = naive_logprobs(hidden, weight, bias, targets, scale, softcap)
+    got = selected_logprobs(hidden, LMHead(weight, bias, scale, softcap, temperature), targets, chunk_size=chunk)
+    want = naive_logprobs(hidden, weight, bias, targets, scale, softcap, temperature)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
     got_grads = torch.autograd.grad((got * upstream).sum(), leaves)
@@ -95,13 +103,15 @@ def test_selected_logprobs_under_autocast_match_autograd_under_autocast(with_bia
         torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
 
 
-def test_selected_logprobs_passes_gradcheck(backward_path):
+@pytest.mark.parametrize("softcap,temperature", [(3.0, 1.0), (3.0, 0.6)])  # (a soft cap: the chunked forward)
+def test_selected_logprobs_passes_gradcheck(softcap, temperature, backward_path):
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(5, 4, generator=gen, dtype=f64, requires_grad=True)
     weight = torch.randn(7, 4, generator=gen, dtype=f64, requires_grad=True)
     bias = torch.randn(7, generator=gen, dtype=f64, requires_grad=True)
     targets = torch.randint(0, 7, (5,), generator=gen)
-    fn = lambda h, w, b: selected_logprobs(h, LMHead(w, b, 0.5, 3.0), targets, chunk_size=2)  # noqa: E731
+    head = lambda w, b: LMHead(w, b, 0.5, softcap, temperature)  # noqa: E731
+    fn = lambda h, w, b: selected_logprobs(h, head(w, b), targets, chunk_size=2)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
@@ -129,16 +139,15 @@ def naive_entropy(logits):
     return -(logp.exp() * logp).sum(-1)
 
 
-@pytest.mark.parametrize("scale,softcap,chunk", [(1.0, None, 3), (0.5, 2.0, 4), (1.0, None, None)])
-def test_selected_entropy_matches_entropy_of_full_logits(scale, softcap, chunk):
+@pytest.mark.parametrize("scale,softcap,temperature,chunk",
+                         [(1.0, None, 1.0, 3), (0.5, 2.0, 1.0, 4), (1.0, None, 1.0, None), (0.5, 2.0, 0.7, 4)])
+def test_selected_entropy_matches_entropy_of_full_logits(scale, softcap, temperature, chunk):
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(10, 6, generator=gen, dtype=f64)
     weight = torch.randn(13, 6, generator=gen, dtype=f64)
     bias = torch.randn(13, generator=gen, dtype=f64)
-    head = LMHead(weight, bias, scale, softcap)
-    logits = scale * (hidden @ weight.T + bias)
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    head = LMHead(weight, bias, scale, softcap, temperature)
+    logits = naive_logits(hidden, weight, bias, scale, softcap, temperature)
     got = selected_entropy(hidden, head, chunk_size=chunk)
     torch.testing.assert_close(got, naive_entropy(logits), atol=1e-10, rtol=0)
     torch.testing.assert_close(got, entropy_from_logits(logits), atol=1e-10, rtol=0)
@@ -149,14 +158,15 @@ def test_selected_entropy_matches_entropy_of_full_logits(scale, softcap, chunk):
                                atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [None, 3])
-def test_full_kl_matches_kl_div(chunk):
+@pytest.mark.parametrize("chunk,temperature", [(None, 1.0), (3, 1.0), (3, 0.7)])
+def test_full_kl_matches_kl_div(chunk, temperature):
     gen = torch.Generator().manual_seed(4)
     hidden, ref_hidden = torch.randn(7, 5, generator=gen, dtype=f64), torch.randn(7, 5, generator=gen, dtype=f64)
     weight, ref_weight = torch.randn(11, 5, generator=gen, dtype=f64), torch.randn(11, 5, generator=gen, dtype=f64)
-    got = full_kl(hidden, LMHead(weight), ref_hidden, LMHead(ref_weight), chunk_size=chunk)
-    logp = torch.log_softmax(hidden @ weight.T, -1)
-    logq = torch.log_softmax(ref_hidden @ ref_weight.T, -1)
+    got = full_kl(hidden, LMHead(weight, temperature=temperature), ref_hidden,
+                  LMHead(ref_weight, temperature=temperature), chunk_size=chunk)
+    logp = torch.log_softmax(hidden @ weight.T / temperature, -1)
+    logq = torch.log_softmax(ref_hidden @ ref_weight.T / temperature, -1)
     # KL(p || q) = sum_v p_v (log p_v - log q_v) = kl_div(input=log q, target=log p)
     want = F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=0)

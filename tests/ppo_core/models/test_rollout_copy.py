@@ -291,18 +291,22 @@ def test_a_legacy_loss_override_beside_the_correction_is_warned_about_once():
         trainer.step(*make_batch(4, seed=1))
 
 
-def test_a_float32_copy_s_correction_is_exactly_1_and_the_step_is_the_copy_free_one():
+@pytest.mark.parametrize("temperature", [None, 0.7])
+def test_a_float32_copy_s_correction_is_exactly_1_and_the_step_is_the_copy_free_one(temperature):
     """A float32 copy is the policy itself: every importance weight of the correction is exactly 1, and the step (stats
-    and weights) is bit for bit the step without a copy. A bf16 copy's weights differ from 1 and reach the update."""
+    and weights) is bit for bit the step without a copy, at any sampling temperature (the copy's pass divides by it
+    too). A bf16 copy's weights differ from 1 and reach the update."""
     queries = random_queries(4, seed=2)
     setups = {"none": {}, "float32": {"rollout_dtype": "float32", "rollout_correction": "token_truncate"},
               "bfloat16": {"rollout_dtype": "bfloat16", "rollout_correction": "token_truncate"},
               "bfloat16 uncorrected": {"rollout_dtype": "bfloat16", "rollout_correction": None}}
     stats, weights = {}, {}
     for name, setup in setups.items():
-        trainer = make_trainer("llama", advantage_estimator="dr_grpo", num_generations=2, **setup)
+        trainer = make_trainer("llama", advantage_estimator="dr_grpo", num_generations=2, temperature=temperature,
+                               **setup)
         torch.manual_seed(0)
-        trainer.generate(queries, return_prompt=False, max_new_tokens=5, do_sample=True, top_k=0)  # makes the copy
+        trainer.generate(queries, return_prompt=False, max_new_tokens=5, do_sample=True, top_k=0,  # makes the copy
+                         temperature=temperature or 1.0)
         responses = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([9, 8, 7]), torch.tensor([4, 4, 4, 4]),
                      torch.tensor([1, 2])]  # the same responses for every setup: only the correction differs
         stats[name] = trainer.step([queries[0]] * 2 + [queries[1]] * 2, responses,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ppo_core.step.inputs import build_model_inputs, model_inputs
@@ -91,3 +92,39 @@ def test_response_logprobs_is_the_public_scoring_pass_of_any_lm():
             logits = t5(input_ids=q[None], decoder_input_ids=torch.cat([start, r])[None]).logits[0, :-1]
         expected = torch.log_softmax(logits.float(), -1).gather(-1, r[:, None])[:, 0]
         torch.testing.assert_close(row[:len(r)], expected, rtol=1e-5, atol=1e-5)
+
+
+def _tiny_gemma2():
+    """A 2-layer Gemma-2: a final logit soft cap, which the sampling temperature must divide after (as the logits
+    processor divides what the model outputs)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
+                          pad_token_id=0)
+    return Gemma2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "t5"])
+def test_response_logprobs_at_a_temperature_are_those_of_the_distribution_sampled(arch):
+    """At ``temperature`` T the scoring pass is ``log_softmax(logits / T)`` of the model's own logits (Gemma-2's after
+    its soft cap, T5's after its rescaled head): what ``generate(do_sample=True, temperature=T)`` samples from."""
+    from ppo_core import response_logprobs
+    from tests.tiny import random_queries, tiny_causal_lm, tiny_seq2seq_lm
+
+    lm = {"llama": lambda: tiny_causal_lm("llama").eval(), "gemma2": _tiny_gemma2,
+          "t5": lambda: tiny_seq2seq_lm("t5").eval()}[arch]()
+    queries, responses = random_queries(3, seed=1), random_queries(3, seed=2, min_len=1, max_len=4)
+    got = response_logprobs(lm, queries, responses, temperature=0.7)
+    at_one = response_logprobs(lm, queries, responses)
+    for row, row_at_one, q, r in zip(got, at_one, queries, responses):
+        with torch.no_grad():
+            if lm.config.is_encoder_decoder:
+                start = torch.tensor([lm.config.decoder_start_token_id])
+                logits = lm(input_ids=q[None], decoder_input_ids=torch.cat([start, r])[None]).logits[0, :-1]
+            else:
+                logits = lm(torch.cat([q, r])[None]).logits[0, len(q) - 1:-1]
+        expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, r[:, None])[:, 0]
+        torch.testing.assert_close(row[:len(r)], expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(row[:len(r)], row_at_one[:len(r)], atol=1e-3)  # the temperature did something
