@@ -118,6 +118,19 @@ def test_the_ppo_config_is_built_once_at_load_with_the_generation_s_length(tmp_p
     assert changed.ppo_config.learning_rate == 0.5 and params.ppo_config.learning_rate != 0.5
 
 
+@pytest.mark.parametrize("generation, given, expected", [
+    ({"temperature": 0.7}, None, 0.7),  # null: the temperature the stage samples at
+    ({"temperature": 0.7}, 0.7, 0.7),  # the same value, given
+    ({"temperature": 0.7, "do_sample": False}, None, 1.0),  # greedy: the raw logits
+    ({}, None, 1.0),
+])
+def test_ppo_temperature_is_the_generation_s(tmp_path, generation, given, expected):
+    def edit(p):
+        p["generation"].update(generation)
+        p["ppo"]["temperature"] = given
+    assert load_params(write_params(tmp_path, edit)).ppo_config.temperature == expected
+
+
 def test_explicit_ppo_seed_wins(tmp_path):
     path = write_params(tmp_path, lambda p: p["ppo"].update(seed=7))
     assert load_params(path).ppo_config.seed == 7
