@@ -189,7 +189,7 @@ def scores_of(score, texts: list[str], params: Params, policy: str, who: str | N
 
 
 def logprob_sums(model, query_ids: list[list[int]], response_ids: list[list[int]], batch_size: int,
-                 temperature: float) -> list[float]:
+                 temperature: float = 1.0) -> list[float]:
     """sum_t log pi(response_t | query, response_<t) per sample at ``temperature``, ``batch_size`` at a time: the PPO
     step's scoring pass (``ppo_core.response_logprobs``, which gives an encoder-decoder's encoder the query)."""
     sums = []

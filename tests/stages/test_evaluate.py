@@ -131,8 +131,10 @@ def test_a_judge_that_fails_is_one_line_naming_it(tiny_params, tmp_path, monkeyp
                               "numbers")
 
 
-def test_logprob_sums_match_one_sample_at_a_time(tiny_run):
-    """The padded batch in evaluate.logprob_sums gives each sample's sum_t log p(response_t | ...) as if alone."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_sums_match_one_sample_at_a_time(tiny_run, temperature):
+    """The padded batch in evaluate.logprob_sums gives each sample's sum_t log p(response_t | ...) as if alone, at
+    the sampling temperature (the logits divided by it, as the samples were drawn)."""
     import torch
 
     from stages.evaluate import logprob_sums
@@ -143,9 +145,10 @@ def test_logprob_sums_match_one_sample_at_a_time(tiny_run):
     for q, r in zip(queries, responses):
         ids = torch.tensor([q + r])
         with torch.no_grad():
-            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)  # (T-1, V)
+            logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+            logprobs = torch.log_softmax(logits, dim=-1)  # (T-1, V)
         expected.append(sum(float(logprobs[len(q) - 1 + t, tok]) for t, tok in enumerate(r)))
-    assert logprob_sums(model, queries, responses, batch_size=2) == pytest.approx(expected, abs=1e-5)
+    assert logprob_sums(model, queries, responses, 2, temperature) == pytest.approx(expected, abs=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "t5"])
