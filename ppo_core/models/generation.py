@@ -164,10 +164,17 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
     return outputs
 
 
+def generation_setting(name: str, generation_kwargs: dict, generation_config, default: Any) -> Any:
+    """One setting ``generate`` decodes with: the call's kwargs first, else the model's generation config, else
+    ``default`` (a setting given as None counts as not given, as transformers reads it)."""
+    value = generation_kwargs.get(name, getattr(generation_config, name, None))
+    return default if value is None else value
+
+
 def check_group_sampling(config, generation_kwargs: dict, generation_config) -> None:
     """A group estimator compares ``num_generations`` samples of each prompt: refuse to generate them greedily (the
     kwargs' ``do_sample``, else the model's generation config), which makes them identical, every advantage 0."""
-    do_sample = generation_kwargs.get("do_sample", getattr(generation_config, "do_sample", False))
+    do_sample = generation_setting("do_sample", generation_kwargs, generation_config, False)
     if get_estimator(config.advantage_estimator).needs_groups and not do_sample:
         raise ValueError(f"generate: greedy decoding (do_sample=False) gives num_generations={config.num_generations} "
                          f"identical responses to each prompt, so {config.advantage_estimator}'s advantages are all 0; "
@@ -178,8 +185,8 @@ def warn_if_temperature_differs(config, generation_kwargs: dict, generation_conf
     """Warn, and return True, where ``generate`` samples at another temperature than ``config.temperature``, the one
     ``step`` divides the logits by: its log-probabilities, ratios and KL would not be those of the distribution the
     responses were drawn from (legacy TRL's way at its default of 1.0)."""
-    do_sample = generation_kwargs.get("do_sample", getattr(generation_config, "do_sample", False))
-    sampled = generation_kwargs.get("temperature", getattr(generation_config, "temperature", None) or 1.0)
+    do_sample = generation_setting("do_sample", generation_kwargs, generation_config, False)
+    sampled = generation_setting("temperature", generation_kwargs, generation_config, 1.0)
     if not do_sample or float(sampled) == config.temperature:
         return False
     warnings.warn(f"generate: sampling at temperature {sampled}, and PPOConfig.temperature is {config.temperature}: "

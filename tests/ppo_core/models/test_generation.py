@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
-from ppo_core.models.generation import cut_after_eos, fast_cpu_sampling, sample_categorical
+from ppo_core.models.generation import cut_after_eos, fast_cpu_sampling, generation_setting, sample_categorical
 from tests.tiny import EOS
 
 
@@ -18,6 +19,16 @@ def test_cut_after_eos():
     assert cut_after_eos(torch.tensor([4, 5, 6]), {EOS}).tolist() == [4, 5, 6]
     assert cut_after_eos(torch.tensor([4, 9, EOS]), {EOS, 9}).tolist() == [4, 9]
     assert cut_after_eos(x, set()).tolist() == x.tolist()
+
+
+def test_generation_setting_reads_the_call_then_the_model_s_config_then_the_default():
+    config = GenerationConfig(do_sample=True, temperature=0.7)
+    assert generation_setting("temperature", {"temperature": 1.3}, config, 1.0) == 1.3
+    assert generation_setting("temperature", {}, config, 1.0) == 0.7
+    assert generation_setting("temperature", {"temperature": None}, config, 1.0) == 1.0  # None: not given
+    assert generation_setting("do_sample", {}, config, False) is True
+    assert generation_setting("do_sample", {"do_sample": False}, config, False) is False
+    assert generation_setting("do_sample", {}, None, False) is False  # a model without a generation config
 
 
 def test_sample_categorical_draws_from_the_given_distribution():
