@@ -56,7 +56,7 @@ example: $(VENV)/.installed-example
 	cd examples/sentiment && $(CURDIR)/$(BIN)/dvc repro
 
 # A verifiable task on the same model (examples/verifiable): SFT on reasoning-gym's arithmetic problems, then Dr. GRPO
-# rewarded by the task's own checker; judged by held-out accuracy and pass@k. 36 minutes on 2 cores (measured: see
+# rewarded by the task's own checker; judged by held-out accuracy and pass@k. 40 minutes on 2 cores (measured: see
 # docs/pipeline.md). A DVC project of its own, as examples/sentiment is.
 example-verifiable: $(VENV)/.installed-verifiable
 	cd examples/verifiable && $(CURDIR)/$(BIN)/dvc repro
