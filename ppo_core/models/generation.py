@@ -166,7 +166,8 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
 
 def generation_setting(name: str, generation_kwargs: dict, generation_config, default: Any) -> Any:
     """One setting ``generate`` decodes with: the call's kwargs first, else the model's generation config, else
-    ``default`` (a setting given as None counts as not given, as transformers reads it)."""
+    ``default``. A None, in the call or the config, is ``default``: transformers takes a None as the setting left unset
+    (no temperature applied, greedy decoding)."""
     value = generation_kwargs.get(name, getattr(generation_config, name, None))
     return default if value is None else value
 

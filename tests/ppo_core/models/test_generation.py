@@ -25,7 +25,7 @@ def test_generation_setting_reads_the_call_then_the_model_s_config_then_the_defa
     config = GenerationConfig(do_sample=True, temperature=0.7)
     assert generation_setting("temperature", {"temperature": 1.3}, config, 1.0) == 1.3
     assert generation_setting("temperature", {}, config, 1.0) == 0.7
-    assert generation_setting("temperature", {"temperature": None}, config, 1.0) == 1.0  # None: not given
+    assert generation_setting("temperature", {"temperature": None}, config, 1.0) == 1.0  # None: unset
     assert generation_setting("do_sample", {}, config, False) is True
     assert generation_setting("do_sample", {"do_sample": False}, config, False) is False
     assert generation_setting("do_sample", {}, None, False) is False  # a model without a generation config
