@@ -231,6 +231,13 @@ class PPOConfig:
     token_truncate wherever a copy samples"""
     rollout_correction_cap: float = 2.0
     """(ppo_core) the largest importance weight of rollout_correction"""
+    weights_dtype: Literal["bfloat16"] | None = None
+    """(ppo_core) hold the policy's weights (its LM; the value head stays float32) in this dtype and train them through
+    float32 master copies in the default optimizer (``runtime.master_weights.MasterAdam``; DeepSpeed's and Megatron's
+    bf16 optimizers): every pass computes in bf16 with no autocast casts, the weights and the reference copy take half
+    the memory, and Adam's small updates accumulate in float32. The policy then samples itself (a rollout_dtype "auto"
+    copy would be the same weights) with the static cache on a GPU. An optimizer passed to PPOTrainer must keep masters
+    itself (MasterAdam, MasterAdamW). None: the weights as loaded, as legacy TRL"""
     lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     """(ppo_core; TRL GRPOConfig's name, transformers' schedules) the learning rate over the run's
     ``ceil(steps / batch_size)`` step() calls: "constant" (legacy TRL's: it never moves), or after warmup_ratio of

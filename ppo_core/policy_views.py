@@ -61,8 +61,9 @@ class PolicyViews:
             self._generated_max_new_tokens = generation_kwargs.get("max_new_tokens",
                                                                    generation_config.max_new_tokens)
 
-        def sample(lm, precision, copy: bool = False):  # the static cache by default for a copy on a GPU alone
-            kwargs = static_cache_by_default(generation_kwargs, copy and self.accelerator.device.type == "cuda")
+        def sample(lm, precision, copy: bool = False):  # the static cache by default for weights in their own
+            own_dtype = copy or self.config.weights_dtype is not None  # dtype (a copy, bf16 weights) on a GPU alone
+            kwargs = static_cache_by_default(generation_kwargs, own_dtype and self.accelerator.device.type == "cuda")
             return self._sample(lm, precision, query_tensors=query_tensor, length_sampler=length_sampler,
                                 batch_size=batch_size, return_prompt=return_prompt, **kwargs)
 

@@ -135,7 +135,7 @@ FIXED_IN_A_RUN = frozenset(RESOLVED_FIELDS + (
     "world_size", "global_batch_size", "global_backward_batch_size", "seed", "learning_rate", "adap_kl_ctrl", "target",
     "horizon", "max_grad_norm", "max_consecutive_overflows", "accelerator_kwargs", "project_kwargs",
     "gradient_checkpointing", "disable_dropout", "rollout_dtype", "is_encoder_decoder", "is_peft_model",
-    "lr_scheduler_type", "warmup_ratio"))
+    "lr_scheduler_type", "warmup_ratio", "weights_dtype"))
 
 
 def resolve(config: PPOConfig) -> ResolvedConfig:

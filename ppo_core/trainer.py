@@ -73,7 +73,7 @@ from .step.inputs import (
 )
 from .step.rollout import PolicyOutputs, Rollout, chunked_outputs, kl_per_token, policy_outputs, rollout_passes
 from .step.stats import lengths, step_stats, step_summary, warn_if_negative_kl, warn_if_nothing_trained
-from .step.update import Updates, default_optimizer, minibatch_failure, ppo_loss, window_divisors, window_mean
+from .step.update import Updates, minibatch_failure, ppo_loss, window_divisors, window_mean
 
 
 class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
@@ -112,7 +112,7 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
         self._zero3 = is_zero3(self.accelerator)  # weights sharded too (see ``runtime.zero``)
         device = self.accelerator.device.type
         rollout = rollout_choice(config.rollout_dtype, config.rollout_correction, device,
-                                 device == "cuda" and torch.cuda.is_bf16_supported(), self._zero3)
+                                 device == "cuda" and torch.cuda.is_bf16_supported(), self._zero3, config.weights_dtype)
         self.config = config = run_config(config, self.sizes, model.is_encoder_decoder, model.is_peft_model,
                                           self.resolved, rollout)
         self.is_distributed = self.accelerator.num_processes > 1
@@ -139,7 +139,8 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
         self.dataloader = None if dataset is None else dataloader(dataset, config, data_collator)
         if dataset is None:
             warn_no_dataset(config.batch_size, self.accelerator.num_processes)
-        optimizer = optimizer if optimizer is not None else default_optimizer(model.parameters(), config.learning_rate)
+        optimizer = update.run_optimizer(optimizer, model.parameters(), config, self.is_deepspeed,
+                                         self.accelerator.mixed_precision)
         lr_scheduler = update.run_scheduler(lr_scheduler, optimizer, config, self.is_deepspeed,
                                             self.accelerator.num_processes)
         self.kl_ctl = (AdaptiveKLController(config.init_kl_coef, config.target, config.horizon) if config.adap_kl_ctrl
@@ -152,9 +153,9 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
         with deprecated_collectives_ignored(self.is_deepspeed):
             (self.model, self.optimizer, self.dataloader, self.lr_scheduler) = self.accelerator.prepare(
                 model, optimizer, self.dataloader, lr_scheduler)
-            # under DeepSpeed the reference takes the dtype the engine gave the policy's weights
-            self.ref_model = placed_reference(ref_model, self.accelerator, self._zero3,
-                                              floating_dtype(self.model) if self.is_deepspeed else None)
+            # under DeepSpeed (or weights_dtype) the reference takes the dtype the policy's weights have
+            self.ref_model = placed_reference(ref_model, self.accelerator, self._zero3, floating_dtype(self.model)
+                                              if self.is_deepspeed or config.weights_dtype else None)
         self.current_device = self.accelerator.device
         if self.current_device.type == "cpu":  # (N, V) blocks reused, not page-faulted in at every mini-batch
             keep_freed_memory_for_reuse()
@@ -188,10 +189,10 @@ class PPOTrainer(PolicyViews, Checkpoints, LegacyMethods):
                           "seeing fewer prompts; set num_generations=1, or an estimator that compares them (grpo, "
                           "rloo, ...).", UserWarning, stacklevel=4)
         prepare_for_training(model, self.tokenizer, config.disable_dropout, config.gradient_checkpointing,
-                             self.estimator.uses_critic)
+                             self.estimator.uses_critic, config.weights_dtype)
         self.decoder_start_token_id = decoder_start_token_id(model) if model.is_encoder_decoder else None
         ref_model = frozen_reference(model, ref_model, num_shared_layers, self._zero3)  # None: the PEFT policy's
-        prepare_dtypes(self.accelerator, model, ref_model)  # frozen weights in the autocast dtype; half weights warned
+        prepare_dtypes(self.accelerator, model, ref_model, masters=config.weights_dtype is not None)
         return ref_model
 
     def _model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> ModelInputs:

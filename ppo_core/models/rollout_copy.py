@@ -26,24 +26,28 @@ AUTO_CORRECTION = "token_truncate"  # rollout_correction "auto" wherever a copy 
 
 
 def rollout_choice(dtype: str | None, correction: str | None, device_type: str, cuda_bf16: bool,
-                   zero3: bool) -> tuple[str | None, str | None]:
+                   zero3: bool, weights_dtype: str | None = None) -> tuple[str | None, str | None]:
     """``PPOConfig.rollout_dtype`` and ``rollout_correction`` as a run uses them, "auto" resolved: on a CUDA GPU with
-    bf16 (and the weights whole: not ZeRO-3) a bf16 copy samples, elsewhere the policy; wherever a copy samples,
-    "auto" corrects with ``AUTO_CORRECTION``. An explicit value wins; without a copy there is nothing to correct."""
+    bf16 (and the weights whole: not ZeRO-3) a bf16 copy samples, elsewhere the policy, and wherever the policy's
+    weights are bf16 already (``weights_dtype``) the policy: the copy would hold the same numbers; wherever a copy
+    samples, "auto" corrects with ``AUTO_CORRECTION``. An explicit value wins; without a copy there is nothing to
+    correct."""
     if dtype == "auto":
-        dtype = "bfloat16" if device_type == "cuda" and cuda_bf16 and not zero3 else None
+        gpu_bf16 = device_type == "cuda" and cuda_bf16 and not zero3
+        dtype = "bfloat16" if gpu_bf16 and weights_dtype is None else None
     if dtype is None:
         return None, None
     return dtype, AUTO_CORRECTION if correction == "auto" else correction
 
 
-def static_cache_by_default(generation_kwargs: dict, copy_on_gpu: bool) -> dict:
+def static_cache_by_default(generation_kwargs: dict, half_on_gpu: bool) -> dict:
     """generate()'s keyword arguments with ``cache_implementation`` "auto" (or not given) resolved: the static cache
-    where a rollout copy samples on a GPU (transformers compiles its decoding step), else transformers' default."""
+    where weights in their own compute dtype sample on a GPU (a rollout copy, or the policy under
+    ``PPOConfig.weights_dtype``: transformers compiles the decoding step), else transformers' default."""
     kwargs = dict(generation_kwargs)
     if kwargs.get("cache_implementation", "auto") == "auto":
         kwargs.pop("cache_implementation", None)
-        if copy_on_gpu:
+        if half_on_gpu:
             kwargs["cache_implementation"] = "static"
     return kwargs
 

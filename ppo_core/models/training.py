@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 
 from .modeling import PreTrainedModelWrapper
 
 
 def prepare_for_training(model: PreTrainedModelWrapper, tokenizer, no_dropout: bool, gradient_checkpointing: bool,
-                         uses_critic: bool) -> None:
+                         uses_critic: bool, weights_dtype: str | None = None) -> None:
     """``tokenizer`` gets its EOS token as pad token where it has none (warned); ``model`` loses its dropout
-    (``no_dropout``: the first ratio of every step is then exactly 1), gets gradient checkpointing where asked, and
+    (``no_dropout``: the first ratio of every step is then exactly 1), gets gradient checkpointing where asked,
     without a critic a frozen value head: neither used nor trained, and frozen so that DDP does not wait for its
-    gradient."""
+    gradient; with ``weights_dtype`` (``PPOConfig``'s) its LM's floating-point weights in that dtype, the value head
+    kept float32 (its small weights and the values' precision cost nothing to keep)."""
+    if weights_dtype is not None:
+        model.pretrained_model.to(getattr(torch, weights_dtype))
     if tokenizer.pad_token_id is None:
         warnings.warn("PPOTrainer: the tokenizer has no pad token; using its EOS token as pad token.", stacklevel=3)
         tokenizer.pad_token = tokenizer.eos_token

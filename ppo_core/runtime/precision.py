@@ -106,15 +106,16 @@ def cast_frozen_matmul_weights(model: nn.Module, dtype: torch.dtype, keep: list[
     return cast
 
 
-def prepare_dtypes(accelerator, policy: nn.Module, reference: nn.Module | None) -> None:
+def prepare_dtypes(accelerator, policy: nn.Module, reference: nn.Module | None, masters: bool = False) -> None:
     """Before ``accelerator.prepare``: under autocast, the frozen matmul weights of the value-head models ``policy`` and
     ``reference`` (None: the PEFT policy's) in the compute dtype, their LM heads excepted
-    (:func:`cast_frozen_matmul_weights`); outside DeepSpeed, a warning if the policy trains half-precision weights."""
+    (:func:`cast_frozen_matmul_weights`); outside DeepSpeed and without ``masters`` (an optimizer that keeps float32
+    masters: ``PPOConfig.weights_dtype``), a warning if the policy trains half-precision weights."""
     dtype = compute_dtype(accelerator)
     for model in (policy, reference) if dtype is not None else ():
         if model is not None:
             cast_frozen_matmul_weights(model, dtype, keep=model.lm_head_parameters())
-    if accelerator.state.deepspeed_plugin is None:  # DeepSpeed keeps float32 master weights in its optimizer
+    if accelerator.state.deepspeed_plugin is None and not masters:  # DeepSpeed keeps float32 masters in its optimizer
         warn_if_half_trainable(policy)
 
 
@@ -131,7 +132,8 @@ def warn_if_half_trainable(model: nn.Module) -> None:
         warnings.warn(f"PPOTrainer: the policy trains {'/'.join(dtypes)} weights, with no float32 master copy: "
                       "updates below their resolution (common at learning rates around 1e-5) are lost. Load it in "
                       "float32 (ppo_core's from_pretrained does by default) and set accelerator_kwargs="
-                      "{'mixed_precision': 'bf16'} to compute in bf16.", stacklevel=3)
+                      "{'mixed_precision': 'bf16'} to compute in bf16, or set weights_dtype='bfloat16' to train bf16 "
+                      "weights through float32 masters.", stacklevel=3)
 
 
 def with_tf32(method: Callable) -> Callable:

@@ -25,22 +25,45 @@ from ..algo.kl_control import KLPlacement
 from ..algo.ppo_math import Divisors, policy_loss, value_loss
 from ..algo.registry import settings
 from ..runtime.distributed import raise_if_any
+from ..runtime.master_weights import MasterAdam, has_masters
 from ..runtime.precision import OverflowGuard, loss_scaled
 from .rollout import PolicyOutputs, Rollout
 from .stats import minibatch_stats, non_finite_count, non_finite_stat
 
 
-def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """Adam over the trainable parameters, as legacy TRL, with torch's fused kernel where it has one.
+def default_optimizer(params: Iterable[torch.nn.Parameter], lr: float, masters: bool = False) -> torch.optim.Optimizer:
+    """Adam over the trainable parameters, as legacy TRL, with torch's fused kernel where it has one; with ``masters``
+    over float32 master copies of the half-precision ones (``MasterAdam``: ``PPOConfig.weights_dtype``).
 
     The fused kernel updates each tensor in one pass, where the default (foreach) Adam makes about ten
     elementwise passes: on a 2-core CPU and 10M parameters that is 3x faster per optimizer step.
     """
     params = [p for p in params if p.requires_grad]
+    if masters:  # fused where its masters' device has the kernel, chosen at its first step
+        return MasterAdam(params, lr=lr)
     try:
         return torch.optim.Adam(params, lr=lr, fused=True)
     except RuntimeError:  # a device or dtype without a fused kernel
         return torch.optim.Adam(params, lr=lr)
+
+
+def run_optimizer(given, params: Iterable[torch.nn.Parameter], config, deepspeed: bool,
+                  mixed_precision: str) -> torch.optim.Optimizer:
+    """The run's optimizer: ``given`` (PPOTrainer's ``optimizer``), else :func:`default_optimizer`'s. Under
+    ``config.weights_dtype`` a ValueError where nothing would keep the float32 masters (a given optimizer without
+    them), or where something else holds the weights' precision (DeepSpeed, fp16's loss scaler)."""
+    if config.weights_dtype is not None:
+        where = ("under DeepSpeed, whose engine keeps float32 masters itself (set bf16 in its config instead)"
+                 if deepspeed else "with mixed_precision fp16, whose loss scaler unscales the optimizer's gradients, "
+                 "not the weights'" if mixed_precision == "fp16" else None)
+        if where is None and given is not None and not has_masters(given):
+            where = (f"with the optimizer passed ({type(given).__name__}), which would write its updates into the "
+                     "bf16 weights (pass ppo_core.runtime.master_weights.MasterAdam or MasterAdamW, or none)")
+        if where is not None:
+            raise ValueError(f"PPOTrainer: weights_dtype={config.weights_dtype!r} trains bf16 weights through float32 "
+                             f"masters, which it cannot keep {where}.")
+    return given if given is not None else default_optimizer(params, config.learning_rate,
+                                                             masters=config.weights_dtype is not None)
 
 
 def run_scheduler(given, optimizer: torch.optim.Optimizer, config, deepspeed: bool, num_processes: int):

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from stages import ppo, report, sft, tokenize
 from stages.shared.artifacts import (
+    EVAL_METRICS,
     PPO_CURVES,
     PPO_METRICS,
     PPO_MODEL,
@@ -110,6 +111,24 @@ def test_dr_grpo_skips_the_reference_and_says_its_kl_was_not_measured(tiny_run, 
     assert pd.read_parquet(root / PPO_STATS)["ppo/loss/policy"].notna().all()
     report.run(params, root)
     assert (root / REPORT).stat().st_size > 0
+
+
+def test_ppo_with_bf16_weights_trains_through_masters_and_evaluate_reads_its_policy(tiny_run, tiny_params, tmp_path):
+    """`-S ppo.weights_dtype=bfloat16`: the stage trains bf16 weights through float32 masters (PPOConfig.weights_dtype)
+    and saves a policy that plain transformers loads in bf16 and evaluate judges."""
+    import torch
+
+    from stages import evaluate
+
+    root = copy_for_ppo(tiny_run, tmp_path)
+    params = dataclasses.replace(tiny_params, ppo={**tiny_params.ppo, "weights_dtype": "bfloat16"})
+    ppo.run(params, root)
+    stats = pd.read_parquet(root / PPO_STATS)
+    assert stats["ppo/loss/total"].notna().all() and len(stats) == len(pd.read_parquet(tiny_run / PPO_STATS))
+    model = AutoModelForCausalLM.from_pretrained(root / PPO_MODEL, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    evaluate.run(params, root)
+    assert json.loads((root / EVAL_METRICS).read_text())
 
 
 def test_ppo_with_a_callable_scorer(tiny_run, tiny_params, tmp_path, monkeypatch):
