@@ -492,51 +492,9 @@ def add_common_args(parser) -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="bf16 mixed precision: autocast over float32 weights (default fp32)")
     parser.add_argument("--bf16-weights", action="store_true",
-                        help="bf16 weights, no autocast, Adam over float32 master copies (MasterAdamW)")
+                        help="bf16 weights, no autocast, Adam over float32 master copies (PPOConfig.weights_dtype)")
     parser.add_argument("--json", default=None, help="also write the result as JSON to this path")
     parser.add_argument("--serve", action="store_true", help="worker mode for compare.py (steps on request, see serve)")
-
-
-class MasterAdamW(torch.optim.AdamW):
-    """AdamW over float32 master copies of bf16 (or fp16) weights: the model computes in its own dtype with no autocast
-    casts, the optimizer keeps the precision Adam's small updates need (as DeepSpeed's and Megatron's bf16 optimizers).
-
-    ``step`` casts each weight's gradient to float32 onto its master, updates the masters, and copies them back into
-    the weights, rounded; weights that are float32 already (a value head) are updated in place. The optimizer may be
-    built before the model moves to its device (as the seed's loop does: the trainer moves it): the masters follow
-    their weights at the first step, and Adam runs fused there on CUDA.
-    """
-
-    def __init__(self, params, lr: float, **kwargs):
-        self.weights = [p for p in params if p.requires_grad]
-        self.masters = [w.detach().float().clone().requires_grad_(True) if w.dtype != torch.float32 else w
-                        for w in self.weights]
-        super().__init__(self.masters, lr=lr, **kwargs)
-
-    def _follow_weights(self) -> None:
-        """Masters onto their weights' devices (same tensors, for the param groups and state); fused Adam on CUDA."""
-        for w, m in zip(self.weights, self.masters):
-            if m.device != w.device:
-                m.data = m.data.to(w.device)
-        for group in self.param_groups:
-            if group.get("fused") is None and all(p.is_cuda for p in group["params"]):
-                group["fused"] = True
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self._follow_weights()
-        pairs = [(w, m) for w, m in zip(self.weights, self.masters) if m is not w]
-        for w, m in pairs:
-            m.grad = None if w.grad is None else w.grad.float()
-        loss = super().step(closure)
-        if pairs:
-            torch._foreach_copy_([w for w, _ in pairs], [m for _, m in pairs])
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True):
-        for w in self.weights:
-            w.grad = None
-        super().zero_grad(set_to_none)
 
 
 # Lines a worker writes for compare.py start with this; anything else on its stdout goes to its log.

@@ -120,7 +120,7 @@ def planned_runs(impls: list) -> tuple:
         runs.append(Run(GRPO_LORA, sys.executable,
                         ("bench/ppo_step.py", "--impl", "ppo_core", "--estimator", "grpo", "--lora"), "floor",
                         TRL_GRPO_LORA, lora=True))
-    if "ppo_core_bf16w" in impls:  # bf16 weights, no autocast, Adam over float32 masters (common.MasterAdamW)
+    if "ppo_core_bf16w" in impls:  # bf16 weights, no autocast, Adam over float32 masters (weights_dtype)
         runs.append(Run(BF16W, sys.executable, ("bench/ppo_step.py", "--impl", "ppo_core", "--bf16-weights"), "floor",
                         "trl"))
     if "grpo_bf16w" in impls:

@@ -4,15 +4,17 @@
 #   1. the main shape (Qwen2.5-0.5B's, 151,936-token vocabulary), interleaved rounds (bench/compare.py --bf16): ppo_core's
 #      PPO step (GAE, value head) under autocast with its defaults (on a CUDA GPU with bf16, rollout_dtype "auto" is a
 #      bf16 rollout copy sampled with the compiled static cache, its samples corrected by truncated importance weights),
-#      the same step sampling from the policy itself (rollout_dtype None: TRL 0.11's sampling, the default before),
-#      its GRPO round (G=4) with its defaults, beside TRL 0.11.4's PPOTrainer and TRL 1.16's GRPOTrainer; seconds by
+#      the same step with bf16 weights trained through float32 masters (weights_dtype "bfloat16": no autocast casts,
+#      the policy samples itself with the static cache; the issue "The GPU step near the hardware's limit"'s first
+#      lever), its GRPO round (G=4) both ways, beside TRL 0.11.4's PPOTrainer and TRL 1.16's GRPOTrainer; seconds by
 #      phase (generate, log-prob passes, update), tokens/s per GPU (all tokens of the step over its wall time,
 #      NeMo-RL's), the update's MFU (counted FLOPs, bench/common.update_flops), each step's peak memory;
-#   2. one PPO step with the defaults under torch.profiler at that shape (bench/profile_step.py): where the update's
-#      time goes now;
+#   2. one PPO step with bf16 weights under torch.profiler at that shape (bench/profile_step.py): where the update's
+#      time goes with the lever (the defaults' profile of 2026-11-28 is in bench/README.md);
 #   3. the rollout engines at that shape (bench/rollout.py: HF generate under autocast, then on a bf16 copy: generate,
 #      static cache, static cache compiled by transformers);
-#   4. while BUDGET seconds last: SmolLM2-360M's shape against both TRLs, then Qwen2.5-1.5B's (ppo_core alone).
+#   4. while BUDGET seconds last: SmolLM2-360M's shape against both TRLs, then Qwen2.5-1.5B's (ppo_core alone, its
+#      defaults beside sampling from the policy: rollout_dtype None, TRL 0.11's sampling and the default before).
 # (Each decoder layer compiled, measured on 2026-11-27, made the update slower: bench/README.md; no longer run here.)
 # The peers come from carried wheels (bench/peers.sh download, then `carry: [.whl]`), each in its own --target
 # directory under this machine's torch; without .whl the TRL rows are skipped with a note.
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || command -v python3 )}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-BUDGET=${BUDGET:-400}  # seconds: a section after the first starts only while its estimate fits in what is left
+BUDGET=${BUDGET:-480}  # seconds: a section after the first starts only while its estimate fits in what is left
 out=${OUT:-$PWD/bench/results/gpu_real}
 mkdir -p "$out"
 work=$(mktemp -d)
@@ -57,10 +59,10 @@ else
 fi
 cmp=("$PY" bench/compare.py --bf16 --max-others 1 --threads "$threads" --timeout 300 "${rounds[@]}")
 
-section "$main: PPO and GRPO with ppo_core's defaults against TRL (bf16)" compare_main \
-  "${cmp[@]}" --shapes "$main" --impls ppo_core ppo_core_policy_sampling trl grpo trl_grpo
-if fits 45; then section "$main: one PPO step with the defaults under the profiler" profile "$PY" \
-  bench/profile_step.py --shape "$main" --bf16 --threads "$threads"; fi
+section "$main: PPO and GRPO with ppo_core's defaults and with bf16 weights, against TRL (bf16)" compare_main \
+  "${cmp[@]}" --shapes "$main" --impls ppo_core ppo_core_bf16w trl grpo grpo_bf16w trl_grpo
+if fits 45; then section "$main: one PPO step with bf16 weights under the profiler" profile "$PY" \
+  bench/profile_step.py --shape "$main" --bf16-weights --threads "$threads"; fi
 if fits 100; then section "$main: rollout engines" rollout "$PY" bench/rollout.py --shape "$main" --bf16 --rounds 2 \
   --threads "$threads" --engines generate generate_bf16w static_bf16w compiled_bf16w; fi
 for shape in "${others[@]}"; do

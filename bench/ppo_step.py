@@ -75,10 +75,11 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
     With `lora` (a peft LoraConfig) the policy gets a fresh adapter on the loaded model: the trainer then
     trains the adapter and the value head only, and takes the reference from the adapter-disabled model.
     With `bf16_weights` the model's weights are bf16 (the value head stays float32), no autocast, and the optimizer
-    is `common.MasterAdamW` (float32 master copies): the lever against autocast's per-use casts. With `fast_generate`
-    generate() samples from a bf16 rollout copy of the policy (`rollout_dtype`; with `FAST_GENERATE`'s static cache),
-    as ppo_core's defaults do on a CUDA GPU with bf16; with `policy_sampling` (or `bf16_weights`: the weights are bf16
-    already) the policy samples itself, as TRL 0.11 did (`rollout_dtype=None`, the dynamic cache).
+    keeps float32 master copies (`PPOConfig(weights_dtype="bfloat16")`: ppo_core's `MasterAdam`): the lever against
+    autocast's per-use casts; the policy then samples itself (no rollout copy), on a GPU with the static cache. With
+    `fast_generate` generate() samples from a bf16 rollout copy of the policy (`rollout_dtype`; with `FAST_GENERATE`'s
+    static cache), as ppo_core's defaults do on a CUDA GPU with bf16; with `policy_sampling` the policy samples itself,
+    as TRL 0.11 did (`rollout_dtype=None`, the dynamic cache).
     With `compile_layers` each decoder layer of the policy is compiled (`torch.compile`, dynamic shapes): the lever
     against the update's kernel launches (its elementwise work fused per layer); the reference, a copy made before,
     stays as it is."""
@@ -95,7 +96,8 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
         # ppo_core's critic-free estimators (each with its reference defaults); the legacy PPOConfig has no such field
         **({"advantage_estimator": estimator, "num_generations": group_size(estimator)} if estimator != "gae" else {}),
         **({"rollout_dtype": "bfloat16"} if fast_generate else {}),  # ppo_core's; the legacy PPOConfig has none
-        **({"rollout_dtype": None} if policy_sampling or bf16_weights else {}),
+        **({"rollout_dtype": None} if policy_sampling else {}),
+        **({"weights_dtype": "bfloat16"} if bf16_weights else {}),  # the LM cast by the trainer, masters in its Adam
     )
     torch.manual_seed(setting.seed)  # the value head is initialised at load time
     if common.SHAPES[shape].config:  # GBs of weights: handed over in memory (from_pretrained takes a model too)
@@ -108,11 +110,7 @@ def build_trainer(impl: str, shape: str, setting: common.Setting, bf16: bool, lo
     if lora is not None:
         model = AutoModelForCausalLMWithValueHead.from_pretrained(model.pretrained_model, peft_config=lora)
     tokenizer = common.build_tokenizer(common.SHAPES[shape].vocab_size)
-    optimizer = None
-    if bf16_weights:
-        model.pretrained_model.to(torch.bfloat16)
-        optimizer = common.MasterAdamW(model.parameters(), lr=config.learning_rate)
-    trainer = PPOTrainer(config=config, model=model, ref_model=None, tokenizer=tokenizer, optimizer=optimizer)
+    trainer = PPOTrainer(config=config, model=model, ref_model=None, tokenizer=tokenizer)
     if compile_layers:
         for layer in decoder_layers(trainer.model.pretrained_model):
             layer.compile(dynamic=True)

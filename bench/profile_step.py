@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--shape", default="tiny_qwen2", choices=sorted(common.SHAPES))
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (accelerate's autocast)")
     parser.add_argument("--bf16-weights", action="store_true",
-                        help="bf16 weights, no autocast, float32 master Adam (common.MasterAdamW)")
+                        help="bf16 weights, no autocast, float32 master Adam (PPOConfig.weights_dtype)")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=12, help="kernels (operators) listed")
