@@ -50,14 +50,16 @@ run: install
 	$(BIN)/dvc repro
 
 # The seed's example on a real model, offline but for PyPI (examples/sentiment): SmolLM2-135M-Instruct, Pang & Lee's
-# movie-review text, VADER and a MiniLM judge. ~22 minutes on 2 cores; see docs/pipeline.md.
+# movie-review text, VADER and a MiniLM judge. ~27 minutes on 2 cores with AVX-512 BF16, 54 with AVX2 only (float32);
+# see docs/pipeline.md.
 # examples/sentiment is a DVC project of its own (its .dvc/), so the root's dvc status and exp show leave it out.
 example: $(VENV)/.installed-example
 	cd examples/sentiment && $(CURDIR)/$(BIN)/dvc repro
 
 # A verifiable task on the same model (examples/verifiable): SFT on reasoning-gym's arithmetic problems, then Dr. GRPO
-# rewarded by the task's own checker; judged by held-out accuracy and pass@k. 40 minutes on 2 cores (measured: see
-# docs/pipeline.md). A DVC project of its own, as examples/sentiment is.
+# rewarded by the task's own checker; judged by held-out accuracy and pass@k. 40 minutes on 2 cores with AVX-512 BF16,
+# more with AVX2 only (its SFT and PPO alone 45 minutes there; measured: see docs/pipeline.md). A DVC project of its
+# own, as examples/sentiment is.
 example-verifiable: $(VENV)/.installed-verifiable
 	cd examples/verifiable && $(CURDIR)/$(BIN)/dvc repro
 
