@@ -90,6 +90,7 @@ class MasterWeights:
 
     def state_dict(self) -> dict:
         """torch's state dict plus ``"masters"``: the float32 masters of the half weights, in the weights' order."""
+        self._adopt_cast_weights()
         state = super().state_dict()
         state["masters"] = [m for _, m in self._pairs()]
         return state
@@ -99,6 +100,7 @@ class MasterWeights:
         plain optimizer (no masters) keeps the masters the weights' values."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("masters", None)
+        self._adopt_cast_weights()  # torch's state goes onto the masters, not onto weights cast since construction
         super().load_state_dict(state_dict)
         pairs = self._pairs()
         if saved is None:

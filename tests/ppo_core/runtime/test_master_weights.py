@@ -84,6 +84,13 @@ def test_a_weight_cast_to_bf16_after_the_optimizer_was_built_gets_its_master_at_
     assert optimizer.masters[0].sub(before).abs().max().item() == pytest.approx(100e-5, rel=0.05)
     assert torch.equal(layer.weight, optimizer.masters[0].to(torch.bfloat16))
 
+    resumed_layer = torch.nn.Linear(4, 4)  # built, then cast, then resumed before its first step (a checkpoint)
+    resumed = MasterAdam(resumed_layer.parameters(), lr=1e-5)
+    resumed_layer.to(torch.bfloat16)
+    resumed.load_state_dict(optimizer.state_dict())
+    assert torch.equal(resumed.masters[0], optimizer.masters[0])
+    assert torch.equal(resumed.state[resumed.masters[0]]["exp_avg"], optimizer.state[optimizer.masters[0]]["exp_avg"])
+
     stepped = MasterAdam(torch.nn.Linear(2, 2).parameters(), lr=1e-5)
     stepped.weights[0].sum().backward()
     stepped.step()
