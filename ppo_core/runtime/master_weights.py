@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-HALF = (torch.float16, torch.bfloat16)
+from .precision import HALF
 
 
 class MasterWeights:
@@ -53,10 +53,11 @@ class MasterWeights:
                 for group in self.param_groups:
                     group["params"] = [self.masters[i] if p is w else p for p in group["params"]]
 
-    def _follow_weights(self) -> None:
-        """Masters onto their weights' devices (the same tensors, so the param groups and state still hold them),
-        and torch's fused kernel for a group that chose no kernel and whose masters are on one device that has it."""
-        for w, m in self._pairs():
+    def _follow_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Masters (of ``pairs``, :meth:`_pairs`') onto their weights' devices (the same tensors, so the param groups
+        and state still hold them), and torch's fused kernel for a group that chose no kernel and whose masters are on
+        one device that has it."""
+        for w, m in pairs:
             if m.device != w.device:
                 m.data = m.data.to(w.device)
         fused_devices = _get_fused_kernels_supported_devices()
@@ -68,8 +69,8 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self, closure=None):
-        self._follow_weights()
         pairs = self._pairs()
+        self._follow_weights(pairs)
         for w, m in pairs:
             m.grad = None if w.grad is None else w.grad.float()
         loss = super().step(closure)
