@@ -30,6 +30,7 @@ from stages.shared.artifacts import (
     writing,
 )
 from stages.shared.models import (
+    TRAIN_METRIC_ROWS,
     check_mixed_precision,
     load_float32,
     merged,
@@ -76,17 +77,18 @@ def run(params: Params, root: Path = Path(".")) -> str:
     model.eval()
     bs = params.reward.batch_size * 2
     # Scores of the final model (not the running mean of training, which a resumed run only partly sees)
-    train_chosen = reward_scores(model, tokenizer, [chosen[i] for i in train_idx], bs)
-    train_rejected = reward_scores(model, tokenizer, [rejected[i] for i in train_idx], bs)
+    scored = train_idx[:TRAIN_METRIC_ROWS]
+    train_chosen = reward_scores(model, tokenizer, [chosen[i] for i in scored], bs)
+    train_rejected = reward_scores(model, tokenizer, [rejected[i] for i in scored], bs)
     r_chosen = reward_scores(model, tokenizer, [chosen[i] for i in eval_idx], bs)
     r_rejected = reward_scores(model, tokenizer, [rejected[i] for i in eval_idx], bs)
     wins = [c > r for c, r in zip(r_chosen, r_rejected)]
     # a DVC metric: the held-out numbers a sweep compares at the top level, the rest grouped
     metrics = {"accuracy": sum(wins) / len(wins), "loss": bradley_terry_loss(r_chosen, r_rejected),
                "margin": sum(c - r for c, r in zip(r_chosen, r_rejected)) / n_eval,
-               "train": {"accuracy": sum(c > r for c, r in zip(train_chosen, train_rejected)) / len(train),
+               "train": {"accuracy": sum(c > r for c, r in zip(train_chosen, train_rejected)) / len(scored),
                          "loss": bradley_terry_loss(train_chosen, train_rejected)},
-               "pairs": {"train": len(train), "eval": n_eval}}
+               "pairs": {"train": len(train), "eval": n_eval, "train_scored": len(scored)}}
     if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes; all outputs or none
         with publishing():
             save_reward_model(root / REWARD_MODEL, model, tokenizer)

@@ -42,6 +42,7 @@ from stages.shared.artifacts import (
     writing,
 )
 from stages.shared.models import (
+    TRAIN_METRIC_ROWS,
     check_mixed_precision,
     load_float32,
     merged,
@@ -71,8 +72,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
                                                params.model.name_or_path or "model.name_or_path null")
     n_eval = max(1, round(len(examples) * params.sft.eval_fraction))
     steps = math.ceil((len(examples) - n_eval) / params.sft.batch_size) * params.sft.num_train_epochs
-    too_few = too_little_data(len(examples) - n_eval, steps, params.model.name_or_path is None)
-    if too_few:
+    if too_few := too_little_data(len(examples) - n_eval, steps, params.model.name_or_path is None):
         warning(f"sft: {too_few}")
     checkpoints = root / SFT_CHECKPOINTS
     resume_from = trainer_resume_point("sft", params, root, checkpoints,
@@ -89,9 +89,11 @@ def run(params: Params, root: Path = Path(".")) -> str:
     with writing(checkpoints):  # transformers' checkpoints: a full disk names them
         trainer.train(resume_from_checkpoint=resume_from)
     # Losses of the final model (not the running mean of training, which a resumed run only partly sees)
-    train_loss = trainer.evaluate(examples[n_eval:], metric_key_prefix="train")["train_loss"]
+    train_sample = examples[n_eval:n_eval + TRAIN_METRIC_ROWS]
+    train_loss = trainer.evaluate(train_sample, metric_key_prefix="train")["train_loss"]
     eval_loss = trainer.evaluate()["eval_loss"]
     metrics = {"train_loss": train_loss, "eval_loss": eval_loss, "n_train": len(examples) - n_eval, "n_eval": n_eval,
+               "n_train_loss": len(train_sample),
                "n_params": sum(p.numel() for p in model.parameters()),
                "n_trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     if trainer.is_world_process_zero():  # under `accelerate launch`, one process writes; all outputs or none
@@ -129,8 +131,7 @@ def seq2seq_examples(table: dict[str, list], tokenizer, params: Params) -> list[
     so start + rest is the text) plus EOS, both truncated to sft.max_length tokens."""
     if "text" not in table:
         raise StageError("an encoder-decoder model trains on plain text rows (data.sft.columns: {text: ...}) only")
-    texts, rng = table["text"], random.Random(f"{params.seed}-sft-split")
-    n = params.sft.max_length
+    texts, rng, n = table["text"], random.Random(f"{params.seed}-sft-split"), params.sft.max_length
     examples = []
     for text in texts:
         spaces = [i for i, c in enumerate(text) if c == " " and i > 0]

@@ -10,6 +10,11 @@ from stages.shared import auto
 from stages.shared.artifacts import loading, require_dir
 from stages.shared.runtime import StageError, device, reason, tf32_arg, to_host
 
+# Training rows that sft's train loss and reward's train metrics are computed over, after training: the first of the
+# shuffled training set, a sample enough to set beside the held-out figures (the whole set cost sft and reward a third
+# of their training time again on a 2-core CPU, for a metric that learns nothing)
+TRAIN_METRIC_ROWS = 256
+
 # Notices about what the stages do on purpose, a line or two each at every LoRA run: peft saves the embeddings of a
 # model whose vocabulary sft grew (a pad token apart from EOS) with each adapter, and reads transformers' deprecated
 # `is_gradient_checkpointing`.

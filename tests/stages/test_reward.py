@@ -33,10 +33,39 @@ def test_reward_metrics_are_the_saved_model_s_on_the_held_out_pairs(tiny_run, ti
     chosen = reward_scores(model, tokenizer, (held_out["prompt"] + held_out["chosen"]).tolist(), 8)
     rejected = reward_scores(model, tokenizer, (held_out["prompt"] + held_out["rejected"]).tolist(), 8)
     metrics = json.loads((tiny_run / REWARD_METRICS).read_text())
-    assert metrics["pairs"] == {"train": len(pairs) - 16, "eval": len(held_out)} and len(held_out) == 16
+    assert metrics["pairs"] == {"train": 48, "eval": 16, "train_scored": 48} and len(held_out) == 16  # all 48 < 256
     assert metrics["accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 16
     assert metrics["margin"] == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 16, abs=1e-6)
     assert set(metrics["train"]) == {"accuracy", "loss"}
+
+
+def test_train_metrics_are_the_saved_model_s_on_the_first_training_pairs_only(tiny_run, tiny_params, tmp_path,
+                                                                              monkeypatch):
+    """The train accuracy and loss are scored on the first TRAIN_METRIC_ROWS of the shuffled training pairs, not all
+    of them (8 here, of 48): the scoring of the whole set cost a third of training again on a 2-core CPU."""
+    import random
+    import shutil
+
+    from stages import reward
+    from stages.shared.artifacts import RAW_PAIRS, SFT_MODEL
+    from stages.shared.models import load_reward_model, reward_scores
+
+    monkeypatch.setattr(reward, "TRAIN_METRIC_ROWS", 8)
+    (tmp_path / RAW_PAIRS).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_PAIRS, tmp_path / RAW_PAIRS)
+    shutil.copytree(tiny_run / SFT_MODEL, tmp_path / SFT_MODEL)
+    reward.run(tiny_params, tmp_path)
+    pairs = pd.read_parquet(tmp_path / RAW_PAIRS)
+    order = list(range(len(pairs)))
+    random.Random(f"{tiny_params.seed}-reward").shuffle(order)
+    first = pairs.iloc[order[16:24]]  # after the 16 held out
+    model, tokenizer = load_reward_model(tmp_path / REWARD_MODEL)
+    chosen = reward_scores(model, tokenizer, (first["prompt"] + first["chosen"]).tolist(), 8)
+    rejected = reward_scores(model, tokenizer, (first["prompt"] + first["rejected"]).tolist(), 8)
+    metrics = json.loads((tmp_path / REWARD_METRICS).read_text())
+    assert metrics["pairs"] == {"train": 48, "eval": 16, "train_scored": 8}
+    assert metrics["train"]["accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 8
+    assert metrics["train"]["loss"] == pytest.approx(reward.bradley_terry_loss(chosen, rejected), abs=1e-5)
 
 
 def test_no_reward_model_is_trained_where_nothing_scores_with_it(tiny_run, tiny_params, tmp_path):

@@ -24,7 +24,37 @@ def test_sft_model_loads_with_plain_transformers(tiny_run, tiny_params):
     assert model.config.n_layer == tiny_params.model.n_layer
     text = "the movie was very good, but the plot was slow."
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # byte-level BPE: exact round trip
-    assert set(json.loads((tiny_run / SFT_METRICS).read_text())) >= {"train_loss", "eval_loss"}
+    metrics = json.loads((tiny_run / SFT_METRICS).read_text())
+    assert set(metrics) >= {"train_loss", "eval_loss"} and metrics["n_train_loss"] == metrics["n_train"] == 152
+
+
+def test_train_loss_is_the_saved_model_s_on_the_first_training_texts_only(tiny_run, tiny_params, tmp_path,
+                                                                          monkeypatch):
+    """The train loss is over the first TRAIN_METRIC_ROWS of the shuffled training texts, not all of them (8 here, of
+    152; one batch): over the whole set it cost a third of training again on a 2-core CPU. (transformers' Trainer
+    divides the batch's summed token loss by all its labels, each text's first too, which nothing predicts.)"""
+    import torch
+
+    from stages.shared import chat
+
+    monkeypatch.setattr(sft, "TRAIN_METRIC_ROWS", 8)
+    (tmp_path / RAW_SFT).parent.mkdir(parents=True)
+    shutil.copy(tiny_run / RAW_SFT, tmp_path / RAW_SFT)
+    sft.run(tiny_params, tmp_path)
+    metrics = json.loads((tmp_path / SFT_METRICS).read_text())
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / SFT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / SFT_MODEL).eval()
+    examples, collator = chat.sft_examples(chat.read_sft(tmp_path / RAW_SFT), tokenizer, tiny_params.sft.max_length,
+                                           tiny_params.chat, "tiny")
+    batch = collator(examples[metrics["n_eval"]:metrics["n_eval"] + 8])
+    with torch.no_grad():
+        mean = float(model(**batch).loss)  # over the predicted positions: every label but each text's first
+    labels = batch["labels"]
+    loss = mean * int((labels[:, 1:] != -100).sum()) / int((labels != -100).sum())
+    assert metrics["n_train_loss"] == 8 and metrics["n_train"] == 152
+    assert metrics["train_loss"] == pytest.approx(loss, abs=1e-5)
+    assert metrics["train_loss"] != pytest.approx(json.loads((tiny_run / SFT_METRICS).read_text())["train_loss"],
+                                                  abs=1e-5)  # the same model's loss over all 152 is another number
 
 
 def test_sft_is_deterministic_on_cpu(tiny_run, tiny_params, tmp_path):
