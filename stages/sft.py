@@ -78,17 +78,15 @@ def run(params: Params, root: Path = Path(".")) -> str:
     resume_from = trainer_resume_point("sft", params, root, checkpoints,
                                        (root / SFT_MODEL.parent, root / SFT_METRICS.parent))
     trainer = quiet_trainer(Trainer(
-        model=model,
-        args=training_args(params, checkpoints),
-        data_collator=collator,
-        train_dataset=examples[n_eval:],
-        eval_dataset=examples[:n_eval],
-        processing_class=tokenizer,
-        callbacks=[trainer_callback(), trainer_progress("sft")],
-    ))
+        model=model, args=training_args(params, checkpoints), data_collator=collator, train_dataset=examples[n_eval:],
+        eval_dataset=examples[:n_eval], processing_class=tokenizer,
+        callbacks=[trainer_callback(), trainer_progress("sft")]))
     with writing(checkpoints):  # transformers' checkpoints: a full disk names them
         trainer.train(resume_from_checkpoint=resume_from)
-    # Losses of the final model (not the running mean of training, which a resumed run only partly sees)
+    # Losses of the final model (not the running mean of training, which a resumed run only partly sees), each the
+    # model's own mean over the tokens it predicts: transformers' Trainer divides a GPT-2 head's summed loss by every
+    # label, each text's first too (it counts shifted labels only for the loss_types it recognises)
+    trainer.model_accepts_loss_kwargs = False
     train_sample = examples[n_eval:n_eval + TRAIN_METRIC_ROWS]
     train_loss = trainer.evaluate(train_sample, metric_key_prefix="train")["train_loss"]
     eval_loss = trainer.evaluate()["eval_loss"]

@@ -31,8 +31,9 @@ def test_sft_model_loads_with_plain_transformers(tiny_run, tiny_params):
 def test_train_loss_is_the_saved_model_s_on_the_first_training_texts_only(tiny_run, tiny_params, tmp_path,
                                                                           monkeypatch):
     """The train loss is over the first TRAIN_METRIC_ROWS of the shuffled training texts, not all of them (8 here, of
-    152; one batch): over the whole set it cost a third of training again on a 2-core CPU. (transformers' Trainer
-    divides the batch's summed token loss by all its labels, each text's first too, which nothing predicts.)"""
+    152; one batch): over the whole set it cost a third of training again on a 2-core CPU. Both losses are the saved
+    model's own mean over the tokens it predicts (transformers' Trainer would divide a GPT-2 head's summed loss by
+    every label, each text's first too: 5.36 here for 5.56)."""
     import torch
 
     from stages.shared import chat
@@ -46,13 +47,12 @@ def test_train_loss_is_the_saved_model_s_on_the_first_training_texts_only(tiny_r
     model = AutoModelForCausalLM.from_pretrained(tmp_path / SFT_MODEL).eval()
     examples, collator = chat.sft_examples(chat.read_sft(tmp_path / RAW_SFT), tokenizer, tiny_params.sft.max_length,
                                            tiny_params.chat, "tiny")
-    batch = collator(examples[metrics["n_eval"]:metrics["n_eval"] + 8])
-    with torch.no_grad():
-        mean = float(model(**batch).loss)  # over the predicted positions: every label but each text's first
-    labels = batch["labels"]
-    loss = mean * int((labels[:, 1:] != -100).sum()) / int((labels != -100).sum())
-    assert metrics["n_train_loss"] == 8 and metrics["n_train"] == 152
-    assert metrics["train_loss"] == pytest.approx(loss, abs=1e-5)
+    with torch.no_grad():  # one batch each (sft.batch_size 32): the model's mean over every label but each first
+        train_loss = float(model(**collator(examples[metrics["n_eval"]:metrics["n_eval"] + 8])).loss)
+        eval_loss = float(model(**collator(examples[:metrics["n_eval"]])).loss)
+    assert metrics["n_train_loss"] == 8 and metrics["n_train"] == 152 and metrics["n_eval"] == 8
+    assert metrics["train_loss"] == pytest.approx(train_loss, abs=1e-5)
+    assert metrics["eval_loss"] == pytest.approx(eval_loss, abs=1e-5)
     assert metrics["train_loss"] != pytest.approx(json.loads((tiny_run / SFT_METRICS).read_text())["train_loss"],
                                                   abs=1e-5)  # the same model's loss over all 152 is another number
 
