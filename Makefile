@@ -50,8 +50,8 @@ run: install
 	$(BIN)/dvc repro
 
 # The seed's example on a real model, offline but for PyPI (examples/sentiment): SmolLM2-135M-Instruct, Pang & Lee's
-# movie-review text, VADER and a MiniLM judge. ~27 minutes on 2 cores with AVX-512 BF16, 54 with AVX2 only (float32);
-# see docs/pipeline.md.
+# movie-review text, VADER and a MiniLM judge. ~40 minutes on 2 cores with AVX2 only (float32), the slower kind of
+# CPU here; see docs/pipeline.md.
 # examples/sentiment is a DVC project of its own (its .dvc/), so the root's dvc status and exp show leave it out.
 example: $(VENV)/.installed-example
 	cd examples/sentiment && $(CURDIR)/$(BIN)/dvc repro
