@@ -96,11 +96,12 @@ class PolicyViews:
                 length_sampler: Callable[[], int] | None = None, batch_size: int = 4, return_prompt: bool = True,
                 **generation_kwargs):
         """``generate`` for ``lm`` in the context ``precision`` (``_sampling``'s): ``batch_size`` queries at a time,
-        each response cut after its first EOS. ``lm`` is in eval mode already (``_sampling`` sets it; the rollout
-        copy is made in it)."""
+        each response cut after its first EOS, a group's prompt prefilled once (``num_generations`` > 1). ``lm`` is in
+        eval mode already (``_sampling`` sets it; the rollout copy is made in it)."""
         with precision:
             return generate_batched(lm, self.tokenizer, query_tensors, self.current_device, length_sampler,
-                                    batch_size, return_prompt, generation_kwargs, self.config.is_encoder_decoder)
+                                    batch_size, return_prompt, generation_kwargs, self.config.is_encoder_decoder,
+                                    share_prompts=self.config.num_generations > 1)
 
     @contextlib.contextmanager
     def whole_policy(self):

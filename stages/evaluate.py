@@ -158,7 +158,7 @@ def rewards_of(params: Params, name: str, policy, tokenizer, prompts: tuple[list
     queries, query_ids = prompts
     mode = "sampled" if generation["do_sample"] else "greedy"
     response_ids = sample_responses(policy, tokenizer, query_ids, generation, params.evaluate.batch_size,
-                                    desc=f"evaluate {name}, {mode}")
+                                    desc=f"evaluate {name}, {mode}", share_prompts=True)  # pass@k's copies
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     texts = {"reward": scorer_texts(params.scorer, queries, responses)}
     seen = Row(queries, responses, kept or {}, response_ids, scoring.trained_state(params))

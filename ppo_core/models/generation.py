@@ -9,6 +9,7 @@ one copy, for the cuts after EOS (a copy or a read per response would be a host 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -82,6 +83,59 @@ def _pad(queries: list[torch.Tensor], pad_token_id: int, left: bool = True,
     return input_ids, attention_mask
 
 
+def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(B, L), (B, L) -> (U,), (B,)``: one row index for each distinct padded query (its ids and mask alike) and, for
+    each row, the position of its own among them; None where every row is distinct."""
+    _, inverse = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
+    n_distinct = int(inverse.max()) + 1  # one host read per batch
+    if n_distinct == len(inverse):
+        return None
+    rows = torch.arange(len(inverse), device=inverse.device)
+    firsts = torch.full((n_distinct,), len(inverse), device=inverse.device).scatter_reduce(0, inverse, rows, "amin")
+    return firsts, inverse
+
+
+def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, distinct) -> Any:
+    """The KV cache of each row's query but its last token ``(B, L - 1)``, computed once for each distinct query
+    (``distinct_rows``' ``(firsts, inverse)``) and then copied to the rows that share it: ``generate`` given it
+    computes only each row's last query token and what it samples. G samples of a prompt (a group estimator's, pass@k's)
+    take one prefill, not G: the prompt is often longer than the response, and its prefill most of sampling's work.
+    Positions follow ``generate``'s own for left-padded rows (the mask's cumulative sum, 1 at padding)."""
+    from transformers import DynamicCache
+
+    firsts, inverse = distinct
+    ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    accepted = forward_parameters(model)
+    only_last = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}  # the cache is the point, not the logits
+    model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **{cache_kwarg(model): cache},
+          **only_last)
+    cache.batch_select_indices(inverse)
+    return cache
+
+
+def forward_parameters(model) -> set[str]:
+    """The names ``model``'s forward takes (a PEFT model's: its base model's, which it passes them to)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(base.forward).parameters)
+
+
+def cache_kwarg(model) -> str:
+    """The name ``model`` takes a KV cache by: ``cache`` from transformers 5.24, ``past_key_values`` before
+    (deprecated since, with a warning at every call)."""
+    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
+
+
+def can_share_prompts(model, generation_kwargs: dict[str, Any], is_encoder_decoder: bool) -> bool:
+    """Whether ``shared_prompt_cache`` applies: a decoder-only model on transformers' dynamic cache, named in the call
+    or by nothing (a static cache is allocated and compiled by ``generate`` itself, which takes no cache beside a
+    ``cache_implementation``, even in the model's generation config; a cache the caller gives is theirs)."""
+    configured = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+    return not (is_encoder_decoder or generation_kwargs.get("cache_implementation") not in (None, "dynamic")
+                or configured is not None or {"cache", "past_key_values"} & set(generation_kwargs))
+
+
 def eos_cut(tokens: list[int], eos_token_ids: set[int]) -> int:
     """How many of ``tokens`` to keep: up to and including the first EOS (all of them when there is none)."""
     return next((i + 1 for i, token in enumerate(tokens) if token in eos_token_ids), len(tokens))
@@ -117,7 +171,7 @@ def _clean_kwargs(generation_kwargs: dict[str, Any], tokenizer) -> dict[str, Any
 @torch.no_grad()
 def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Callable[[], int] | None,
                      batch_size: int, return_prompt: bool, generation_kwargs: dict[str, Any],
-                     is_encoder_decoder: bool = False, fast_sampling: bool = True):
+                     is_encoder_decoder: bool = False, fast_sampling: bool = True, share_prompts: bool = False):
     """Sample from ``model`` (a ``transformers`` LM) for one query or a list of queries.
 
     Returns a ``(1, L)`` tensor for a single 1-D query (legacy behaviour) and a list of 1-D tensors
@@ -126,6 +180,8 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
     sequence; legacy TRL ignored ``return_prompt`` there too), without the decoder start token.
     ``fast_sampling=False`` keeps torch's own sampling kernel on the CPU (the draws ``transformers`` makes by
     itself) instead of :func:`fast_cpu_sampling`'s, which samples the same distribution with other random numbers.
+    ``share_prompts`` prefills each distinct query of a batch once (:func:`shared_prompt_cache`): the same
+    distribution, the same random draws, logits equal up to rounding (other shapes of the same sums).
     """
     sampling = fast_cpu_sampling if fast_sampling else contextlib.nullcontext
     kwargs = _clean_kwargs(generation_kwargs, tokenizer)
@@ -153,8 +209,13 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         if length_sampler is not None:
             kwargs["max_new_tokens"] = length_sampler()
         input_ids, attention_mask = _pad(queries, kwargs["pad_token_id"], not is_encoder_decoder, multiple)
+        call = kwargs
+        if share_prompts and input_ids.shape[1] > 1 and can_share_prompts(model, kwargs, is_encoder_decoder):
+            if (distinct := distinct_rows(input_ids, attention_mask)) is not None:  # "dynamic" named: the one given
+                call = {k: v for k, v in kwargs.items() if k != "cache_implementation"}
+                call[cache_kwarg(model)] = shared_prompt_cache(model, input_ids, attention_mask, distinct)
         with sampling():
-            generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **call)
         # decoder-only: (b, L + new) with the prompt; encoder-decoder: (b, 1 + new) after the start token
         new_tokens = generated[:, 1:] if is_encoder_decoder else generated[:, input_ids.shape[1]:]
         kept = [eos_cut(row, eos) for row in new_tokens.tolist()]  # the batch's tokens on the host, in one copy

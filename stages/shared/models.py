@@ -163,9 +163,10 @@ def at_last_token(per_token, input_ids, pad_token_id: int):
 
 
 def sample_responses(model, tokenizer, query_ids: list[list[int]], generation: dict, batch_size: int,
-           desc: str) -> list[list[int]]:
+           desc: str, share_prompts: bool = False) -> list[list[int]]:
     """Sampled response tokens per query, ``batch_size`` at a time, each cut after its first EOS (kept): ppo_core's
-    generation, as in the PPO rollouts, with transformers' own sampling draws."""
+    generation, as in the PPO rollouts, with transformers' own sampling draws; ``share_prompts``: a batch's copies of
+    a query prefilled once."""
     import torch
     from tqdm.auto import tqdm
 
@@ -175,7 +176,7 @@ def sample_responses(model, tokenizer, query_ids: list[list[int]], generation: d
     for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch", disable=None):  # a terminal only
         queries = [torch.tensor(q) for q in query_ids[start:start + batch_size]]
         responses = generate_batched(model, tokenizer, queries, model.device, None, len(queries), False, generation,
-                                     model.config.is_encoder_decoder, fast_sampling=False)
+                                     model.config.is_encoder_decoder, fast_sampling=False, share_prompts=share_prompts)
         out += [r.tolist() for r in to_host(responses)]
     return out
 
