@@ -5,6 +5,8 @@ The engines, each on the same model, prompts and sampling (the seed's kwargs, EO
   static     HF `generate` with `cache_implementation="static"` (a preallocated cache; no compile)
   cb         transformers' continuous batching (`generate_batch`, transformers >= 5.8; TRL 1.16's
              `use_transformers_continuous_batching`): paged KV cache, prompts as ragged requests, no padding
+  shared     ppo_core's `generate_batched(share_prompts=True)`: with `--group G`, each prompt's G copies in a round are
+             prefilled once and share that KV cache (what the trainer does where num_generations > 1)
   generate_bf16w, static_bf16w, compiled_bf16w
              the same on a bf16 copy of the weights, no autocast (a rollout copy, as veRL and OpenRLHF keep one for
              their engines): `generate`; the static cache with `disable_compile=True`; the static cache with
@@ -17,6 +19,7 @@ the engines on the bf16 copy, which are also compared with autocast's `generate`
 kernels' agreement) and sampled from the same seed (whether the engine draws its random numbers in the same order).
 
     .venv/bin/python bench/rollout.py --shape smollm2_135m --batch 16 --new-tokens 64 --rounds 3   # a 2-core CPU
+    .venv/bin/python bench/rollout.py --engines generate shared --batch 32 --group 4 --new-tokens 32   # GRPO's groups
     python bench/rollout.py --shape qwen2.5_0.5b --bf16 --rounds 3 --out $OUT/rollout    # a GPU (gpu_real.sh)
 """
 
@@ -34,7 +37,7 @@ from pathlib import Path
 import common
 import torch
 
-ENGINES = ("generate", "static", "cb", "generate_bf16w", "static_bf16w", "compiled_bf16w")
+ENGINES = ("generate", "static", "cb", "shared", "generate_bf16w", "static_bf16w", "compiled_bf16w")
 BF16W = {"generate_bf16w", "static_bf16w", "compiled_bf16w"}  # on the bf16 copy, no autocast
 
 
@@ -70,10 +73,31 @@ def run_cb(model, queries: list, kwargs: dict, seed: int) -> list:
     return [list(o.generated_tokens) for o in by_id]
 
 
+def run_shared(model, queries: list, kwargs: dict, seed: int) -> list:
+    """ppo_core's generation with each distinct prompt prefilled once; transformers' own sampling draws, as
+    `generate`'s (so that the same seed may give the same tokens)."""
+    from types import SimpleNamespace
+
+    from ppo_core.models.generation import generate_batched
+
+    torch.manual_seed(seed)
+    tokenizer = SimpleNamespace(pad_token_id=common.PAD_ID, eos_token_id=common.EOS_ID)
+    out = generate_batched(model, tokenizer, [q.to(model.device) for q in queries], model.device, None, len(queries),
+                           False, kwargs, fast_sampling=False, share_prompts=True)
+    return [row.tolist() for row in out]
+
+
+def make_queries(r: int, vocab: int, setting: common.Setting, group: int) -> list:
+    """Round ``r``'s prompts: ``batch / group`` distinct ones, each ``group`` times in a row (a group's samples)."""
+    distinct = common.make_queries(r, vocab, dataclasses.replace(setting, batch_size=setting.batch_size // group))
+    return [q for q in distinct for _ in range(group)]
+
+
 def engine_fn(name: str):
     static = lambda *a: run_generate(*a, static=True)  # noqa: E731
-    return {"generate": run_generate, "static": static, "cb": run_cb, "generate_bf16w": run_generate,
-            "static_bf16w": static, "compiled_bf16w": lambda *a: run_generate(*a, static=True, compile=True)}[name]
+    return {"generate": run_generate, "static": static, "cb": run_cb, "shared": run_shared,
+            "generate_bf16w": run_generate, "static_bf16w": static,
+            "compiled_bf16w": lambda *a: run_generate(*a, static=True, compile=True)}[name]
 
 
 def engine_context(name: str, autocast: bool):
@@ -105,6 +129,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="under bf16 autocast over float32 weights, as ppo_core")
     parser.add_argument("--batch", type=int, default=None, help="prompts per round (default: the shape's work)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per response (default: the shape's)")
+    parser.add_argument("--group", type=int, default=1, help="samples per prompt: batch / group distinct prompts, "
+                        "each group times in a row (default 1: every prompt distinct)")
     parser.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = parser.parse_args()
     common.set_threads(args.threads)
@@ -120,7 +146,7 @@ def main() -> None:
     rounds, errors = [], {}
     engines = list(args.engines)
     for r in range(1 + args.rounds):
-        queries = common.make_queries(r, vocab, setting)
+        queries = make_queries(r, vocab, setting, args.group)
         order = engines[r % len(engines):] + engines[:r % len(engines)]
         this = {}
         for name in order:
@@ -136,7 +162,7 @@ def main() -> None:
         if r:
             rounds.append(this)
     # agreement with `generate`, on the last round's prompts: greedy, and sampled from one seed
-    queries, agree = common.make_queries(0, vocab, setting), {}
+    queries, agree = make_queries(0, vocab, setting, args.group), {}
     greedy = {}
     for name in engines:
         with engine_context(name, args.bf16), torch.no_grad():
@@ -151,7 +177,8 @@ def main() -> None:
 
     m = common.machine_info()
     lines = [f"Rollout engines, {args.shape} ({setting.batch_size} prompts of {setting.query_len_min}-"
-             f"{setting.query_len_max} tokens, {setting.max_new_tokens} new tokens), "
+             f"{setting.query_len_max} tokens{f', {args.group} copies of each' if args.group > 1 else ''}, "
+             f"{setting.max_new_tokens} new tokens), "
              f"{'bf16 autocast' if args.bf16 else 'float32'}"
              f"{' (the *_bf16w engines: a bf16 copy of the weights, no autocast)' if BF16W & set(engines) else ''}"
              f", on {m['gpu'] or m['cpu']}; torch {m['torch']}, "
