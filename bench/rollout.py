@@ -19,7 +19,7 @@ the engines on the bf16 copy, which are also compared with autocast's `generate`
 kernels' agreement) and sampled from the same seed (whether the engine draws its random numbers in the same order).
 
     .venv/bin/python bench/rollout.py --shape smollm2_135m --batch 16 --new-tokens 64 --rounds 3   # a 2-core CPU
-    .venv/bin/python bench/rollout.py --engines generate shared --batch 32 --group 4 --new-tokens 32   # GRPO's groups
+    .venv/bin/python bench/rollout.py --engines generate shared --batch 32 --group 4 --query-len 46 49 --new-tokens 32
     python bench/rollout.py --shape qwen2.5_0.5b --bf16 --rounds 3 --out $OUT/rollout    # a GPU (gpu_real.sh)
 """
 
@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="under bf16 autocast over float32 weights, as ppo_core")
     parser.add_argument("--batch", type=int, default=None, help="prompts per round (default: the shape's work)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per response (default: the shape's)")
+    parser.add_argument("--query-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                        help="prompt lengths in tokens (default: the shape's)")
     parser.add_argument("--group", type=int, default=1, help="samples per prompt: batch / group distinct prompts, "
                         "each group times in a row (default 1: every prompt distinct)")
     parser.add_argument("--out", default=None, help="write OUT.md and OUT.json")
@@ -137,6 +139,8 @@ def main() -> None:
     setting, vocab = common.setting_for(args.shape), common.SHAPES[args.shape].vocab_size
     setting = dataclasses.replace(setting, batch_size=args.batch or setting.batch_size,
                                   max_new_tokens=args.new_tokens or setting.max_new_tokens)
+    if args.query_len:
+        setting = dataclasses.replace(setting, query_len_min=args.query_len[0], query_len_max=args.query_len[1])
     model = common.build_model(args.shape, seed=setting.seed).to(common.device())
     models = {name: model for name in args.engines}
     if BF16W & set(args.engines):
