@@ -79,8 +79,10 @@ def test_sft_from_a_local_pretrained_path(tiny_run, tiny_params, tmp_path):
 
 def test_sft_under_bf16_autocast_trains_and_saves_float32_weights_on_cpu(tiny_run, tiny_params, tmp_path):
     """bf16 is the arithmetic, not the weights: the sft stage under model.mixed_precision bf16 computes otherwise than
-    in float32 (other weights after the same steps), learns as much (its eval loss, 5.35 as the float32 run's,
-    measured; an untrained model's is about ln 320 = 5.77), and saves float32 weights."""
+    in float32 (other weights after the same steps), learns as much (its eval loss, the model's mean token loss, 5.57
+    as the float32 run's, measured; an untrained model's is about ln 320 = 5.77), and saves float32 weights. (Until the
+    losses were the model's own means, they read 5.35: transformers divided by each text's first label too, ~4% more
+    labels than predictions, so the old bound of ln 320 - 0.2 on them was a true mean under ~5.8, looser than this.)"""
     import torch
     from safetensors.torch import load_file
 
@@ -93,7 +95,7 @@ def test_sft_under_bf16_autocast_trains_and_saves_float32_weights_on_cpu(tiny_ru
     assert {t.dtype for t in weights.values()} == {torch.float32}
     assert not torch.equal(weights["transformer.h.0.mlp.c_fc.weight"], float32_run["transformer.h.0.mlp.c_fc.weight"])
     loss, float32_loss = (json.loads((root / SFT_METRICS).read_text())["eval_loss"] for root in (tmp_path, tiny_run))
-    assert loss == pytest.approx(float32_loss, abs=0.01) and loss < math.log(320) - 0.2
+    assert loss == pytest.approx(float32_loss, abs=0.01) and loss < math.log(320) - 0.1
 
 
 def test_unloadable_model_is_a_clear_error(tiny_params, tiny_run, tmp_path):
