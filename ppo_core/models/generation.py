@@ -99,7 +99,8 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     """The KV cache of each row's query but its last token ``(B, L - 1)``, computed once for each distinct query
     (``distinct_rows``' ``(firsts, inverse)``) and then copied to the rows that share it: ``generate`` given it
     computes only each row's last query token and what it samples. G samples of a prompt (a group estimator's, pass@k's)
-    take one prefill, not G: the prompt is often longer than the response, and its prefill most of sampling's work.
+    take one prefill, not G: a prompt is often longer than its response (a problem, a document), and on a CPU its
+    prefill is a large share of sampling's work.
     Positions follow ``generate``'s own for left-padded rows (the mask's cumulative sum, 1 at padding)."""
     from transformers import DynamicCache
 
