@@ -180,8 +180,9 @@ def main() -> None:
                                sampled_generate=same(rounds[-1][name]["sampled"], rounds[-1]["generate"]["sampled"]))
 
     m = common.machine_info()
-    lines = [f"Rollout engines, {args.shape} ({setting.batch_size} prompts of {setting.query_len_min}-"
-             f"{setting.query_len_max} tokens{f', {args.group} copies of each' if args.group > 1 else ''}, "
+    prompts = (f"{setting.batch_size // args.group} prompts x {args.group} copies" if args.group > 1
+               else f"{setting.batch_size} prompts")
+    lines = [f"Rollout engines, {args.shape} ({prompts} of {setting.query_len_min}-{setting.query_len_max} tokens, "
              f"{setting.max_new_tokens} new tokens), "
              f"{'bf16 autocast' if args.bf16 else 'float32'}"
              f"{' (the *_bf16w engines: a bf16 copy of the weights, no autocast)' if BF16W & set(engines) else ''}"
