@@ -95,37 +95,28 @@ def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tupl
     return firsts, inverse
 
 
-def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, distinct) -> Any:
+def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, distinct) -> dict[str, Any]:
     """The KV cache of each row's query but its last token ``(B, L - 1)``, computed once for each distinct query
     (``distinct_rows``' ``(firsts, inverse)``) and then copied to the rows that share it: ``generate`` given it
     computes only each row's last query token and what it samples. G samples of a prompt (a group estimator's, pass@k's)
     take one prefill, not G: a prompt is often longer than its response (a problem, a document), and on a CPU its
     prefill is a large share of sampling's work.
-    Positions follow ``generate``'s own for left-padded rows (the mask's cumulative sum, 1 at padding)."""
+    Positions follow ``generate``'s own for left-padded rows (the mask's cumulative sum, 1 at padding). Returns the
+    cache as the keyword that the forward and ``generate`` take it by: ``cache`` from transformers 5.24,
+    ``past_key_values`` before (deprecated since, with a warning at every call)."""
     from transformers import DynamicCache
 
     firsts, inverse = distinct
     ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes its kwargs to it
+    accepted = set(inspect.signature(base.forward).parameters)
     cache = DynamicCache(config=model.config)
-    accepted = forward_parameters(model)
+    given = {("cache" if "cache" in accepted else "past_key_values"): cache}
     only_last = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}  # the cache is the point, not the logits
-    model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **{cache_kwarg(model): cache},
-          **only_last)
+    model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **given, **only_last)
     cache.batch_select_indices(inverse)
-    return cache
-
-
-def forward_parameters(model) -> set[str]:
-    """The names ``model``'s forward takes (a PEFT model's: its base model's, which it passes them to)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return set(inspect.signature(base.forward).parameters)
-
-
-def cache_kwarg(model) -> str:
-    """The name ``model`` takes a KV cache by: ``cache`` from transformers 5.24, ``past_key_values`` before
-    (deprecated since, with a warning at every call)."""
-    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
+    return given
 
 
 def can_share_prompts(model, generation_kwargs: dict[str, Any], is_encoder_decoder: bool) -> bool:
@@ -214,7 +205,7 @@ def generate_batched(model, tokenizer, query_tensor, device, length_sampler: Cal
         if share_prompts and input_ids.shape[1] > 1 and can_share_prompts(model, kwargs, is_encoder_decoder):
             if (distinct := distinct_rows(input_ids, attention_mask)) is not None:  # "dynamic" named: the one given
                 call = {k: v for k, v in kwargs.items() if k != "cache_implementation"}
-                call[cache_kwarg(model)] = shared_prompt_cache(model, input_ids, attention_mask, distinct)
+                call |= shared_prompt_cache(model, input_ids, attention_mask, distinct)
         with sampling():
             generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **call)
         # decoder-only: (b, L + new) with the prompt; encoder-decoder: (b, 1 + new) after the start token
