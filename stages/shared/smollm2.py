@@ -3,15 +3,19 @@
 
 transformers dequantises it on load (a `LlamaForCausalLM` of 134.5 M float32 parameters, a 49,152-token tokenizer
 whose pad token is its EOS, `<|im_end|>`, and its chat template), but cannot save a GGUF-loaded model; the weights go
-into a plain `LlamaForCausalLM` built from its config, to be saved as a bf16 checkpoint (269 MB; 16 s to load from the
-GGUF, 1 s from this). bf16 rounds the dequantised 4-bit weights a second time (about 2/3 of them move in the last
-bits): it is a slightly different model from the GGUF's, and the stages load it in float32. Each example's fetch stage
-calls `smollm2` with the install command of its own packages.
+into a plain `LlamaForCausalLM` built from its config, to be saved as a bf16 checkpoint (269 MB; 1 s to load from this,
+~20 s from the GGUF on 2 cores with its file parsed once, `gguf_parsed_once`, 35 s without). bf16 rounds the
+dequantised 4-bit weights a second time (about 2/3 of them move in the last bits): it is a slightly different model
+from the GGUF's, and the stages load it in float32. Each example's fetch stage calls `smollm2` with the install command
+of its own packages.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -39,9 +43,10 @@ def smollm2(install: str):
     # its tqdm bar over the GGUF's 272 tensors (plain tqdm, deaf to transformers' switch): the stage says what it does
     without_bar = mock.patch.object(gguf_loading, "tqdm", lambda iterable, **_: iterable)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        with without_bar:
-            quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
+        with gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+            with without_bar:
+                quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
     except (OSError, ImportError, ValueError) as err:
         raise StageError(f"{folder / GGUF_FILE}: could not be loaded ({reason(err)}); {install}") from None
     config = quantized.config
@@ -58,3 +63,29 @@ def smollm2(install: str):
     model.tie_weights()
     model.generation_config = quantized.generation_config
     return tokenizer, model
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[dict]:
+    """Within the block, gguf's ``GGUFReader`` parses each file once and ``get_tensor_name_map`` builds each map once.
+
+    transformers parses a GGUF file three times (for its config, its tokenizer and its weights: ~9 s each here, a
+    Python loop over the 49,152-token vocabulary's fields) and rebuilds gguf's tensor-name map for each of the model's
+    ~400 modules (~14 s in all), so about two thirds of a fetch stage's ~45 s on a 2-core CPU. Both are read only after
+    they are built, so one object serves every call: the same weights, bit for bit. transformers imports both from
+    gguf inside its functions, at each call, which is what lets the block swap them. Yields the readers built, by path.
+    """
+    import gguf
+
+    readers: dict = {}
+    parse = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), *args, *sorted(kwargs.items()))
+        if key not in readers:
+            readers[key] = parse(path, *args, **kwargs)
+        return readers[key]
+
+    with (mock.patch.object(gguf, "GGUFReader", reader),
+          mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))):
+        yield readers

@@ -107,6 +107,28 @@ def test_the_wheel_converts_to_smollm2_whose_pad_token_is_its_eos(converted, che
     assert torch.equal(out.logits, reloaded)  # what the stages load is the model converted
 
 
+@pytest.mark.slow
+def test_transformers_parses_the_wheels_gguf_file_once_within_gguf_parsed_once():
+    """transformers reads the GGUF file once per load (config, tokenizer, weights): within the block the three share
+    one parse (it imports gguf's reader at each call, so the swap reaches it), and gguf is as it was after the block.
+    That the weights are the same bits is the conversion test's check against the cached checkpoint."""
+    if importlib.util.find_spec(smollm2.MODEL_PACKAGE) is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the example's packages are not installed (`make example` installs them)")
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = smollm2.package_dir(smollm2.MODEL_PACKAGE, "") / smollm2.GGUF_FILE
+    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with smollm2.gguf_parsed_once() as readers:
+        config = load_gguf_checkpoint(path, return_tensors=False)["config"]
+        assert load_gguf_checkpoint(path, return_tensors=False)["config"] == config
+        assert list(readers) == [(str(path),)] and isinstance(readers[(str(path),)], parse)
+        name_maps = [gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) for _ in range(2)]
+        assert name_maps[0] is name_maps[1]
+    assert gguf.GGUFReader is parse and gguf.get_tensor_name_map is name_map
+    assert config["num_hidden_layers"] == 30 and config["vocab_size"] == VOCAB
+
+
 def test_the_bf16_checkpoint_loads_as_float32(checkpoint, policy):
     """transformers 5 loads a checkpoint in its saved dtype; ppo_core's `from_pretrained` and the stages'
     `load_float32` load this bf16 one as float32 weights (whose values are the bf16 ones: the cast is exact), so
