@@ -57,9 +57,8 @@ example: $(VENV)/.installed-example
 	cd examples/sentiment && $(CURDIR)/$(BIN)/dvc repro
 
 # A verifiable task on the same model (examples/verifiable): SFT on reasoning-gym's arithmetic problems, then Dr. GRPO
-# rewarded by the task's own checker; judged by held-out accuracy and pass@k. 40 minutes on 2 cores with AVX-512 BF16,
-# more with AVX2 only (its SFT and PPO alone 45 minutes there; measured: see docs/pipeline.md). A DVC project of its
-# own, as examples/sentiment is.
+# rewarded by the task's own checker; judged by held-out accuracy and pass@k. 45 minutes on 2 cores with AVX2 only
+# (float32), the slower kind of CPU here; see docs/pipeline.md. A DVC project of its own, as examples/sentiment is.
 example-verifiable: $(VENV)/.installed-verifiable
 	cd examples/verifiable && $(CURDIR)/$(BIN)/dvc repro
 

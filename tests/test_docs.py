@@ -1,4 +1,4 @@
-"""The docs as a user reads and types them: README.md, every guide in docs/, and bench/README.md.
+"""The docs as a user reads and types them: README.md, every guide in docs/, bench/README.md and each example's README.
 
 - Every relative link resolves to a file of the repository, and to one of its headings (by GitHub's anchors) where it
   names one.
@@ -33,7 +33,8 @@ import pytest
 from ruamel.yaml import YAML
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md")
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
+        *sorted((ROOT / "examples").glob("*/README.md")))
 SHELL = {"bash", "sh", "shell", "console"}
 OWN_PACKAGES = ("ppo_core", "stages", "rewards")
 REPO_DIRS = ("bench", "configs", "docs", "examples", "ppo_core", "rewards", "stages", "tests")  # first path parts
