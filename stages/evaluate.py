@@ -46,7 +46,7 @@ from stages.shared.artifacts import (
     write_json,
     write_parquet,
 )
-from stages.shared.heldout import heldout_words, kept_columns, training_prompts_among
+from stages.shared.heldout import heldout_words, training_prompts_among, travelling_columns
 from stages.shared.models import is_encoder_decoder, load_base, load_float32, sample_responses
 from stages.shared.params import Params
 from stages.shared.runtime import device, note, tf32_on_gpu
@@ -68,7 +68,7 @@ def compare_policies(params: Params, root: Path) -> str:
              f"held-out prompts: evaluating all {len(prompts)}")
     prompts = prompts.head(params.evaluate.n_prompts)
     queries, query_ids = prompts["query"].tolist(), [x.tolist() for x in prompts["input_ids"]]
-    kept = {k: v[:len(queries)] for k, v in kept_columns(root / TOKENIZED_EVAL, params.data.prompts.keep).items()}
+    kept = {k: v[:len(queries)] for k, v in travelling_columns(root / TOKENIZED_EVAL, params.data.prompts.keep).items()}
     tokenizer = AutoTokenizer.from_pretrained(require_dir(root / SFT_MODEL))
     check_tokenized_with(root / TOKENIZED_EVAL, root / SFT_MODEL)
     model_class = AutoModelForSeq2SeqLM if is_encoder_decoder(require_dir(root / SFT_MODEL)) else AutoModelForCausalLM

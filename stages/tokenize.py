@@ -1,4 +1,5 @@
-"""tokenize: the PPO prompts tokenized with the policy's tokenizer, as Parquet (`query`, `input_ids`).
+"""tokenize: the PPO prompts tokenized with the policy's tokenizer, as Parquet (`query`, `input_ids`; where the prompts
+are chats, `messages`: each chat as the template formatted it, for the reward functions; then the kept columns).
 
 A query longer than tokenize.max_query_tokens is refused (the default), cut to its first or its last tokens, or
 dropped, as tokenize.truncation says; the stage says how many were cut, by how much and how many mid-word. Those
@@ -16,6 +17,7 @@ from transformers import AutoTokenizer
 from ppo_core import set_seed
 from stages.shared import chat
 from stages.shared.artifacts import (
+    CHATS,
     RAW_PROMPTS_EVAL,
     RAW_PROMPTS_TRAIN,
     SFT_MODEL,
@@ -135,7 +137,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
                              f"{params.path}")
         too_long = len(kept_rows) - len(fitting)
         ids = [x for _, x in fitting]
+        chats = chat.templated_chats(queries, params.chat)  # chats: for the reward functions (TRL's format)
         tables[target] = {"query": chat.decoded(tokenizer, ids, chat.templated(queries, params.chat)), "input_ids": ids,
+                          **({CHATS: [chats[row] for row, _ in fitting]} if chats is not None else {}),
                           **{name: [values[row] for row, _ in fitting] for name, values in travelling.items()}}
         dropped = {f"over {limit} tokens (tokenize.truncation: drop)": long,
                    f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,

@@ -31,7 +31,7 @@ from stages.shared.artifacts import (
     require_dir,
 )
 from stages.shared.checks import defaulted_ppo_keys
-from stages.shared.heldout import heldout_words, kept_columns, training_prompts_among
+from stages.shared.heldout import heldout_words, training_prompts_among, travelling_columns
 from stages.shared.models import check_mixed_precision, is_encoder_decoder, model_context
 from stages.shared.params import Params
 from stages.shared.runtime import Progress, StageError, note, process_state, warning
@@ -56,7 +56,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
     seq2seq = is_encoder_decoder(root / SFT_MODEL)
     check_prompts_fit_the_context(prompts, params, seq2seq, root)
     loop = build_loop(params, config, prompts, tokenizer, seq2seq, root,
-                      kept_columns(root / TOKENIZED_TRAIN, params.data.prompts.keep))
+                      travelling_columns(root / TOKENIZED_TRAIN, params.data.prompts.keep))
     trainer = loop.trainer
     rank, main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
     batches = query_batches(len(prompts), sizes.global_batch_size, params.seed, sizes.num_generations)
@@ -104,7 +104,7 @@ def heldout_prompts(params: Params, root: Path, training, main: bool = True):
         note(f"ppo: watch.eval_prompts is {params.watch.eval_prompts}, but {TOKENIZED_EVAL} holds {len(prompts)} "
              f"held-out prompts: each held-out evaluation uses all {len(prompts)}")
     prompts = prompts.head(params.watch.eval_prompts)
-    for name, values in kept_columns(root / TOKENIZED_EVAL, params.data.prompts.keep).items():
+    for name, values in travelling_columns(root / TOKENIZED_EVAL, params.data.prompts.keep).items():
         prompts[name] = pd.Series(values[:len(prompts)], dtype=object, index=prompts.index)  # for the rewards
     in_train = training_prompts_among(prompts["query"], training)
     if main and in_train:  # none by construction (data/ppo/metrics.json's `heldout` says so): said only otherwise

@@ -47,7 +47,7 @@ class Loop:
     prompts: Any  # the DataFrame of data/tokenized/train.parquet: query, input_ids
     gold: bool
     seed: int
-    columns: dict[str, list] = dataclasses.field(default_factory=dict)  # data.prompts.keep's, row by row
+    columns: dict[str, list] = dataclasses.field(default_factory=dict)  # each prompt's chat and kept columns
 
 
 def build_loop(params: Params, config: PPOConfig, prompts, tokenizer, seq2seq: bool, root: Path,

@@ -278,6 +278,9 @@ def read_prompts(path: Path):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
 TOKENIZER_KEY = "tokenizer_sha256"  # data/tokenized/*.parquet's metadata: the tokenizer its ids come from
+# data/tokenized/*.parquet's column of chats, where the prompts are chats: each the conversation the template formatted
+# (JSON text), travelling with its prompt to the reward functions' `prompts` (TRL's conversational format)
+CHATS = "messages"
 
 
 def tokenizer_digest(model_dir: Path) -> str:

@@ -104,6 +104,14 @@ def read_prompts(path: Path) -> list:
     return [json.loads(v) for v in values] if column == "messages" else values
 
 
+def templated_chats(prompts: list, chat: ChatParams) -> list[str] | None:
+    """Where ``prompts`` are chats, each as the template formats it (``conversation``: chat.system_prompt's turn
+    first where it has no system turn), as canonical JSON text; None for query strings (templated or not)."""
+    if all(isinstance(p, str) for p in prompts):
+        return None
+    return [json.dumps(conversation(p, chat.system_prompt), ensure_ascii=False) for p in prompts]
+
+
 def read_sft(path: Path) -> dict[str, list]:
     """prepare's SFT table: {text}, {prompt, completion}, or {prompt, completion} made of chats (the turns before the
     last, and the last's content)."""

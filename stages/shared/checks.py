@@ -17,7 +17,7 @@ from stages.shared.typed_params import PIPELINE_LABELS, Params
 # a kept prompts column must not take one (stages/ppo/tables.py's ROLLOUT_COLUMNS; stages/shared/scoring.py)
 RESERVED_COLUMNS = ("query", "input_ids", "step", "response", "score", "kl", "query_tokens", "response_tokens",
                     "ends_with_eos", "response_ids", "gold", "policy", "kl_to_sft", "prompts", "completions",
-                    "completion_ids", "trainer_state")
+                    "completion_ids", "trainer_state", "messages")
 # data/eval/metrics.json's own keys
 RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft", "heldout", "accuracy")
 MIN_VOCAB = 256 + 2  # a tokenizer trained from scratch: every byte, plus EOS and PAD (stages/sft.py)

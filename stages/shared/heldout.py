@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-from stages.shared.artifacts import read_table
+from stages.shared.artifacts import CHATS, read_table
 from stages.shared.params import DatasetSpec
 from stages.shared.runtime import StageError, note, reason
 
@@ -98,6 +98,19 @@ def kept_columns(path: Path, names: list[str]) -> dict[str, list]:
 
     table = pq.read_table(path, columns=list(names))
     return {name: table.column(name).to_pylist() for name in names}
+
+
+def travelling_columns(path: Path, names: list[str]) -> dict[str, list]:
+    """What travels with each prompt of the tokenize stage's table ``path``: where the prompts are chats, each chat
+    (``chat.CHATS``, JSON text: the reward functions' ``prompts``), then the kept columns ``names``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        chats = [CHATS] if CHATS in pq.read_schema(path).names else []
+    except (pa.ArrowException, OSError):  # reading the prompts names the problem
+        chats = []
+    return kept_columns(path, [*chats, *names])
 
 
 def training_prompts_among(queries, training) -> int:

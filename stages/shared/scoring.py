@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import json
 import math
 import traceback
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from transformers import pipeline
 
-from stages.shared.artifacts import REWARD_ADAPTER, REWARD_MODEL
+from stages.shared.artifacts import CHATS, REWARD_ADAPTER, REWARD_MODEL
 from stages.shared.models import load_reward_model, reward_scores
 from stages.shared.origins import check_model_source
 from stages.shared.params import Params, ScorerParams
@@ -108,8 +109,9 @@ ROW_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 class Row(NamedTuple):
     """What a reward function that sees the row may take of a batch: each sample's prompt (its query), completion (its
     response) and the completion's token ids (EOS kept, no padding), each `data.prompts.keep` column's value for its
-    prompt, all lists of one length (with ppo.num_generations G, a prompt's G samples each hold its values), and the
-    run's progress (``trainer_state``: `trainer_state`'s TrainerState, or None where unknown)."""
+    prompt (and, where the prompts are chats, its chat: ``chat.CHATS``, JSON text), all lists of one length (with
+    ppo.num_generations G, a prompt's G samples each hold its values), and the run's progress (``trainer_state``:
+    `trainer_state`'s TrainerState, or None where unknown)."""
 
     prompts: list[str]
     completions: list[str]
@@ -150,11 +152,26 @@ def takes_the_row(fn: Callable) -> bool:
     return any(name in parameters for name in ROW_ARGUMENTS)
 
 
+def trl_prompts_and_completions(row: Row) -> tuple[list, list]:
+    """The ``prompts`` and ``completions`` a reward function is called with, in TRL's GRPOTrainer's two formats:
+    strings for plain prompts (each query, templated or not, and its response's text); where the prompts are chats
+    (``row.columns`` holds ``CHATS``), TRL's conversational format: each prompt its chat, a list of {role, content}
+    turns (as the template formatted it, chat.system_prompt's turn included), each completion a list of one
+    assistant turn, ``[{"role": "assistant", "content": response}]`` (a reward written for TRL reads
+    ``completion[0]["content"]``)."""
+    if CHATS not in row.columns:
+        return row.prompts, row.completions
+    return ([json.loads(c) for c in row.columns[CHATS]],
+            [[{"role": "assistant", "content": text}] for text in row.completions])
+
+
 def row_arguments(fn: Callable, row: Row) -> dict[str, list]:
-    """The keyword arguments ``fn`` is called with: ``ROW_ARGUMENTS`` and each kept column, all of them where it takes
-    ``**kwargs``, else those it names."""
-    available = {"prompts": row.prompts, "completions": row.completions, "completion_ids": row.completion_ids,
-                 "trainer_state": row.trainer_state, **row.columns}
+    """The keyword arguments ``fn`` is called with: ``ROW_ARGUMENTS`` (``prompts`` and ``completions`` as
+    `trl_prompts_and_completions` gives them) and each kept column, all of them where it takes ``**kwargs``, else those
+    it names."""
+    prompts, completions = trl_prompts_and_completions(row)
+    available = {"prompts": prompts, "completions": completions, "completion_ids": row.completion_ids,
+                 "trainer_state": row.trainer_state, **{k: v for k, v in row.columns.items() if k != CHATS}}
     parameters = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return available

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from stages import prepare, sft, tokenize
 from stages.shared import chat
 from stages.shared.artifacts import (
+    CHATS,
     RAW_PROMPTS_EVAL,
     RAW_PROMPTS_TRAIN,
     RAW_SFT,
@@ -167,3 +168,92 @@ def test_sft_trains_on_prompt_completion_rows(tiny_params, tmp_path):
     assert list(pd.read_parquet(tmp_path / RAW_SFT).columns) == ["prompt", "completion"]
     sft.run(params, tmp_path)
     assert json.loads((tmp_path / SFT_METRICS).read_text())["n_train"] == 38
+
+
+def test_a_reward_function_gets_chats_in_trl_s_conversational_format():
+    """Prompts that are chats: ``prompts`` each its chat and ``completions`` each ``[{"role": "assistant", "content":
+    response}]``, as TRL's GRPOTrainer calls reward functions on conversational data; the chat column itself is no
+    keyword argument. Plain queries (templated or not) stay strings."""
+    from stages.shared.scoring import Row, row_arguments
+
+    turns = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"}] for i in range(3)]
+    row = Row(["<t>q0", "<t>q1", "<t>q2"], ["a0", "a1", "a2"], {CHATS: [json.dumps(t) for t in turns],
+                                                                 "answer": [0, 1, 2]})
+
+    def reward(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    arguments = row_arguments(reward, row)
+    assert arguments["prompts"] == turns
+    assert arguments["completions"] == [[{"role": "assistant", "content": f"a{i}"}] for i in range(3)]
+    assert arguments["answer"] == [0, 1, 2] and CHATS not in arguments
+    assert row_arguments(reward, row.sliced(1, 2))["prompts"] == turns[1:2]
+    plain = Row(["q0"], ["a0"], {"answer": [0]})
+    assert row_arguments(reward, plain)["prompts"] == ["q0"] and row_arguments(reward, plain)["completions"] == ["a0"]
+
+
+CONVERSATIONAL = '''
+SEEN = []
+
+def longer(completions, prompts, **kwargs):
+    """TRL's test of a reward function on conversational data: the completion's content read as TRL gives it."""
+    contents = [completion[0]["content"] for completion in completions]
+    SEEN.append((prompts, completions, kwargs))
+    return [float(len(content)) for content in contents]
+'''
+
+
+def test_chat_prompts_reach_the_reward_functions_as_chats_through_ppo_and_evaluate(tiny_run, tiny_params, tmp_path,
+                                                                                   monkeypatch):
+    """A prompts file of chats: tokenize keeps each chat as the template formatted it, and the ppo steps, the held-out
+    watch and evaluate (its pass@k samples too) call a reward function written for TRL's conversational format with
+    each response's own prompt chat and its text as the assistant's turn; the rollouts and the samples hold the chat."""
+    from stages import evaluate, ppo
+    from stages.shared.artifacts import EVAL_SAMPLES
+    from tests.stages.test_columns import written_module
+
+    rewards = written_module("chat_rewards", CONVERSATIONAL, tmp_path, monkeypatch)
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("checkpoints", "ppo", "eval", "report", "logs"))
+    shutil.rmtree(root / SFT_MODEL)
+    with_chat_model(tiny_run, root)
+    chats = [[{"role": "user", "content": f"the film {i} was"}] for i in range(40)]
+    chats[0] = [{"role": "system", "content": "rate"}, *chats[0]]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"turns": c}) + "\n" for c in chats))
+    prompts = DatasetSpec(source=str(tmp_path / "chats.jsonl"), split="train", columns={"messages": "turns"}, n=None)
+    params = tokenize_params(tiny_params, ChatParams(template=False, system_prompt="be brief"))
+    params = dataclasses.replace(
+        params, data=dataclasses.replace(params.data, prompts=prompts),
+        scorer=dataclasses.replace(params.scorer, source="callable", name="chat_rewards:longer", input="response"),
+        ppo={**params.ppo, "advantage_estimator": "grpo", "num_generations": 2},
+        evaluate=dataclasses.replace(params.evaluate, samples_per_prompt=2, pass_at_k=[1, 2], success_threshold=1.0))
+    prepare.run(params, root)
+    tokenize.run(params, root)
+    system = {"role": "system", "content": "be brief"}
+    tokenizer = AutoTokenizer.from_pretrained(root / SFT_MODEL)
+    for raw, path in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
+        table = pd.read_parquet(root / path)
+        formatted = [json.loads(m) for m in table[CHATS]]  # the chat the template formatted, row by row
+        given = [json.loads(m) for m in pd.read_parquet(root / raw)["messages"]]
+        assert formatted == [c if c[0]["role"] == "system" else [system, *c] for c in given]
+        assert [list(x) for x in table["input_ids"]] == [templated_ids(tokenizer, c) for c in formatted]
+
+    def paired(table: pd.DataFrame, seen: set[tuple[str, str]]):
+        """Each row's query is the template's text of its own chat, and the reward saw that chat with its response."""
+        expected = [tokenizer.decode(templated_ids(tokenizer, json.loads(t))) for t in table[CHATS]]
+        assert table["query"].tolist() == expected
+        assert {(json.dumps(json.loads(t)), r) for t, r in zip(table[CHATS], table["response"])} <= seen
+        assert table["score"].tolist() == [float(len(r)) for r in table["response"]]  # the content is the response
+
+    ppo.run(params, root)
+    evaluate.run(params, root)
+    assert len(rewards.SEEN) > params.ppo_config.total_ppo_epochs + 1  # the steps, the watch, evaluate's calls
+    seen = set()
+    for prompts_seen, completions, kwargs in rewards.SEEN:
+        assert CHATS not in kwargs and len(prompts_seen) == len(completions)
+        assert all(len(c) == 1 and c[0]["role"] == "assistant" and isinstance(c[0]["content"], str)
+                   for c in completions)
+        assert all(p[0]["role"] == "system" and p[-1]["role"] == "user" for p in prompts_seen)
+        seen |= {(json.dumps(p), c[0]["content"]) for p, c in zip(prompts_seen, completions)}
+    paired(pd.concat(pd.read_parquet(p) for p in sorted((root / "data" / "ppo" / "rollouts").glob("*.parquet"))), seen)
+    paired(pd.read_parquet(root / EVAL_SAMPLES), seen)
