@@ -3,10 +3,11 @@ template, and SFT examples whose loss is on the completion tokens only.
 
 A chat (a `messages` column) is a list of {role, content} turns; prepare stores it as JSON text (canonical, so the
 held-out split compares chats as it compares strings). A prompt goes through the template as the tokenize stage and
-sft alike put it, `apply_chat_template(chat, add_generation_prompt=True)`, so the prompt SFT trained after is, token
-for token, the query PPO samples after. SFT on prompt/completion rows (or chats, whose last turn is the
-assistant's completion) labels the prompt's tokens -100, as TRL's SFTTrainer does for prompt-completion data: the
-loss is the completion's (and its EOS) alone. Plain `text` rows take the path they always took.
+sft alike put it, `apply_chat_template(chat, add_generation_prompt=True)` (a chat ending with an assistant turn, a
+prefill, is left open for the response to continue: `continue_final_message`, as TRL formats it), so the prompt SFT
+trained after is, token for token, the query PPO samples after. SFT on prompt/completion rows (or chats, whose last
+turn is the assistant's completion) labels the prompt's tokens -100, as TRL's SFTTrainer does for prompt-completion
+data: the loss is the completion's (and its EOS) alone. Plain `text` rows take the path they always took.
 """
 
 from __future__ import annotations
@@ -83,12 +84,20 @@ def templated(prompts: list, chat: ChatParams) -> bool:
 
 def prompt_ids(prompts: list, tokenizer, chat: ChatParams, model: str) -> list[list[int]]:
     """Token ids of ``prompts`` (strings, or chats: lists of turns): the plain tokenizer's (special tokens as it adds
-    them) or, where ``templated``, the chat template's with the assistant's turn opened (add_generation_prompt)."""
+    them) or, where ``templated``, the chat template's (``template_ids``)."""
     if not templated(prompts, chat):
         return tokenizer(prompts)["input_ids"]
     check_template(tokenizer, model, "chat.template is true" if chat.template else "the rows are chats (messages)")
-    return [tokenizer.apply_chat_template(conversation(p, chat.system_prompt), add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"] for p in prompts]
+    return [template_ids(tokenizer, conversation(p, chat.system_prompt)) for p in prompts]
+
+
+def template_ids(tokenizer, turns: list[dict]) -> list[int]:
+    """A chat's token ids by the tokenizer's template, as TRL formats a prompt: the assistant's turn opened after it
+    (add_generation_prompt) or, where the chat ends with an assistant turn (a prefill, "Let me think."), that turn
+    left open for the response to continue (continue_final_message)."""
+    ends_open = turns[-1]["role"] == "assistant"
+    return tokenizer.apply_chat_template(turns, add_generation_prompt=not ends_open, continue_final_message=ends_open,
+                                         tokenize=True, return_dict=True)["input_ids"]
 
 
 def decoded(tokenizer, ids: list[list[int]], with_template: bool) -> list[str]:

@@ -158,11 +158,17 @@ def trl_prompts_and_completions(row: Row) -> tuple[list, list]:
     (``row.columns`` holds ``CHATS``), TRL's conversational format: each prompt its chat, a list of {role, content}
     turns (as the template formatted it, chat.system_prompt's turn included), each completion a list of one
     assistant turn, ``[{"role": "assistant", "content": response}]`` (a reward written for TRL reads
-    ``completion[0]["content"]``)."""
+    ``completion[0]["content"]``). A chat that ends with an assistant turn (a prefill the response continued) gives
+    that turn's text to the completion, as TRL does: the prompt is the turns before it."""
     if CHATS not in row.columns:
         return row.prompts, row.completions
-    return ([json.loads(c) for c in row.columns[CHATS]],
-            [[{"role": "assistant", "content": text}] for text in row.completions])
+    prompts, completions = [], []
+    for chat, text in zip(row.columns[CHATS], row.completions):
+        turns = json.loads(chat)
+        prefill = turns.pop()["content"] if turns[-1]["role"] == "assistant" else ""
+        prompts.append(turns)
+        completions.append([{"role": "assistant", "content": prefill + text}])
+    return prompts, completions
 
 
 def row_arguments(fn: Callable, row: Row) -> dict[str, list]:

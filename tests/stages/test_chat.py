@@ -190,6 +190,25 @@ def test_a_reward_function_gets_chats_in_trl_s_conversational_format():
     assert row_arguments(reward, row.sliced(1, 2))["prompts"] == turns[1:2]
     plain = Row(["q0"], ["a0"], {"answer": [0]})
     assert row_arguments(reward, plain)["prompts"] == ["q0"] and row_arguments(reward, plain)["completions"] == ["a0"]
+    # a prefill (the chat ends with the assistant's turn, which the response continued): TRL moves it to the completion
+    prefilled = Row(["<t>q0 Let me"], [" think."], {CHATS: [json.dumps([*turns[0], {"role": "assistant",
+                                                                                     "content": "Let me"}])]})
+    arguments = row_arguments(reward, prefilled)
+    assert arguments["prompts"] == [turns[0]]
+    assert arguments["completions"] == [[{"role": "assistant", "content": "Let me think."}]]
+
+
+def test_a_chat_that_ends_with_an_assistant_turn_is_left_open_for_the_response(tiny_run, tmp_path):
+    """A prefill: the template's text up to the end of the assistant's turn, as apply_chat_template's
+    continue_final_message (TRL's formatting of such a prompt) gives it; any other chat opens the assistant's turn."""
+    tokenizer = with_chat_model(tiny_run, tmp_path)
+    asked = [{"role": "user", "content": "the movie was"}]
+    prefilled = [*asked, {"role": "assistant", "content": "I think it"}]
+    ids = chat.prompt_ids([asked, prefilled], tokenizer, OFF, "m")
+    assert ids[0] == templated_ids(tokenizer, asked)
+    assert ids[1] == tokenizer.apply_chat_template(prefilled, continue_final_message=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+    assert tokenizer.decode(ids[1]).endswith("<|endoftext|>assistant: I think it")
 
 
 CONVERSATIONAL = '''
