@@ -17,7 +17,7 @@ from stages.shared.typed_params import PIPELINE_LABELS, Params
 # a kept prompts column must not take one (stages/ppo/tables.py's ROLLOUT_COLUMNS; stages/shared/scoring.py)
 RESERVED_COLUMNS = ("query", "input_ids", "step", "response", "score", "kl", "query_tokens", "response_tokens",
                     "ends_with_eos", "response_ids", "gold", "policy", "kl_to_sft", "prompts", "completions",
-                    "completion_ids", "trainer_state", "messages")
+                    "completion_ids", "trainer_state")
 # data/eval/metrics.json's own keys
 RESERVED_METRICS = ("win_rate", "reward", "kl", "length", "sft", "heldout", "accuracy")
 MIN_VOCAB = 256 + 2  # a tokenizer trained from scratch: every byte, plus EOS and PAD (stages/sft.py)
@@ -131,6 +131,8 @@ def range_checks(p: Params) -> list[tuple[str, Any, str, bool]]:
          "other column)", p.data.prompts.source != SYNTHETIC or not p.data.prompts.keep),
         ("data.prompts.keep", p.data.prompts.keep, f"names other than the pipeline's own columns "
          f"{list(RESERVED_COLUMNS)}", not set(p.data.prompts.keep) & set(RESERVED_COLUMNS)),
+        ("data.prompts.keep", p.data.prompts.keep, "names other than 'messages' with chat prompts (their chats travel "
+         "under that name)", "messages" not in p.data.prompts.columns or "messages" not in p.data.prompts.keep),
         ("data.prompts.keep", p.data.prompts.keep, "names without repeats",
          len(set(p.data.prompts.keep)) == len(p.data.prompts.keep)),
         *((f"data.{name}.columns", spec.columns, f"{{{', '.join(f'{c}: {c}' for c in COLUMNS[name])}}} with "

@@ -480,6 +480,11 @@ CASES += [
      {"data.prompts.source": "chats.jsonl", "data.prompts.columns": {"messages": "turns"}},
      setup_not_chats, "chats.jsonl: column 'turns' row 2 is not a chat (a list of {role, content} objects), got "
                       "'a film'; clean the file"),
+    ("kept-messages-with-chat-prompts", "prepare", None,
+     {"data.prompts.source": "chats.jsonl", "data.prompts.columns": {"messages": "turns"},
+      "data.prompts.keep": ["messages"]},
+     None, "params.yaml: data.prompts.keep must be names other than 'messages' with chat prompts (their chats travel "
+           "under that name), got ['messages']"),
 ]
 
 
