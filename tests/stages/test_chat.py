@@ -276,3 +276,17 @@ def test_chat_prompts_reach_the_reward_functions_as_chats_through_ppo_and_evalua
         seen |= {(json.dumps(p), c[0]["content"]) for p, c in zip(prompts_seen, completions)}
     paired(pd.concat(pd.read_parquet(p) for p in sorted((root / "data" / "ppo" / "rollouts").glob("*.parquet"))), seen)
     paired(pd.read_parquet(root / EVAL_SAMPLES), seen)
+
+
+def test_only_chat_prompts_reserve_the_name_messages(tiny_params):
+    """Chats travel under `messages`: chat prompts cannot keep a column of that name, plain queries can."""
+    from ppo_core.fields import ConfigError
+    from stages.shared.checks import check_values
+
+    def keeping(columns: dict):
+        spec = DatasetSpec(source="p.jsonl", split="train", columns=columns, n=None, keep=["messages"])
+        return dataclasses.replace(tiny_params, data=dataclasses.replace(tiny_params.data, prompts=spec))
+
+    check_values(keeping({"query": "q"}))
+    with pytest.raises(ConfigError, match=r"data.prompts.keep must be names other than 'messages' with chat prompts"):
+        check_values(keeping({"messages": "turns"}))
