@@ -102,7 +102,7 @@ def kept_columns(path: Path, names: list[str]) -> dict[str, list]:
 
 def travelling_columns(path: Path, names: list[str]) -> dict[str, list]:
     """What travels with each prompt of the tokenize stage's table ``path``: where the prompts are chats, each chat
-    (``chat.CHATS``, JSON text: the reward functions' ``prompts``), then the kept columns ``names``."""
+    (``artifacts.CHATS``, JSON text: the reward functions' ``prompts``), then the kept columns ``names``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

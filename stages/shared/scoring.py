@@ -109,7 +109,7 @@ ROW_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 class Row(NamedTuple):
     """What a reward function that sees the row may take of a batch: each sample's prompt (its query), completion (its
     response) and the completion's token ids (EOS kept, no padding), each `data.prompts.keep` column's value for its
-    prompt (and, where the prompts are chats, its chat: ``chat.CHATS``, JSON text), all lists of one length (with
+    prompt (and, where the prompts are chats, its chat: ``artifacts.CHATS``, JSON text), all lists of one length (with
     ppo.num_generations G, a prompt's G samples each hold its values), and the run's progress (``trainer_state``:
     `trainer_state`'s TrainerState, or None where unknown)."""
 
