@@ -119,7 +119,9 @@ def run(params: Params, root: Path = Path(".")) -> str:
     kept, tables = {}, {}
     for source, target in ((RAW_PROMPTS_TRAIN, TOKENIZED_TRAIN), (RAW_PROMPTS_EVAL, TOKENIZED_EVAL)):
         queries = chat.read_prompts(root / source)  # query strings, or chats
-        travelling = kept_columns(root / source, params.data.prompts.keep)  # data.prompts.keep: row by row
+        chats = chat.templated_chats(queries, params.chat)  # chats: for the reward functions (TRL's format)
+        travelling = ({CHATS: chats} if chats is not None else {}) | kept_columns(root / source,
+                                                                                  params.data.prompts.keep)
         where = f"{source} (data.prompts.source's {target.stem} prompts)"
         every = chat.prompt_ids(queries, tokenizer, params.chat, str(SFT_MODEL))  # the chat template's where it is on
         ids, cut = fitted(every, params.tokenize, tokenizer, where, params.path, limit)
@@ -137,9 +139,7 @@ def run(params: Params, root: Path = Path(".")) -> str:
                              f"{params.path}")
         too_long = len(kept_rows) - len(fitting)
         ids = [x for _, x in fitting]
-        chats = chat.templated_chats(queries, params.chat)  # chats: for the reward functions (TRL's format)
         tables[target] = {"query": chat.decoded(tokenizer, ids, chat.templated(queries, params.chat)), "input_ids": ids,
-                          **({CHATS: [chats[row] for row, _ in fitting]} if chats is not None else {}),
                           **{name: [values[row] for row, _ in fitting] for name, values in travelling.items()}}
         dropped = {f"over {limit} tokens (tokenize.truncation: drop)": long,
                    f"shorter than tokenize.min_query_tokens={params.tokenize.min_query_tokens}": short,
