@@ -136,12 +136,12 @@ def sampled_accuracy(params: Params, policies: dict, tokenizer, prompts: tuple[l
     for name in [*policies, *(["base"] if base is not None and params.evaluate.base != "none" else [])]:
         policy = policies[name] if name in policies else load_base(type(policies["sft"]), base, tokenizer)
         drawn = [first[name]] if name in first else []  # the base model has no samples above
-        copies = n - len(drawn)
-        if name in policies or params.evaluate.base == "sampled":
-            more = rewards_of(params, name, policy, tokenizer, tuple(repeated(x, copies) for x in prompts),
-                              generation, scorers, {key: repeated(values, copies) for key, values in kept.items()})
-            sampled[name] = {fn: np.concatenate([np.reshape(d[fn], (n_prompts, 1)) for d in drawn]
-                                                + [np.reshape(more[fn], (n_prompts, copies))], axis=1) for fn in more}
+        if (copies := n - len(drawn)) and (name in policies or params.evaluate.base == "sampled"):  # n = 1: none
+            drawn.append(rewards_of(params, name, policy, tokenizer, tuple(repeated(x, copies) for x in prompts),
+                                    generation, scorers, {k: repeated(v, copies) for k, v in kept.items()}))
+        if name in policies or params.evaluate.base == "sampled":  # (P, n) each: the first sample, then the others
+            sampled[name] = {fn: np.concatenate([np.reshape(d[fn], (n_prompts, -1)) for d in drawn], axis=1)
+                             for fn in drawn[0]}
         greedy[name] = rewards_of(params, name, policy, tokenizer, prompts, greedy_generation, scorers, kept)
     return accuracy_table(sampled, greedy, params.evaluate.pass_at_k, params.evaluate.success_threshold)
 

@@ -95,6 +95,16 @@ def test_each_function_is_reported_under_its_own_name_through_ppo_evaluate_and_t
     report.run(params, root)
     page = (root / "data" / "report" / "index.html").read_text()
     assert "Each reward function" in page and "combined exact+length: exact" in page
+    # one sample per prompt (pass@1 alone): the accuracy table still has each function's row, from that sample
+    one = dataclasses.replace(params, evaluate=dataclasses.replace(params.evaluate, samples_per_prompt=1,
+                                                                   pass_at_k=[1], success_threshold=0.5))
+    evaluate.run(one, root)
+    table = json.loads((root / EVAL_METRICS).read_text())["accuracy"]
+    assert list(table) == ["reward", "reward_exact", "reward_length"]
+    first = pd.read_parquet(root / EVAL_SAMPLES).groupby("policy", sort=False)
+    for policy, rows in first:
+        for name in ("reward_exact", "reward_length"):
+            assert table[name][policy]["pass@1"] == pytest.approx((rows[name].fillna(0.0) >= 0.5).mean())
 
 
 def test_a_function_that_never_applies_reports_nothing_measured_and_adds_nothing(tiny_params, functions):
