@@ -136,10 +136,10 @@ def sampled_accuracy(params: Params, policies: dict, tokenizer, prompts: tuple[l
     for name in [*policies, *(["base"] if base is not None and params.evaluate.base != "none" else [])]:
         policy = policies[name] if name in policies else load_base(type(policies["sft"]), base, tokenizer)
         drawn = [first[name]] if name in first else []  # the base model has no samples above
-        if (copies := n - len(drawn)) and (name in policies or params.evaluate.base == "sampled"):  # n = 1: none
-            drawn.append(rewards_of(params, name, policy, tokenizer, tuple(repeated(x, copies) for x in prompts),
-                                    generation, scorers, {k: repeated(v, copies) for k, v in kept.items()}))
         if name in policies or params.evaluate.base == "sampled":  # (P, n) each: the first sample, then the others
+            if copies := n - len(drawn):  # none where the first sample is all n (a draw of none scores nothing)
+                drawn.append(rewards_of(params, name, policy, tokenizer, tuple(repeated(x, copies) for x in prompts),
+                                        generation, scorers, {k: repeated(v, copies) for k, v in kept.items()}))
             sampled[name] = {fn: np.concatenate([np.reshape(d[fn], (n_prompts, -1)) for d in drawn], axis=1)
                              for fn in drawn[0]}
         greedy[name] = rewards_of(params, name, policy, tokenizer, prompts, greedy_generation, scorers, kept)
